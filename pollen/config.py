@@ -1,0 +1,151 @@
+"""The app's run-config: every key, its type, its allowed values, checked before round 1.
+
+``AppConfig.from_run_config(context.run_config)`` returns a typed, validated config or
+raises ``ConfigError`` with one line naming the key, the bad value and what is allowed.
+Defaults live in ``pyproject.toml`` (``[tool.flwr.app.config]``); the table below is
+the single place that says what each key may hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+STRATEGIES = ("fedavg", "fedadam", "fedyogi", "fedadagrad", "fedams", "fedamsgrad", "fedcams")
+DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100")
+PARTITIONERS = ("iid", "dirichlet", "pathological", "shards")
+MODELS = ("mlp", "cnn", "lenet5", "resnet18", "convmixer")
+NORMS = ("bn", "gn")
+COMPRESSORS = ("sign", "topk", "fp16", "none")
+GRANULARITIES = ("model", "tensor")
+AGGREGATIONS = ("mean", "weighted")
+EPS_MODES = ("max", "add")
+
+
+class ConfigError(ValueError):
+    """A run-config value that cannot be used; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One run-config key: its Python type, a check and the words that say what is allowed."""
+
+    type: type
+    check: Callable[[Any], bool] = lambda value: True
+    allowed: str = ""
+
+
+def _choice(options: tuple[str, ...]) -> Key:
+    return Key(str, lambda v: v in options, "one of " + ", ".join(options))
+
+
+_POSITIVE = Key(float, lambda v: v > 0, "a number > 0")
+_NON_NEGATIVE = Key(float, lambda v: v >= 0, "a number >= 0")
+_BETA = Key(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+_POS_INT = Key(int, lambda v: v >= 1, "an integer >= 1")
+_NON_NEG_INT = Key(int, lambda v: v >= 0, "an integer >= 0")
+_ANY_STR = Key(str)
+
+SCHEMA: dict[str, Key] = {
+    "run-name": _ANY_STR,
+    "results-dir": Key(str, lambda v: bool(v), "a non-empty path"),
+    "seed": _NON_NEG_INT,
+    "num-server-rounds": _POS_INT,
+    "strategy": _choice(STRATEGIES),
+    "fraction-train": Key(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "fraction-evaluate": Key(float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "min-train-nodes": _POS_INT,
+    "min-evaluate-nodes": _NON_NEG_INT,
+    "aggregation": _choice(AGGREGATIONS),
+    "server-lr": _POSITIVE,
+    "beta1": _BETA,
+    "beta2": _BETA,
+    "eps": _NON_NEGATIVE,
+    "eps-mode": _choice(EPS_MODES),
+    "bias-correction": Key(bool, allowed="true or false"),
+    "compressor": _choice(COMPRESSORS),
+    "topk-ratio": Key(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "error-feedback": Key(bool, allowed="true or false"),
+    "compression-granularity": _choice(GRANULARITIES),
+    "dataset": _choice(DATASETS),
+    "partitioner": _choice(PARTITIONERS),
+    "dirichlet-alpha": _POSITIVE,
+    "classes-per-partition": _POS_INT,
+    "shards-per-partition": _POS_INT,
+    "val-fraction": Key(float, lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "data-dir": _ANY_STR,
+    "model": _choice(MODELS),
+    "norm": _choice(NORMS),
+    "local-lr": _POSITIVE,
+    "local-epochs": _POS_INT,
+    "local-steps": _NON_NEG_INT,
+    "batch-size": _POS_INT,
+    "momentum": Key(float, lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "weight-decay": _NON_NEGATIVE,
+    "device": Key(str, lambda v: v in ("auto", "cpu", "cuda", "mps") or v.startswith("cuda:"), "auto, cpu, cuda, cuda:N or mps"),
+    "eval-batch-size": _POS_INT,
+}
+
+
+def _coerce(key: str, value: Any, spec: Key) -> Any:
+    if spec.type is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"run-config '{key}' = {value!r} is not a boolean; allowed: {spec.allowed}")
+    if spec.type in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"run-config '{key}' = {value!r} is not a number; allowed: {spec.allowed}")
+        if spec.type is int and float(value) != int(value):
+            raise ConfigError(f"run-config '{key}' = {value!r} is not an integer; allowed: {spec.allowed}")
+        return spec.type(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"run-config '{key}' = {value!r} is not a string; allowed: {spec.allowed or 'text'}")
+    return value
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """The validated run-config (kebab-case keys become snake_case attributes)."""
+
+    values: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> AppConfig:
+        """Check every key; unknown keys and bad values raise ``ConfigError``."""
+        unknown = sorted(set(run_config) - set(SCHEMA))
+        if unknown:
+            raise ConfigError(
+                f"run-config key '{unknown[0]}' is unknown; allowed keys: {', '.join(sorted(SCHEMA))}"
+            )
+        missing = sorted(set(SCHEMA) - set(run_config))
+        if missing:
+            raise ConfigError(f"run-config key '{missing[0]}' is missing (it has a default in pyproject.toml)")
+        values = {}
+        for key, spec in SCHEMA.items():
+            value = _coerce(key, run_config[key], spec)
+            if not spec.check(value):
+                raise ConfigError(f"run-config '{key}' = {value!r} is out of range; allowed: {spec.allowed}")
+            values[key] = value
+        if values["min-evaluate-nodes"] == 0 and values["fraction-evaluate"] > 0:
+            raise ConfigError("run-config 'min-evaluate-nodes' = 0 with 'fraction-evaluate' > 0; allowed: >= 1")
+        return cls(values)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+    def replace(self, **changes: Any) -> AppConfig:
+        """A copy with some keys changed (kebab-case names via ``**{"key": v}``), re-validated."""
+        return AppConfig.from_run_config({**self.values, **changes})
+
+
+def defaults_from_pyproject(path: str) -> dict[str, Any]:
+    """The ``[tool.flwr.app.config]`` table of a pyproject file (used by tests and benchmarks)."""
+    import tomllib
+
+    with open(path, "rb") as handle:
+        return dict(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
+

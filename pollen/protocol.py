@@ -1,0 +1,54 @@
+"""Names of the records and config entries that pollen's server and clients exchange.
+
+One place for the wire vocabulary, so the strategies, the client-side mods and the
+ClientApp cannot drift apart. Flower-free (plain strings).
+
+A train message from a pollen strategy carries the usual Flower pair
+``{"arrays": ArrayRecord (global model), "config": ConfigRecord}``; the config may
+ask the client to upload a compressed update instead of its full model. A reply is
+either Flower's ordinary ``{"arrays": full local model, "metrics": ...}`` (what any
+existing ClientApp sends) or pollen's compressed form:
+
+- ``UPDATE_RECORD``: ArrayRecord holding the codec's payload arrays,
+- ``UPDATE_META_RECORD``: ConfigRecord with the codec name and dimension,
+- ``BUFFERS_RECORD``: ArrayRecord with the non-trainable arrays, uncompressed,
+- ``"metrics"``: MetricRecord with at least ``num-examples``.
+"""
+
+ARRAYS_RECORD = "arrays"
+CONFIG_RECORD = "config"
+METRICS_RECORD = "metrics"
+
+UPDATE_RECORD = "pollen.update"
+UPDATE_META_RECORD = "pollen.update-meta"
+BUFFERS_RECORD = "pollen.buffers"
+IDENTITY_RECORD = "pollen.identity"
+CLIENT_STATE_PREFIX = "pollen."
+
+# ConfigRecord keys sent by the server in a train message.
+CFG_SERVER_ROUND = "server-round"
+CFG_CODEC = "pollen.codec"
+CFG_TOPK_RATIO = "pollen.topk-ratio"
+CFG_ERROR_FEEDBACK = "pollen.error-feedback"
+CFG_GRANULARITY = "pollen.granularity"
+CFG_BUFFER_KEYS = "pollen.buffer-keys"
+
+# Keys of UPDATE_META_RECORD.
+META_CODEC = "codec"
+META_DIM = "dim"
+META_GRANULARITY = "granularity"
+
+# Keys of IDENTITY_RECORD / the identify query.
+QUERY_IDENTIFY = "query.pollen_identify"
+IDENTITY_CLIENT_ID = "client-id"
+
+NUM_EXAMPLES = "num-examples"
+
+
+def join_keys(keys: tuple[str, ...] | list[str]) -> str:
+    """Encode a list of array names for a ConfigRecord (names never hold a newline)."""
+    return "\n".join(keys)
+
+
+def split_keys(joined: str) -> tuple[str, ...]:
+    return tuple(name for name in joined.split("\n") if name)

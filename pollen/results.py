@@ -1,0 +1,139 @@
+"""Results a person can read: per-round CSV/JSON written as the run goes, plots at the end.
+
+Layout of ``results/<run-name>/``::
+
+    config.json      the validated run-config used
+    metrics.csv      one row per round (0 = the initial model)
+    metrics.json     the same rows plus the run's summary
+    final_model.npz  the final global model, one array per name
+    accuracy_vs_round.png, accuracy_vs_uplink.png
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+COLUMNS = (
+    "round",
+    "accuracy",
+    "loss",
+    "fed_accuracy",
+    "fed_loss",
+    "train_loss",
+    "sampled",
+    "replies",
+    "failures",
+    "uplink_bytes",
+    "uplink_update_bytes",
+    "uplink_fp32_bytes",
+    "compression_ratio",
+    "downlink_bytes",
+    "cum_uplink_bytes",
+    "cum_downlink_bytes",
+    "round_seconds",
+    "elapsed_seconds",
+)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+class RunRecorder:
+    """Writes rows as they come, so a crashed or running job still has its numbers on disk."""
+
+    def __init__(self, out_dir: Path, config: Mapping[str, Any]) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict[str, Any]] = []
+        self.summary: dict[str, Any] = {}
+        (self.out_dir / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+        with open(self.out_dir / "metrics.csv", "w", newline="") as handle:
+            csv.writer(handle).writerow(COLUMNS)
+
+    def record(self, row: Mapping[str, Any]) -> None:
+        full = {column: row.get(column, "") for column in COLUMNS}
+        self.rows.append(full)
+        with open(self.out_dir / "metrics.csv", "a", newline="") as handle:
+            csv.writer(handle).writerow([_fmt(full[c]) for c in COLUMNS])
+        self._write_json()
+
+    def finish(self, final_arrays: Mapping[str, np.ndarray], summary: Mapping[str, Any]) -> None:
+        self.summary = dict(summary)
+        np.savez(self.out_dir / "final_model.npz", **{k: np.asarray(v) for k, v in final_arrays.items()})
+        self._write_json()
+        plot_runs({self.out_dir.name: self.rows}, self.out_dir)
+
+    def _write_json(self) -> None:
+        payload = {"rows": self.rows, "summary": self.summary}
+        (self.out_dir / "metrics.json").write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+
+
+def _fmt(value: Any) -> Any:
+    return f"{value:.6g}" if isinstance(value, float) else value
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+def load_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """Rows of a finished (or running) run, from its metrics.json."""
+    data = json.loads((Path(run_dir) / "metrics.json").read_text())
+    return data["rows"]
+
+
+def _numeric(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for row in rows:
+        value = row.get("accuracy")
+        if isinstance(value, (int, float)) and not math.isnan(value):
+            xs.append(float(row.get(key) or 0.0))
+            ys.append(float(value))
+    return xs, ys
+
+
+def plot_runs(runs: Mapping[str, list[dict[str, Any]]], out_dir: Path) -> list[Path]:
+    """Accuracy vs round and vs cumulative uplink bytes, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for x_key, x_label, name, log_x in (
+        ("round", "round", "accuracy_vs_round.png", False),
+        ("cum_uplink_bytes", "cumulative uplink bytes (all clients)", "accuracy_vs_uplink.png", True),
+    ):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for label, rows in runs.items():
+            xs, ys = _numeric(rows, x_key)
+            if log_x:
+                pairs = [(x, y) for x, y in zip(xs, ys) if x > 0]
+                xs, ys = [p[0] for p in pairs], [p[1] for p in pairs]
+            ax.plot(xs, ys, marker="o", markersize=3, label=label)
+        if log_x:
+            ax.set_xscale("log")
+        ax.set_xlabel(x_label)
+        ax.set_ylabel("centralised test accuracy")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = Path(out_dir) / name
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths

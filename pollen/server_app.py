@@ -1,0 +1,166 @@
+"""pollen's ServerApp: read the run-config, build the strategy, run, write results.
+
+Everything a user can set is validated before round 1; a bad value stops the run
+with one line naming the key, the value and what is allowed. Each round the app
+evaluates the global model on the server's test set, logs one progress line and
+appends a row to ``results/<run-name>/metrics.csv`` and ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from logging import ERROR, INFO
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.common import log
+from flwr.serverapp import Grid, ServerApp
+
+from pollen.config import AppConfig, ConfigError
+from pollen.experiment import build_model, build_strategy, client_train_config, data_config
+from pollen.results import RunRecorder, human_bytes
+
+app = ServerApp()
+
+NODE_WAIT_SECONDS = 30.0
+
+
+def _wait_for_nodes(grid: Grid, needed: int, patience: float = NODE_WAIT_SECONDS) -> int:
+    """Number of connected nodes once ``needed`` are there, or after ``patience`` seconds."""
+    deadline = time.monotonic() + patience
+    while (count := len(list(grid.get_node_ids()))) < needed and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return count
+
+
+def run_name(cfg: AppConfig) -> str:
+    if cfg["run-name"]:
+        return cfg["run-name"]
+    return f"{cfg['strategy']}-{cfg['dataset']}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+class RoundReporter:
+    """Centralised evaluation plus the per-round row and progress line (Flower's ``evaluate_fn``)."""
+
+    def __init__(self, cfg: AppConfig, strategy: Any, recorder: RunRecorder, model: Any, test_loader: Any) -> None:
+        from pollen.task.device import resolve_device
+
+        self.cfg = cfg
+        self.strategy = strategy
+        self.recorder = recorder
+        self.model = model
+        self.test_loader = test_loader
+        self.device = resolve_device(cfg["device"])
+        self.started = time.perf_counter()
+        self.last = self.started
+
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        from pollen.task.train import evaluate
+
+        self.model.load_state_dict(arrays.to_torch_state_dict())
+        loss, accuracy, _ = evaluate(self.model, self.test_loader, self.device)
+        now = time.perf_counter()
+        row = self._row(server_round, accuracy, loss, now)
+        self.recorder.record(row)
+        self.last = now
+        total = self.cfg["num-server-rounds"]
+        log(
+            INFO,
+            "[pollen] round %d/%d  accuracy %.4f  loss %.4f  uplink %s (total %s, x%.1f vs fp32)  downlink total %s  %.1fs",
+            server_round,
+            total,
+            accuracy,
+            loss,
+            human_bytes(row.get("uplink_bytes", 0) or 0),
+            human_bytes(row["cum_uplink_bytes"]),
+            row.get("compression_ratio", 1.0) or 1.0,
+            human_bytes(row["cum_downlink_bytes"]),
+            row["round_seconds"],
+        )
+        return MetricRecord({"accuracy": accuracy, "loss": loss})
+
+    def _row(self, server_round: int, accuracy: float, loss: float, now: float) -> dict[str, Any]:
+        accounting = self.strategy.accounting
+        row: dict[str, Any] = {
+            "round": server_round,
+            "accuracy": accuracy,
+            "loss": loss,
+            "cum_uplink_bytes": accounting.cumulative("uplink_bytes", server_round),
+            "cum_downlink_bytes": accounting.cumulative("downlink_bytes", server_round)
+            + accounting.cumulative("eval_downlink_bytes", server_round),
+            "round_seconds": now - self.last,
+            "elapsed_seconds": now - self.started,
+        }
+        stats = accounting.rounds.get(server_round)
+        if stats is not None:
+            row.update(
+                sampled=stats.sampled,
+                replies=stats.replies,
+                failures=stats.failures,
+                uplink_bytes=stats.uplink_bytes,
+                uplink_update_bytes=stats.uplink_update_bytes,
+                uplink_fp32_bytes=stats.uplink_fp32_bytes,
+                compression_ratio=stats.compression_ratio,
+                downlink_bytes=stats.downlink_bytes + stats.eval_downlink_bytes,
+                train_loss=stats.train_metrics.get("train-loss", ""),
+                fed_accuracy=stats.evaluate_metrics.get("accuracy", ""),
+                fed_loss=stats.evaluate_metrics.get("loss", ""),
+            )
+        return row
+
+
+def prepare(cfg: AppConfig, grid: Grid) -> tuple[Any, Any, int]:
+    """Everything that can fail before round 1: nodes, data source, model."""
+    from pollen.task.data import describe_source, load_test_set, validate_data_config
+
+    nodes = _wait_for_nodes(grid, cfg["min-train-nodes"])
+    if nodes < cfg["min-train-nodes"]:
+        raise ConfigError(
+            f"run-config 'min-train-nodes' = {cfg['min-train-nodes']} but only {nodes} SuperNodes "
+            f"(partitions) are connected; allowed: at most {nodes}"
+        )
+    data_cfg = data_config(cfg, num_partitions=max(nodes, 1))
+    validate_data_config(data_cfg)
+    log(INFO, "[pollen] data: %s", describe_source(data_cfg))
+    test_loader = load_test_set(data_cfg, cfg["eval-batch-size"])
+    model = build_model(cfg)
+    return model, test_loader, nodes
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run one experiment as the run-config says."""
+    try:
+        cfg = AppConfig.from_run_config(context.run_config)
+        strategy = build_strategy(cfg)
+        model, test_loader, nodes = prepare(cfg, grid)
+    except ValueError as err:  # ConfigError, DataSourceError and the task layer's checks
+        log(ERROR, "[pollen] stopped before round 1: %s", err)
+        raise ConfigError(str(err)) from None
+
+    out_dir = Path(cfg["results-dir"]).expanduser().resolve() / run_name(cfg)
+    recorder = RunRecorder(out_dir, cfg.as_dict())
+    log(INFO, "[pollen] %s on %s, %d SuperNodes; results in %s", cfg["strategy"], cfg["dataset"], nodes, out_dir)
+    initial = ArrayRecord(model.state_dict())
+    reporter = RoundReporter(cfg, strategy, recorder, model, test_loader)
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=initial,
+        num_rounds=cfg["num-server-rounds"],
+        train_config=ConfigRecord(client_train_config(cfg)),
+        evaluate_fn=reporter,
+    )
+    final = result.arrays if result.arrays is not None else initial
+    last = recorder.rows[-1] if recorder.rows else {}
+    recorder.finish(
+        {name: array.numpy() for name, array in final.items()},
+        {
+            "final_accuracy": last.get("accuracy"),
+            "total_uplink_bytes": last.get("cum_uplink_bytes"),
+            "total_downlink_bytes": last.get("cum_downlink_bytes"),
+            "seconds": last.get("elapsed_seconds"),
+        },
+    )
+    log(INFO, "[pollen] done: final accuracy %.4f; results in %s", last.get("accuracy", float("nan")), out_dir)

@@ -1,0 +1,69 @@
+"""Per-round bookkeeping of a strategy: who was asked, who answered, bytes each way."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RoundStats:
+    """What happened in one training round, measured from the records on the wire.
+
+    ``uplink_bytes`` counts every record of every reply; ``uplink_update_bytes`` only
+    the record that carries the model update (compressed payload or full model), and
+    ``uplink_fp32_bytes`` what a dense float32 update of the trainable parameters
+    would have cost for the same replies, so their ratio is the compression gain.
+    """
+
+    server_round: int
+    sampled: int = 0
+    replies: int = 0
+    failures: int = 0
+    failure_reasons: list[str] = field(default_factory=list)
+    uplink_bytes: int = 0
+    uplink_update_bytes: int = 0
+    uplink_fp32_bytes: int = 0
+    downlink_bytes: int = 0
+    eval_downlink_bytes: int = 0
+    eval_uplink_bytes: int = 0
+    train_seconds: float = 0.0
+    train_metrics: dict[str, float] = field(default_factory=dict)
+    evaluate_metrics: dict[str, float] = field(default_factory=dict)
+
+    def fail(self, reason: str) -> None:
+        self.failures += 1
+        self.failure_reasons.append(reason)
+
+    @property
+    def compression_ratio(self) -> float:
+        """Dense FP32 bytes over the measured update bytes (1.0 when nothing came back)."""
+        return self.uplink_fp32_bytes / self.uplink_update_bytes if self.uplink_update_bytes else 1.0
+
+
+class Accounting:
+    """All rounds' stats plus cumulative totals; serialisable."""
+
+    def __init__(self) -> None:
+        self.rounds: dict[int, RoundStats] = {}
+
+    def round(self, server_round: int) -> RoundStats:
+        if server_round not in self.rounds:
+            self.rounds[server_round] = RoundStats(server_round)
+        return self.rounds[server_round]
+
+    def cumulative(self, field_name: str, up_to: int | None = None) -> int:
+        return sum(
+            getattr(stats, field_name)
+            for r, stats in self.rounds.items()
+            if up_to is None or r <= up_to
+        )
+
+    def to_dict(self) -> dict:
+        return {str(r): asdict(stats) for r, stats in sorted(self.rounds.items())}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Accounting:
+        accounting = cls()
+        for key, values in data.items():
+            accounting.rounds[int(key)] = RoundStats(**values)
+        return accounting

@@ -1,0 +1,73 @@
+"""FedAMS (Algorithm 1 of Wang, Lin & Chen, ICML 2022) as a Flower strategy.
+
+Server AMSGrad with max stabilisation on the averaged client update
+``Delta_t = (1/|S_t|) sum_i (x^i_{t,K} - x_t)``:
+
+- Option 1 (``option=1``, the paper's "FedAMS"): ``v_hat = max(v_hat, v, eps)``,
+  ``x <- x + eta * m / sqrt(v_hat)``;
+- Option 2 (``option=2``, "FedAMSGrad"): ``v_hat = max(v_hat, v)``,
+  ``x <- x + eta * m / (sqrt(v_hat) + eps)``.
+
+No bias correction unless ``bias_correction=True`` (the authors' code style). The
+math lives in :class:`pollen.optim.AMSGrad`; this class only wires it. It accepts
+replies from any Flower ClientApp that returns its trained model under ``"arrays"``
+and, transparently, compressed updates from pollen's ``compression_mod``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pollen.optim import AMSGrad
+from pollen.strategies.base import AdaptiveStrategy
+
+OPTIONS = (1, 2)
+
+
+class FedAMS(AdaptiveStrategy):
+    """Federated AMSGrad with max stabilisation.
+
+    Parameters
+    ----------
+    eta : float (default: 1.0)
+        Server learning rate (the paper's eta), > 0.
+    beta_1 : float (default: 0.9)
+        First-moment coefficient, in [0, 1).
+    beta_2 : float (default: 0.99)
+        Second-moment coefficient, in [0, 1).
+    eps : float (default: 1e-3)
+        Option 1: the floor inside the max (> 0). Option 2: added outside the sqrt (>= 0).
+    option : int (default: 1)
+        1 = FedAMS (eps inside the max), 2 = FedAMSGrad (eps outside the sqrt).
+    bias_correction : bool (default: False)
+        Adam-style bias correction as in the authors' code; off in the paper.
+    **kwargs
+        Sampling, aggregation and record options of :class:`AdaptiveStrategy`.
+    """
+
+    def __init__(
+        self,
+        *,
+        eta: float = 1.0,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        eps: float = 1e-3,
+        option: int = 1,
+        bias_correction: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if option not in OPTIONS:
+            raise ValueError(f"option={option!r} is unknown; allowed: 1 (FedAMS, eps in the max) or 2 (FedAMSGrad)")
+        optimizer = AMSGrad(
+            eta=eta,
+            beta1=beta_1,
+            beta2=beta_2,
+            eps=eps,
+            eps_mode="max" if option == 1 else "add",
+            bias_correction=bias_correction,
+        )
+        super().__init__(optimizer=optimizer, **kwargs)
+        self.option = option
+
+    def extra_summary(self) -> dict[str, Any]:
+        return {"option": f"{self.option} ({'FedAMS' if self.option == 1 else 'FedAMSGrad'})"}
