@@ -55,6 +55,7 @@ def build_strategy(cfg: AppConfig) -> Any:
         bias_correction=cfg["bias-correction"],
         aggregation=cfg["aggregation"],
         seed=cfg["seed"],
+        identify_clients=True,
     )
     if name in ("fedams", "fedamsgrad"):
         return FedAMS(**fedams)

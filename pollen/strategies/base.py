@@ -107,10 +107,12 @@ class AdaptiveStrategy(Strategy):
         PyTorch normalisation statistics).
     seed : int (default: 0)
         Seed of client sampling.
-    identify_clients : bool (default: True)
-        Ask each new node once for its stable client id (pollen's ClientApp answers;
-        other ClientApps fall back to the node id). Stable ids make sampling
-        reproducible and survive a SuperNode reconnecting.
+    identify_clients : bool (default: False)
+        Ask each new node once for its stable client id (pollen's ClientApp answers
+        ``query.pollen_identify``; other ClientApps fall back to the node id). Stable
+        ids make sampling reproducible across runs and survive a SuperNode
+        reconnecting. Off by default so a ClientApp without that action sees no
+        query it cannot answer; pollen's app turns it on.
     arrayrecord_key, configrecord_key : str
         Record names in train/evaluate messages (Flower's defaults).
     """
@@ -128,7 +130,7 @@ class AdaptiveStrategy(Strategy):
         weighted_by_key: str = protocol.NUM_EXAMPLES,
         buffer_keys: Iterable[str] | None = None,
         seed: int = 0,
-        identify_clients: bool = True,
+        identify_clients: bool = False,
         arrayrecord_key: str = protocol.ARRAYS_RECORD,
         configrecord_key: str = protocol.CONFIG_RECORD,
     ) -> None:
@@ -273,7 +275,8 @@ class AdaptiveStrategy(Strategy):
         stats.sampled = len(nodes)
         config = ConfigRecord(dict(config))
         config[protocol.CFG_SERVER_ROUND] = server_round
-        config[protocol.CFG_BUFFER_KEYS] = protocol.join_keys(self.layout.buffer_keys)
+        if self.layout.buffer_keys:  # Flower cannot count the bytes of an empty string
+            config[protocol.CFG_BUFFER_KEYS] = protocol.join_keys(self.layout.buffer_keys)
         for key, value in self.train_config(server_round).items():
             config[key] = value
         content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})

@@ -1,0 +1,219 @@
+"""Symmetric per-tensor quantisation: FedAdaVR-Quant's QUANT / DEQUANT (Appendix C, Algorithms 8-9).
+
+Pure numpy, no Flower. The same quantiser serves the FedAdaVR stored-update table (``pollen.vr``) and any
+codec that wants FP16 / Int8 / Int4 payloads.
+
+Scheme (spec ``papers/fedadavr.md`` section 3.7), one tensor at a time:
+
+* ``fp32``: stored as is (4 bytes per element).
+* ``fp16``: ``cast(W, float16)`` (2 bytes per element). Values beyond the FP16 range are saturated to
+  +-65504 instead of becoming +-inf, so a single huge entry cannot poison a sum forever.
+* ``int8``: ``alpha = max|W| / 127``; ``code = clip(round(W / alpha), -127, 127)`` (255 levels, -128 unused).
+* ``int4``: ``alpha = max|W| / 7``; ``code = clip(round(W / alpha), -7, 7)`` (15 levels). Codes are shifted by
+  +8 to 1..15 and packed two per byte, **even index in the high nibble**:
+  ``byte[k] = ((code[2k] + 8) << 4) | (code[2k+1] + 8)``. An odd length is padded with one nibble of value 8
+  (i.e. a zero), which :func:`dequantize` drops.
+
+Symmetric, zero-point 0, one scale per tensor, deterministic round-half-to-even (``np.rint``), no stochastic
+rounding. An all-zero tensor has ``alpha = 1.0`` and decodes to exact zeros.
+
+What the 4 scale bytes hold. For the integer formats the 4 bytes stored next to the codes are the float32
+``max|W|`` (``absmax``); ``alpha = absmax / qmax`` is derived from it in float64 when decoding, and decoding
+computes ``code * absmax / qmax``. The information content is the same as storing a float32 ``alpha`` (one
+float32 per tensor), but it makes the largest-magnitude element come back **exactly**: with a float32
+``alpha`` the product ``127 * alpha`` misses ``max|W|`` by one ulp for about 0.5% of tensors (Int8) and 8% of
+tensors (Int4), because not every float32 is a float32 multiple of 7 or 127. :attr:`QuantizedTensor.scale`
+still reports ``alpha`` (1.0 for an all-zero tensor), as the spec names it.
+
+Stored bytes per tensor of ``n`` elements (:func:`stored_bytes`; the shape tuple is metadata, not counted):
+``fp32: 4n``, ``fp16: 2n``, ``int8: n + 4``, ``int4: ceil(n/2) + 4``, i.e. exactly 1/2, 1/4 + 4 B and
+1/8 (+ the pad nibble) + 4 B of FP32.
+
+Element-wise error bounds: fp16 relative <= 2**-11 in the normal range; int8 ``|W_hat - W| <= max|W|/254``;
+int4 ``|W_hat - W| <= max|W|/14`` (plus float32 output rounding, at most 2**-24 * max|W|).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+"""Allowed precisions, from no compression to the most compact."""
+
+QMAX = {"int8": 127, "int4": 7}
+"""Largest code magnitude of each integer format (symmetric range ``[-QMAX, QMAX]``)."""
+
+FP16_MAX = 65504.0
+"""Largest finite float16; larger magnitudes saturate to it."""
+
+_STORAGE_DTYPE = {
+    "fp32": np.dtype(np.float32),
+    "fp16": np.dtype(np.float16),
+    "int8": np.dtype(np.int8),
+    "int4": np.dtype(np.uint8),
+}
+_SCALE_BYTES = 4  # one float32 per tensor for int8 / int4
+
+
+def check_precision(precision: str) -> str:
+    """Return ``precision`` if it is one of :data:`PRECISIONS`, else raise ``ValueError`` naming the choices."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not supported; allowed: {', '.join(PRECISIONS)}")
+    return precision
+
+
+def storage_dtype(precision: str) -> np.dtype:
+    """Numpy dtype of the stored data array (float32, float16, int8 codes, uint8 packed nibbles)."""
+    return _STORAGE_DTYPE[check_precision(precision)]
+
+
+def is_integer(precision: str) -> bool:
+    """True for the formats that store a per-tensor scale (``int8``, ``int4``)."""
+    return check_precision(precision) in QMAX
+
+
+def encoded_length(n: int, precision: str) -> int:
+    """Number of stored data elements for an ``n``-element tensor (``ceil(n/2)`` bytes for int4, else ``n``)."""
+    check_precision(precision)
+    return (n + 1) // 2 if precision == "int4" else n
+
+
+def stored_nbytes(n: int, precision: str) -> int:
+    """Bytes needed to store an ``n``-element tensor: data plus 4 scale bytes for int8 / int4."""
+    data = encoded_length(n, precision) * storage_dtype(precision).itemsize
+    return data + (_SCALE_BYTES if is_integer(precision) else 0)
+
+
+# ---------------------------------------------------------------------------------------------- int4 nibbles
+
+
+def pack_int4(values: np.ndarray) -> np.ndarray:
+    """Pack signed int4 values in ``[-7, 7]`` two per byte.
+
+    ``byte[k] = ((v[2k] + 8) << 4) | (v[2k+1] + 8)``: even index in the high nibble, codes 1..15. An odd
+    length is padded with one nibble 8 (value 0). Returns ``uint8[ceil(n/2)]``.
+    """
+    v = np.asarray(values).reshape(-1)
+    if v.size and (v.min() < -7 or v.max() > 7):
+        raise ValueError("int4 values must lie in [-7, 7]")
+    u = (v.astype(np.int16) + 8).astype(np.uint8)
+    if u.size % 2:
+        u = np.concatenate([u, np.array([8], dtype=np.uint8)])
+    return (u[0::2] << 4) | u[1::2]
+
+
+def unpack_int4(packed: np.ndarray, n: int) -> np.ndarray:
+    """Inverse of :func:`pack_int4`: the first ``n`` signed values (``int8``), padding dropped."""
+    p = np.asarray(packed, dtype=np.uint8).reshape(-1)
+    if n > 2 * p.size or n < 2 * p.size - 1:
+        raise ValueError(f"{p.size} packed bytes cannot hold exactly {n} int4 values")
+    u = np.empty(2 * p.size, dtype=np.int8)
+    u[0::2] = p >> 4
+    u[1::2] = p & 0x0F
+    return u[:n] - np.int8(8)
+
+
+# ------------------------------------------------------------------------------------- flat encode / decode
+
+
+def encode_into(x: np.ndarray, precision: str, out: np.ndarray) -> float:
+    """Quantise the flat float array ``x`` into the preallocated ``out`` (length :func:`encoded_length`).
+
+    Returns the float32 ``max|x|`` that integer formats need for decoding (0.0 for fp32 / fp16, and for an
+    all-zero tensor). ``x`` must be finite. This is the allocation-light primitive behind :func:`quantize`
+    and the stored-update table.
+    """
+    x = np.asarray(x).reshape(-1)
+    if precision == "fp32":
+        out[...] = x
+        return 0.0
+    if precision == "fp16":
+        np.clip(x, -FP16_MAX, FP16_MAX, out=out, casting="unsafe")
+        return 0.0
+    qmax = QMAX[check_precision(precision)]
+    absmax = float(np.float32(np.max(np.abs(x)))) if x.size else 0.0
+    if absmax == 0.0:
+        codes = np.zeros(x.size, dtype=np.int8)
+    else:
+        # alpha = absmax / qmax in float64: the max element lands exactly on +-qmax.
+        codes = np.rint(x.astype(np.float64) * (qmax / absmax))
+        np.clip(codes, -qmax, qmax, out=codes)
+        codes = codes.astype(np.int8)
+    if precision == "int8":
+        out[...] = codes
+    else:
+        out[...] = pack_int4(codes)
+    return absmax
+
+
+def decode(data: np.ndarray, precision: str, absmax: float, n: int) -> np.ndarray:
+    """Dequantise flat stored ``data`` back to ``float32[n]`` (always a new array)."""
+    if precision == "fp32":
+        return np.array(data, dtype=np.float32).reshape(-1)
+    if precision == "fp16":
+        return np.asarray(data).reshape(-1).astype(np.float32)
+    qmax = QMAX[check_precision(precision)]
+    codes = np.asarray(data).reshape(-1) if precision == "int8" else unpack_int4(data, n)
+    if absmax == 0.0:
+        return np.zeros(n, dtype=np.float32)
+    # code * absmax is exact in float64 (<= 7 + 24 bits), so +-qmax maps back to +-absmax exactly.
+    return (codes.astype(np.float64) * float(np.float32(absmax)) / qmax).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------ tensor objects
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """One quantised tensor.
+
+    Attributes
+    ----------
+    precision : str
+        One of :data:`PRECISIONS`.
+    data : np.ndarray
+        Flat stored data: float32, float16, int8 codes, or uint8 packed int4 nibbles (``ceil(length/2)``).
+    absmax : float
+        float32 ``max|W|`` for int8 / int4 (the 4 stored scale bytes); 0.0 for fp formats and zero tensors.
+    length : int
+        Number of elements of the original tensor.
+    shape : tuple of int
+        Original shape (metadata; not counted in :func:`stored_bytes`).
+    """
+
+    precision: str
+    data: np.ndarray
+    absmax: float
+    length: int
+    shape: tuple[int, ...]
+
+    @property
+    def scale(self) -> float:
+        """Quantisation step ``alpha = max|W| / qmax`` (1.0 for an all-zero tensor; 1.0 for fp formats)."""
+        if self.precision not in QMAX or self.absmax == 0.0:
+            return 1.0
+        return self.absmax / QMAX[self.precision]
+
+
+def quantize(x: np.ndarray, precision: str) -> QuantizedTensor:
+    """Quantise one tensor (any shape) per tensor, symmetric, zero-point 0; raises on NaN / Inf."""
+    check_precision(precision)
+    arr = np.asarray(x, dtype=np.float32)
+    flat = arr.reshape(-1)
+    if not np.all(np.isfinite(flat)):
+        raise ValueError("cannot quantise a tensor that contains NaN or Inf")
+    out = np.empty(encoded_length(flat.size, precision), dtype=storage_dtype(precision))
+    absmax = encode_into(flat, precision, out)
+    return QuantizedTensor(precision, out, absmax, int(flat.size), tuple(arr.shape))
+
+
+def dequantize(q: QuantizedTensor) -> np.ndarray:
+    """Return the float32 tensor (original shape) that ``q`` represents."""
+    return decode(q.data, q.precision, q.absmax, q.length).reshape(q.shape)
+
+
+def stored_bytes(q: QuantizedTensor) -> int:
+    """Bytes actually held for ``q``: ``q.data.nbytes`` plus 4 scale bytes for int8 / int4."""
+    return int(q.data.nbytes) + (_SCALE_BYTES if q.precision in QMAX else 0)

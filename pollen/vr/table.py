@@ -1,0 +1,483 @@
+"""The stored-update table of FedAdaVR / FedVARP / MIFA (spec ``papers/fedadavr.md`` section 3.3).
+
+One row per client that has ever replied: the client's latest update ``y_j`` (its model update divided by
+the client learning rate), quantised per tensor with :mod:`pollen.quant`. A client that was never seen reads
+as zeros and owns no row. The table also keeps, incrementally,
+
+    running_sum = sum_j w_j * D(y_j)        (float64, length d)
+
+over its rows, where ``w_j`` is the weight given when ``y_j`` was stored (the client's number of examples,
+or 1.0 for equal weighting) and ``D`` is dequantisation. :meth:`UpdateTable.replace` updates it by the
+difference ``w_new * D(y_new) - w_old * D(y_old)``, so a round costs O(M d) for M replies, never O(N d).
+The accumulator is float64 (8 d bytes, e.g. 355 kB for LeNet) rather than float32 so thousands of
+add / subtract rounds stay equal to a full recomputation to ~1e-12 relative;
+:meth:`UpdateTable.recompute_running_sum` does the O(N d) recomputation when you want to check or resync.
+
+Storage is one 2-D array per table (``capacity x row_width``; float32, float16, int8 codes or packed uint8
+int4 nibbles, each tensor packed separately so tensors never share a byte) plus a ``capacity x n_tensors``
+float32 array of per-tensor ``max|W|`` for int8 / int4. The data array lives in RAM or, with ``path=``, in a
+memory-mapped file, so N x d larger than RAM still runs (only the touched rows are paged in). Rows are given
+out in order of first sight; capacity doubles when full, for both backends.
+
+This module only stores; it does not decide when to store. FedAdaVR's order within a round is: aggregate
+from the *old* table (:func:`pollen.vr.vr_aggregate`, pure), step the server optimiser, then
+:meth:`UpdateTable.replace_many` for the clients that replied. A client that was sampled but did not reply
+is simply not replaced and keeps its row.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from pollen import quant
+
+ClientKey = str | int
+
+
+def client_key(key: Any) -> str:
+    """Normalise a client key: strings as is, integers (partition id, node id) as ``str(int)``."""
+    if isinstance(key, str):
+        return key
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        return str(int(key))
+    raise TypeError(f"client key must be a str or an int, got {type(key).__name__}")
+
+
+class UpdateTable:
+    """Per-client latest updates ``y_j`` with an O(M d) running weighted sum.
+
+    Parameters
+    ----------
+    dim : int
+        Length ``d`` of a flat update vector.
+    segments : sequence of int, optional
+        Sizes of the tensors that make up the flat vector, in order (they must sum to ``dim``). Each tensor
+        gets its own quantisation scale. Default: one tensor of size ``dim``.
+    precision : str, default "fp32"
+        Storage precision, one of ``pollen.quant.PRECISIONS`` (``fp32 | fp16 | int8 | int4``).
+    path : str or os.PathLike, optional
+        If given, the data array is a memory-mapped file at this path (created or overwritten; it grows as
+        capacity doubles and is left in place by :meth:`close`). Otherwise the table lives in RAM.
+    initial_capacity : int, default 16
+        Rows allocated up front; doubled whenever a new client arrives and the table is full.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        segments: Sequence[int] | None = None,
+        precision: str = "fp32",
+        *,
+        path: str | os.PathLike[str] | None = None,
+        initial_capacity: int = 16,
+        _attach: bool = False,
+    ) -> None:
+        dim = int(dim)
+        if dim < 1:
+            raise ValueError(f"dim={dim} must be >= 1")
+        sizes = (dim,) if segments is None else tuple(int(s) for s in segments)
+        if any(s < 0 for s in sizes) or sum(sizes) != dim:
+            raise ValueError(f"segments must be non-negative sizes summing to dim={dim}, got sum {sum(sizes)}")
+        if int(initial_capacity) < 1:
+            raise ValueError(f"initial_capacity={initial_capacity} must be >= 1")
+        self._precision = quant.check_precision(precision)
+        self._dim = dim
+        self._sizes = sizes
+        self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        widths = [quant.encoded_length(s, precision) for s in sizes]
+        self._cols = np.concatenate([[0], np.cumsum(widths)]).astype(np.int64)
+        self._width = int(self._cols[-1])
+        self._dtype = quant.storage_dtype(precision)
+        self._n_scales = len(sizes) if quant.is_integer(precision) else 0
+        self._path = None if path is None else os.fspath(path)
+
+        cap = int(initial_capacity)
+        attach = _attach and self._path is not None and os.path.exists(self._path)
+        if attach:  # reuse the rows of an existing file (resume); see from_state_dict
+            cap = max(cap, os.path.getsize(self._path) // (self._width * self._dtype.itemsize))
+        self._data = self._allocate(cap, fresh=not attach)
+        self._absmax = np.zeros((cap, self._n_scales), dtype=np.float32)
+        self._weights = np.zeros(cap, dtype=np.float64)
+        self._sum = np.zeros(dim, dtype=np.float64)
+        self._total_weight = 0.0
+        self._index: dict[str, int] = {}
+        self._keys: list[str] = []
+
+    # ------------------------------------------------------------------------------------------ properties
+
+    @property
+    def dim(self) -> int:
+        """Length of one update vector."""
+        return self._dim
+
+    @property
+    def segments(self) -> tuple[int, ...]:
+        """Tensor sizes (each has its own scale)."""
+        return self._sizes
+
+    @property
+    def precision(self) -> str:
+        """Storage precision."""
+        return self._precision
+
+    @property
+    def path(self) -> str | None:
+        """Memory-mapped file path, or None for the RAM backend."""
+        return self._path
+
+    @property
+    def backend(self) -> str:
+        """``"memmap"`` or ``"ram"``."""
+        return "ram" if self._path is None else "memmap"
+
+    @property
+    def capacity(self) -> int:
+        """Rows currently allocated."""
+        return int(self._data.shape[0])
+
+    @property
+    def known_clients(self) -> int:
+        """Number of clients with a stored row."""
+        return len(self._keys)
+
+    @property
+    def total_weight(self) -> float:
+        """Sum of the weights stored with the rows (float64)."""
+        return self._total_weight
+
+    @property
+    def running_sum(self) -> np.ndarray:
+        """``sum_j w_j * D(y_j)`` over stored rows (float64, read-only view; zeros when empty)."""
+        view = self._sum.view()
+        view.flags.writeable = False
+        return view
+
+    def keys(self) -> list[str]:
+        """Known client keys in row order (order of first sight)."""
+        return list(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            return client_key(key) in self._index
+        except TypeError:
+            return False
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def weight(self, key: ClientKey) -> float:
+        """Weight stored with ``key``'s row (0.0 if the client was never seen)."""
+        row = self._index.get(client_key(key))
+        return 0.0 if row is None else float(self._weights[row])
+
+    # ---------------------------------------------------------------------------------------- read / write
+
+    def get(self, key: ClientKey) -> np.ndarray:
+        """Dequantised ``y_key`` as a new float32 vector; zeros if the client was never seen."""
+        row = self._index.get(client_key(key))
+        if row is None:
+            return np.zeros(self._dim, dtype=np.float32)
+        return self._decode_row(self._data[row], self._absmax[row])
+
+    def replace(self, key: ClientKey, y: np.ndarray, weight: float = 1.0) -> None:
+        """Store ``y`` (quantised per tensor) as ``key``'s latest update and update the running sum.
+
+        ``weight`` is the client's weight in the running sum (its number of examples, or 1.0 for equal
+        weighting); use the same convention as in :func:`pollen.vr.vr_aggregate`. A new key gets the next
+        row (capacity doubles if needed). Raises ``ValueError`` on a wrong shape, NaN / Inf, or a negative
+        or non-finite weight, leaving the table unchanged.
+        """
+        k = client_key(key)
+        vec = _as_update(y, self._dim)
+        w = float(weight)
+        if not np.isfinite(w) or w < 0:
+            raise ValueError(f"weight={weight!r} must be finite and >= 0")
+        row_data, row_absmax = self._encode_row(vec)
+        new = vec if self._precision == "fp32" else self._decode_row(row_data, row_absmax)
+
+        row = self._index.get(k)
+        if row is None:
+            if len(self._keys) == self.capacity:
+                self._grow(2 * self.capacity)
+            row = len(self._keys)
+            self._index[k] = row
+            self._keys.append(k)
+            old_w = 0.0
+        else:
+            old_w = float(self._weights[row])
+            old = self._decode_row(self._data[row], self._absmax[row])
+            self._sum -= old_w * old.astype(np.float64)
+        self._sum += w * new.astype(np.float64)
+        self._total_weight += w - old_w
+        self._data[row] = row_data
+        self._absmax[row] = row_absmax
+        self._weights[row] = w
+
+    def replace_many(self, updates: Mapping[ClientKey, np.ndarray], weights: Mapping[ClientKey, float] | None = None) -> None:
+        """:meth:`replace` for every ``key -> y`` in ``updates`` (weights default to 1.0).
+
+        All updates are validated first, so a bad one leaves the whole table unchanged.
+        """
+        items = [(client_key(k), _as_update(v, self._dim)) for k, v in updates.items()]
+        wmap = None if weights is None else {client_key(k): float(v) for k, v in weights.items()}
+        missing = [k for k, _ in items if wmap is not None and k not in wmap]
+        if missing:
+            raise KeyError(f"no weight for client(s) {missing}")
+        ws = [1.0 if wmap is None else wmap[k] for k, _ in items]
+        for w in ws:
+            if not np.isfinite(w) or w < 0:
+                raise ValueError(f"weight={w!r} must be finite and >= 0")
+        for (k, v), w in zip(items, ws):
+            self.replace(k, v, w)
+
+    def recompute_running_sum(self) -> np.ndarray:
+        """The O(N d) recomputation of ``sum_j w_j D(y_j)`` from the stored rows (float64; table unchanged)."""
+        total = np.zeros(self._dim, dtype=np.float64)
+        for r in range(len(self._keys)):
+            total += self._weights[r] * self._decode_row(self._data[r], self._absmax[r]).astype(np.float64)
+        return total
+
+    def resync(self) -> None:
+        """Replace the incremental running sum (and total weight) by an exact recomputation."""
+        self._sum = self.recompute_running_sum()
+        self._total_weight = float(self._weights[: len(self._keys)].sum())
+
+    # ---------------------------------------------------------------------------------------------- memory
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes the table holds right now, measured from its arrays and (memmap) the file on disk.
+
+        Keys: ``backend``, ``precision``, ``capacity``, ``known_clients``, ``data_bytes`` (the data array's
+        ``nbytes``; for memmap, the file's size on disk), ``data_allocated_bytes`` (memmap only: blocks the
+        file system really allocated, since unwritten rows are sparse), ``scale_bytes``, ``weight_bytes``,
+        ``running_sum_bytes``, ``row_bytes`` (data + scales of one row, from the arrays), ``fp32_row_bytes``
+        (``4 d``), ``used_bytes`` (``row_bytes * known_clients``) and ``total_bytes`` (everything held).
+        """
+        cap = self.capacity
+        if self._path is None:
+            data_bytes = int(self._data.nbytes)
+            allocated = data_bytes
+        else:
+            self._data.flush()
+            st = os.stat(self._path)
+            data_bytes = int(st.st_size)
+            allocated = int(st.st_blocks) * 512
+        scale_bytes = int(self._absmax.nbytes)
+        row_bytes = (data_bytes + scale_bytes) // cap
+        total = data_bytes + scale_bytes + int(self._weights.nbytes) + int(self._sum.nbytes)
+        return {
+            "backend": self.backend,
+            "precision": self._precision,
+            "capacity": cap,
+            "known_clients": self.known_clients,
+            "data_bytes": data_bytes,
+            "data_allocated_bytes": allocated,
+            "scale_bytes": scale_bytes,
+            "weight_bytes": int(self._weights.nbytes),
+            "running_sum_bytes": int(self._sum.nbytes),
+            "row_bytes": row_bytes,
+            "fp32_row_bytes": 4 * self._dim,
+            "used_bytes": row_bytes * self.known_clients,
+            "total_bytes": total,
+        }
+
+    def memory_bytes(self) -> int:
+        """Total bytes held (data array or file, scales, weights, running sum); see :meth:`memory_report`."""
+        return int(self.memory_report()["total_bytes"])
+
+    # ----------------------------------------------------------------------------------------- persistence
+
+    def state_dict(self, *, include_data: bool = True) -> dict[str, np.ndarray]:
+        """Everything needed to rebuild the table, as a flat dict of numpy arrays (copies).
+
+        Keys: ``dim``, ``segments``, ``precision``, ``keys`` (str array, row order), ``weights``, ``absmax``,
+        ``running_sum`` and, if ``include_data``, ``data`` (``known_clients x row_width``). For a memory-mapped
+        table bigger than RAM use :meth:`save`, which streams the rows instead of copying them, or
+        ``include_data=False`` and keep the file at :attr:`path` (then the file is the data: it must not be
+        written between this call and the load).
+        """
+        n = len(self._keys)
+        state = {
+            "dim": np.array(self._dim, dtype=np.int64),
+            "segments": np.array(self._sizes, dtype=np.int64),
+            "precision": np.array(self._precision),
+            "keys": np.array(self._keys, dtype=str),
+            "weights": self._weights[:n].copy(),
+            "absmax": self._absmax[:n].copy(),
+            "running_sum": self._sum.copy(),
+        }
+        if include_data:
+            state["data"] = np.array(self._data[:n])
+        return state
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Replace this table's contents by ``state`` (from :meth:`state_dict` or :meth:`save`).
+
+        ``dim``, ``segments`` and ``precision`` must match. Without a ``data`` entry the rows are taken from the
+        memory-mapped file this table already uses (see :meth:`state_dict`).
+        """
+        if int(state["dim"]) != self._dim or tuple(int(s) for s in state["segments"]) != self._sizes:
+            raise ValueError("state was saved for a different dim / segments")
+        if str(state["precision"]) != self._precision:
+            raise ValueError(f"state precision {str(state['precision'])!r} != table precision {self._precision!r}")
+        keys = [str(k) for k in np.asarray(state["keys"]).reshape(-1)]
+        n = len(keys)
+        weights = np.asarray(state["weights"], dtype=np.float64).reshape(n)
+        absmax = np.asarray(state["absmax"], dtype=np.float32).reshape(n, self._n_scales)
+        running = np.asarray(state["running_sum"], dtype=np.float64).reshape(self._dim)
+        if "data" in state:
+            data = np.asarray(state["data"])
+            if data.shape != (n, self._width) or data.dtype != self._dtype:
+                raise ValueError(f"state data has shape {data.shape} / {data.dtype}, expected {(n, self._width)} / {self._dtype}")
+        elif self._path is None or self.capacity < n:
+            raise ValueError("state has no 'data' and this table has no memory-mapped file holding the rows")
+        else:
+            data = None
+        cap = self.capacity
+        while cap < n:
+            cap *= 2
+        if cap != self.capacity:
+            self._grow(cap)
+        if data is not None:
+            for lo in range(0, n, 1024):  # blockwise: data may itself be a memmap
+                hi = min(n, lo + 1024)
+                self._data[lo:hi] = data[lo:hi]
+            self._data[n:] = 0
+        self._absmax[:] = 0
+        self._absmax[:n] = absmax
+        self._weights[:] = 0
+        self._weights[:n] = weights
+        self._sum = running.copy()
+        self._total_weight = float(weights.sum())
+        self._keys = keys
+        self._index = {k: i for i, k in enumerate(keys)}
+        if len(self._index) != n:
+            raise ValueError("state has duplicate client keys")
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        state: Mapping[str, np.ndarray],
+        *,
+        path: str | os.PathLike[str] | None = None,
+        initial_capacity: int = 16,
+    ) -> UpdateTable:
+        """Build a new table (RAM, or memmap at ``path``) holding ``state``.
+
+        If ``state`` has no ``data`` (``state_dict(include_data=False)`` of a memmap table), ``path`` must be
+        that table's file: it is reopened as is, not overwritten, and its rows are used (resume after a
+        crash with a table bigger than RAM). Otherwise a file at ``path`` is overwritten.
+        """
+        has_data = "data" in state
+        if not has_data:
+            if path is None or not os.path.exists(path):
+                raise ValueError("state has no 'data': pass path= of the existing memory-mapped file with the rows")
+            probe = cls(int(state["dim"]), [int(s) for s in state["segments"]], str(state["precision"]))
+            need = len(np.asarray(state["keys"]).reshape(-1)) * probe._width * probe._dtype.itemsize
+            if os.path.getsize(path) < need:
+                raise ValueError(f"{os.fspath(path)} holds {os.path.getsize(path)} bytes, the state needs {need}")
+        table = cls(
+            int(state["dim"]),
+            [int(s) for s in state["segments"]],
+            str(state["precision"]),
+            path=path,
+            initial_capacity=max(int(initial_capacity), len(np.asarray(state["keys"]).reshape(-1)), 1),
+            _attach=not has_data,
+        )
+        table.load_state_dict(state)
+        return table
+
+    def save(self, file: str | os.PathLike[str]) -> None:
+        """Write the state to an uncompressed ``.npz`` file, streaming the rows (no copy of a memmap table)."""
+        state = self.state_dict(include_data=False)
+        if self._path is not None:
+            self._data.flush()
+        state["data"] = self._data[: len(self._keys)]
+        np.savez(file, **state)
+
+    @classmethod
+    def load(cls, file: str | os.PathLike[str], *, path: str | os.PathLike[str] | None = None) -> UpdateTable:
+        """Read a table written by :meth:`save` into RAM, or into a memmap at ``path``."""
+        with np.load(file, allow_pickle=False, mmap_mode=None) as npz:
+            state = {k: npz[k] for k in npz.files}
+        return cls.from_state_dict(state, path=path)
+
+    def flush(self) -> None:
+        """Write dirty pages of a memory-mapped table to its file (no-op in RAM)."""
+        if self._path is not None:
+            self._data.flush()
+
+    def close(self) -> None:
+        """Flush and release the memory map (the file stays). The table must not be used afterwards."""
+        if self._path is not None and self._data is not None:
+            self._data.flush()
+        self._data = None  # type: ignore[assignment]
+
+    # ----------------------------------------------------------------------------------------------- inner
+
+    def _allocate(self, cap: int, *, fresh: bool) -> np.ndarray:
+        if self._path is None:
+            return np.zeros((cap, self._width), dtype=self._dtype)
+        nbytes = cap * self._width * self._dtype.itemsize
+        with open(self._path, "wb" if fresh else "r+b") as f:
+            f.truncate(nbytes)  # grows with zeros, sparse on disk
+        return np.memmap(self._path, dtype=self._dtype, mode="r+", shape=(cap, self._width))
+
+    def _grow(self, cap: int) -> None:
+        old = self.capacity
+        if self._path is None:
+            data = np.zeros((cap, self._width), dtype=self._dtype)
+            data[:old] = self._data
+            self._data = data
+        else:
+            self._data.flush()
+            self._data = None  # type: ignore[assignment]  # drop the old map before resizing the file
+            self._data = self._allocate(cap, fresh=False)
+        absmax = np.zeros((cap, self._n_scales), dtype=np.float32)
+        absmax[:old] = self._absmax
+        self._absmax = absmax
+        weights = np.zeros(cap, dtype=np.float64)
+        weights[:old] = self._weights
+        self._weights = weights
+
+    def _encode_row(self, vec: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self._precision == "fp32":
+            return vec, np.zeros(0, dtype=np.float32)
+        row = np.empty(self._width, dtype=self._dtype)
+        absmax = np.zeros(self._n_scales, dtype=np.float32)
+        for t in range(len(self._sizes)):
+            a, b = self._starts[t], self._starts[t + 1]
+            c, e = self._cols[t], self._cols[t + 1]
+            m = quant.encode_into(vec[a:b], self._precision, row[c:e])
+            if self._n_scales:
+                absmax[t] = m
+        return row, absmax
+
+    def _decode_row(self, row: np.ndarray, absmax: np.ndarray) -> np.ndarray:
+        if self._precision in ("fp32", "fp16"):
+            return np.asarray(row).astype(np.float32)
+        out = np.empty(self._dim, dtype=np.float32)
+        for t, size in enumerate(self._sizes):
+            a, b = self._starts[t], self._starts[t + 1]
+            c, e = self._cols[t], self._cols[t + 1]
+            out[a:b] = quant.decode(row[c:e], self._precision, float(absmax[t]), size)
+        return out
+
+
+def _as_update(y: Any, dim: int) -> np.ndarray:
+    vec = np.asarray(y)
+    if vec.ndim != 1 or vec.shape[0] != dim:
+        raise ValueError(f"update has shape {vec.shape}, expected ({dim},)")
+    if not np.issubdtype(vec.dtype, np.floating):
+        raise ValueError(f"update has dtype {vec.dtype}, expected a float array")
+    vec = vec.astype(np.float32, copy=False)
+    if not np.all(np.isfinite(vec)):
+        raise ValueError("update contains NaN or Inf")
+    return vec
+
+
+__all__ = ["UpdateTable", "client_key", "ClientKey"]
