@@ -12,7 +12,23 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-STRATEGIES = ("fedavg", "fedadam", "fedyogi", "fedadagrad", "fedams", "fedamsgrad", "fedcams")
+STRATEGIES = (
+    "fedavg",
+    "fedadam",
+    "fedyogi",
+    "fedadagrad",
+    "fedams",
+    "fedamsgrad",
+    "fedcams",
+    "fedadavr",
+    "mifa",
+    "fedvarp",
+    "fedadavr-novr",
+    "fedadavr-noopt",
+)
+SERVER_OPTIMIZERS = ("adagrad", "adam", "adabelief", "yogi", "lamb", "sgd")
+TABLE_PRECISIONS = ("fp32", "fp16", "int8", "int4")
+VR_WEIGHTINGS = ("sampled-normalised", "horvitz-thompson", "literal")
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100")
 PARTITIONERS = ("iid", "dirichlet", "pathological", "shards")
 MODELS = ("mlp", "cnn", "lenet5", "resnet18", "convmixer")
@@ -68,6 +84,11 @@ SCHEMA: dict[str, Key] = {
     "topk-ratio": Key(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "error-feedback": Key(bool, allowed="true or false"),
     "compression-granularity": _choice(GRANULARITIES),
+    "server-optimizer": _choice(SERVER_OPTIMIZERS),
+    "table-precision": _choice(TABLE_PRECISIONS),
+    "table-path": _ANY_STR,
+    "vr-weighting": _choice(VR_WEIGHTINGS),
+    "num-clients": _NON_NEG_INT,
     "dataset": _choice(DATASETS),
     "partitioner": _choice(PARTITIONERS),
     "dirichlet-alpha": _POSITIVE,

@@ -19,12 +19,25 @@ STRATEGY_IMPLEMENTATIONS = {
     "fedams": "pollen.strategies.FedAMS (Option 1 unless eps-mode=add)",
     "fedamsgrad": "pollen.strategies.FedAMS(option=2)",
     "fedcams": "pollen.strategies.FedCAMS",
+    "fedadavr": "pollen.strategies.FedAdaVR (table-precision != fp32 is FedAdaVR-Quant)",
+    "mifa": "pollen.strategies.FedAdaVR(variant='mifa')",
+    "fedvarp": "pollen.strategies.FedAdaVR(variant='fedvarp')",
+    "fedadavr-novr": "pollen.strategies.FedAdaVR(variant='novr')",
+    "fedadavr-noopt": "pollen.strategies.FedAdaVR(variant='noopt')",
+}
+
+VR_VARIANTS = {
+    "fedadavr": "fedadavr",
+    "mifa": "mifa",
+    "fedvarp": "fedvarp",
+    "fedadavr-novr": "novr",
+    "fedadavr-noopt": "noopt",
 }
 
 
 def build_strategy(cfg: AppConfig) -> Any:
     """The server strategy named by ``strategy``, with the run-config's settings."""
-    from pollen.strategies import FedAMS, FedCAMS, MeteredFedAdagrad, MeteredFedAdam, MeteredFedAvg, MeteredFedYogi
+    from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, MeteredFedAdagrad, MeteredFedAdam, MeteredFedAvg, MeteredFedYogi
 
     sampling = dict(
         fraction_train=cfg["fraction-train"],
@@ -42,8 +55,26 @@ def build_strategy(cfg: AppConfig) -> Any:
     if name == "fedyogi":
         return MeteredFedYogi(**sampling, **flower_opt)
     if name == "fedadagrad":
-        flower_opt.pop("beta_2")
+        flower_opt.pop("beta_1"), flower_opt.pop("beta_2")
         return MeteredFedAdagrad(**sampling, **flower_opt)
+    if name in VR_VARIANTS:
+        variant = VR_VARIANTS[name]
+        adaptive = variant == "fedadavr"
+        return FedAdaVR(
+            **sampling,
+            variant=variant,
+            server_optimizer=cfg["server-optimizer"] if adaptive else None,
+            server_lr=cfg["server-lr"],
+            client_lr=cfg["local-lr"],
+            beta_1=cfg["beta1"],
+            beta_2=cfg["beta2"],
+            eps=cfg["eps"],
+            vr_weighting=cfg["vr-weighting"] if variant in ("fedadavr", "noopt") else None,
+            table_precision=cfg["table-precision"] if variant in ("fedadavr", "noopt") else None,
+            table_path=cfg["table-path"] or None,
+            num_clients=cfg["num-clients"] or None,
+            seed=cfg["seed"],
+        )
     option = 2 if name == "fedamsgrad" or cfg["eps-mode"] == "add" else 1
     fedams = dict(
         **sampling,

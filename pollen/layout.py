@@ -116,8 +116,8 @@ class ModelLayout:
             raise ValueError(f"array names do not match the model (missing {missing}, unexpected {extra})")
         for spec in specs:
             array = np.asarray(arrays[spec.name])
-            # A 0-d tensor may come back as shape (1,) from some converters: same values, accept.
-            if tuple(array.shape) != spec.shape and array.size != spec.size:
+            # A 0-d tensor may come back as shape (1,) from some converters: same value, accept.
+            if tuple(array.shape) != spec.shape and not (array.size == spec.size == 1):
                 raise ValueError(
                     f"array '{spec.name}' has shape {tuple(array.shape)}, the model has {spec.shape}"
                 )

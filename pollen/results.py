@@ -35,6 +35,7 @@ COLUMNS = (
     "uplink_fp32_bytes",
     "compression_ratio",
     "downlink_bytes",
+    "server_state_bytes",
     "cum_uplink_bytes",
     "cum_downlink_bytes",
     "round_seconds",

@@ -104,6 +104,7 @@ class RoundReporter:
                 uplink_fp32_bytes=stats.uplink_fp32_bytes,
                 compression_ratio=stats.compression_ratio,
                 downlink_bytes=stats.downlink_bytes + stats.eval_downlink_bytes,
+                server_state_bytes=getattr(stats, "server_state_bytes", 0),
                 train_loss=stats.train_metrics.get("train-loss", ""),
                 fed_accuracy=stats.evaluate_metrics.get("accuracy", ""),
                 fed_loss=stats.evaluate_metrics.get("loss", ""),

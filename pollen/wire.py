@@ -20,7 +20,8 @@ from pollen.compression.payload import Payload, PayloadError
 
 def arrays_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     """Wrap named numpy arrays in an ``ArrayRecord``, keeping their order."""
-    return ArrayRecord(OrderedDict((name, Array(np.ascontiguousarray(a))) for name, a in arrays.items()))
+    # np.require keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d).
+    return ArrayRecord(OrderedDict((name, Array(np.require(a, requirements="C"))) for name, a in arrays.items()))
 
 
 def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:

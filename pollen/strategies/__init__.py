@@ -8,6 +8,7 @@
 from pollen.strategies.accounting import Accounting, RoundStats
 from pollen.strategies.base import AdaptiveStrategy, ClientUpdate, ReplyRejected
 from pollen.strategies.baselines import MeteredFedAdagrad, MeteredFedAdam, MeteredFedAvg, MeteredFedYogi
+from pollen.strategies.fedadavr import FedAdaVR
 from pollen.strategies.fedams import FedAMS
 from pollen.strategies.fedcams import FedCAMS
 
@@ -16,6 +17,7 @@ __all__ = [
     "AdaptiveStrategy",
     "ClientUpdate",
     "FedAMS",
+    "FedAdaVR",
     "FedCAMS",
     "MeteredFedAdagrad",
     "MeteredFedAdam",

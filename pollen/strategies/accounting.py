@@ -27,6 +27,7 @@ class RoundStats:
     eval_downlink_bytes: int = 0
     eval_uplink_bytes: int = 0
     train_seconds: float = 0.0
+    server_state_bytes: int = 0
     train_metrics: dict[str, float] = field(default_factory=dict)
     evaluate_metrics: dict[str, float] = field(default_factory=dict)
 

@@ -85,8 +85,9 @@ class AdaptiveStrategy(Strategy):
 
     Parameters
     ----------
-    optimizer : ServerOptimizer
-        The server optimiser (``pollen.optim``) applied to the aggregated delta.
+    optimizer : ServerOptimizer | None
+        The server optimiser (``pollen.optim``) applied to the aggregated delta;
+        ``None`` when a subclass builds it from the model layout (``build_optimizer``).
     fraction_train : float (default: 1.0)
         Fraction of connected nodes sampled for training each round, in (0, 1].
     fraction_evaluate : float (default: 1.0)
@@ -120,7 +121,7 @@ class AdaptiveStrategy(Strategy):
     def __init__(
         self,
         *,
-        optimizer: ServerOptimizer,
+        optimizer: ServerOptimizer | None = None,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 1.0,
         min_train_nodes: int = 2,
@@ -173,7 +174,8 @@ class AdaptiveStrategy(Strategy):
     def summary(self) -> None:
         """Log the strategy's settings."""
         log(INFO, "\t├──> %s settings:", type(self).__name__)
-        log(INFO, "\t│\t├── server optimiser: %s %s", self.optimizer.name, self.optimizer.hyperparameters())
+        if self.optimizer is not None:
+            log(INFO, "\t│\t├── server optimiser: %s %s", self.optimizer.name, self.optimizer.hyperparameters())
         for key, value in self.extra_summary().items():
             log(INFO, "\t│\t├── %s: %s", key, value)
         log(INFO, "\t│\t├── aggregation: %s (weight key '%s')", self.aggregation, self.weighted_by_key)
@@ -197,7 +199,9 @@ class AdaptiveStrategy(Strategy):
         named = record_to_arrays(arrays)
         if self.layout is None:
             self.layout = ModelLayout.from_arrays(named, self.buffer_keys)
+            self.optimizer = self.build_optimizer(self.layout)
             self.opt_state = self.optimizer.init(self.layout.dim)
+            self.on_layout(self.layout)
             log(
                 INFO,
                 "%s: model has d=%d trainable values in %d tensors, %d buffers",
@@ -209,6 +213,15 @@ class AdaptiveStrategy(Strategy):
         self.layout.check_arrays(named, self.layout.trainable + self.layout.buffers)
         self.params = self.layout.flatten(named)
         self.buffers = {spec.name: np.array(named[spec.name]) for spec in self.layout.buffers}
+
+    def build_optimizer(self, layout: ModelLayout) -> ServerOptimizer:
+        """The server optimiser for this model (subclasses that need the layout override this)."""
+        if self.optimizer is None:
+            raise ValueError(f"{type(self).__name__} has no server optimiser")
+        return self.optimizer
+
+    def on_layout(self, layout: ModelLayout) -> None:
+        """Hook: the model layout is known (round 1, or after ``load_state_dict``)."""
 
     def global_arrays(self) -> ArrayRecord:
         """The current global model as an ``ArrayRecord`` in the original key order."""
@@ -331,8 +344,10 @@ class AdaptiveStrategy(Strategy):
         weights = np.array([u.num_examples for u in updates], dtype=np.float64)
         weights = weights / weights.sum() if self.aggregation == "weighted" else np.full(len(updates), 1 / len(updates))
         for name, old in self.buffers.items():
-            mean = sum(w * u.buffers[name].astype(np.float64) for w, u in zip(weights, updates))
-            self.buffers[name] = np.rint(mean).astype(old.dtype) if np.issubdtype(old.dtype, np.integer) else mean.astype(old.dtype)
+            mean = np.zeros(old.shape, dtype=np.float64)
+            for weight, update in zip(weights, updates):
+                mean += weight * update.buffers[name]
+            self.buffers[name] = (np.rint(mean) if np.issubdtype(old.dtype, np.integer) else mean).astype(old.dtype)
 
     # ------------------------------------------------------------------ reply validation
     def _collect_updates(self, server_round: int, replies: list[Message], stats: RoundStats) -> list[ClientUpdate]:
@@ -486,4 +501,5 @@ class AdaptiveStrategy(Strategy):
             self._key_order = tuple(state["key_order"])
             self.params = np.array(state["params"], dtype=np.float32)
             self.buffers = {k: np.array(v) for k, v in state["buffers"].items()}
+            self.optimizer = self.build_optimizer(self.layout)
             self.opt_state = OptimizerState.from_dict(state["optimizer"])

@@ -1,0 +1,178 @@
+"""FedAdaVR and FedAdaVR-Quant (and MIFA, FedVARP, the NoVR/NoOPT ablations) as a Flower strategy.
+
+The server keeps every client's latest update ``y_j = (x_j - x_global) / eta_c`` in a
+stored-update table (FP32/FP16/Int8/Int4, in RAM or memory-mapped on disk) and uses
+it as a control variate under low participation (spec ``fedadavr.md`` §3.4–3.5):
+
+    r = sum_{i in S} c_i (y_i - y_i_old) + sum_j p_j y_j_old,     delta = eta_c * r
+
+then an adaptive server optimiser steps on ``delta``. A client's row is replaced only
+after the server step of the round it took part in; a sampled client that sends no
+usable reply keeps its row. Per-round work is O(M d): the table keeps a running sum
+of its dequantised rows and updates it by difference. The math is in ``pollen.vr``
+and ``pollen.optim``; this class only wires it.
+
+Rows are keyed by the stable client id each pollen ClientApp reports (node-config
+``client-id``, else ``partition-<id>``), not by Flower's node id, which changes when a
+SuperNode reconnects; clients that cannot say fall back to ``node-<id>``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pollen.layout import ModelLayout
+from pollen.optim import ServerOptimizer, make_server_optimizer
+from pollen.strategies.base import AdaptiveStrategy, ClientUpdate
+from pollen.vr import UpdateTable, VARIANTS, get_variant, vr_aggregate
+from pollen.vr.aggregate import check_weighting
+
+OPTIMIZERS = ("adagrad", "adam", "adabelief", "yogi", "lamb", "sgd")
+
+
+class FedAdaVR(AdaptiveStrategy):
+    """Adaptive server optimiser on a variance-reduced aggregate over a stored-update table.
+
+    Parameters
+    ----------
+    variant : str (default: "fedadavr")
+        One of ``pollen.vr.VARIANTS``: ``fedadavr``, ``fedadavr-quant``, ``fedvarp``,
+        ``mifa``, ``novr``, ``noopt``. It sets the defaults below; explicit
+        arguments win.
+    server_optimizer : str | None
+        ``adagrad | adam | adabelief | yogi | lamb | sgd`` (paper's Appendix B).
+    server_lr : float | None
+        Server learning rate eta_s.
+    client_lr : float (default: 0.01)
+        The clients' learning rate eta_c; the table stores ``update / eta_c``.
+    beta_1, beta_2, eps : float
+        Optimiser settings (paper: 0.9, 0.999, 1e-8, eps outside the sqrt).
+    vr_weighting : str | None
+        ``sampled-normalised`` (default), ``horvitz-thompson``, ``literal`` or ``none``.
+    table_precision : str | None
+        ``fp32 | fp16 | int8 | int4``.
+    table_path : str | None
+        File for a memory-mapped table (N x d larger than RAM); ``None`` keeps it in RAM.
+    num_clients : int | None
+        N, the total number of clients; ``None`` uses the clients seen so far.
+    lamb_layerwise : bool (default: True)
+        LAMB trust ratio per tensor (paper) or over the whole model.
+    **kwargs
+        Sampling and record options of :class:`AdaptiveStrategy`; ``identify_clients``
+        defaults to True here because rows need stable client ids.
+    """
+
+    def __init__(
+        self,
+        *,
+        variant: str = "fedadavr",
+        server_optimizer: str | None = None,
+        server_lr: float | None = None,
+        client_lr: float = 0.01,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        eps: float = 1e-8,
+        vr_weighting: str | None = None,
+        table_precision: str | None = None,
+        table_path: str | None = None,
+        num_clients: int | None = None,
+        lamb_layerwise: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        spec = get_variant(variant)
+        kwargs.setdefault("identify_clients", True)
+        super().__init__(optimizer=None, **kwargs)
+        self.variant = spec
+        self.optimizer_name = server_optimizer or spec.optimizer
+        if self.optimizer_name not in OPTIMIZERS:
+            raise ValueError(f"server_optimizer={self.optimizer_name!r} is unknown; allowed: {', '.join(OPTIMIZERS)}")
+        self.server_lr = float(server_lr if server_lr is not None else spec.server_lr)
+        if not client_lr > 0:
+            raise ValueError(f"client_lr={client_lr!r} is out of range; allowed: a number > 0")
+        self.client_lr = float(client_lr)
+        self.beta_1, self.beta_2, self.eps = beta_1, beta_2, eps
+        self.vr_weighting = check_weighting(vr_weighting or spec.weighting)
+        self.table_precision = table_precision or spec.precision
+        self.table_path = table_path
+        if num_clients is not None and num_clients < 1:
+            raise ValueError(f"num_clients={num_clients!r} is out of range; allowed: an integer >= 1 or None")
+        self.num_clients = num_clients
+        self.lamb_layerwise = lamb_layerwise
+        self.table: UpdateTable | None = None
+        # Build once now so bad optimiser settings fail at construction, not in round 1.
+        make_server_optimizer(self.optimizer_name, **self._optimizer_kwargs(None))
+
+    def _optimizer_kwargs(self, layout: ModelLayout | None) -> dict[str, Any]:
+        if self.optimizer_name == "sgd":
+            return {"eta": self.server_lr}
+        kwargs: dict[str, Any] = {"eta": self.server_lr, "eps": self.eps}
+        if self.optimizer_name != "adagrad":
+            kwargs.update(beta1=self.beta_1, beta2=self.beta_2, bias_correction=True)
+        if self.optimizer_name == "lamb":
+            kwargs["layerwise"] = self.lamb_layerwise
+            kwargs["segments"] = layout.segments if layout is not None else None
+            if layout is None:
+                kwargs["layerwise"] = False
+        return kwargs
+
+    def build_optimizer(self, layout: ModelLayout) -> ServerOptimizer:
+        return make_server_optimizer(self.optimizer_name, **self._optimizer_kwargs(layout))
+
+    def on_layout(self, layout: ModelLayout) -> None:
+        if self.variant.uses_table and self.table is None:
+            sizes = [stop - start for start, stop in layout.segments]
+            self.table = UpdateTable(layout.dim, sizes, self.table_precision, path=self.table_path)
+
+    def extra_summary(self) -> dict[str, Any]:
+        return {
+            "variant": f"{self.variant.name} (weighting {self.vr_weighting}, "
+            f"{'equal' if self.variant.equal_weights else 'example'} weights)",
+            "server optimiser": f"{self.optimizer_name} eta_s={self.server_lr:g} eta_c={self.client_lr:g}",
+            "table": f"{self.table_precision} in {'RAM' if self.table_path is None else self.table_path}"
+            if self.variant.uses_table
+            else "none",
+        }
+
+    def _weights(self, updates: list[ClientUpdate]) -> dict[str, float] | None:
+        if self.variant.equal_weights:
+            return None
+        return {u.client_key: float(u.num_examples) for u in updates}
+
+    def aggregate_deltas(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
+        """The variance-reduced delta ``eta_c * r`` from the sampled updates and the old table."""
+        ys = {u.client_key: u.delta / np.float32(self.client_lr) for u in updates}
+        known = self.table.known_clients if self.table is not None else 0
+        num_clients = max(self.num_clients or 0, len(self.node_keys), known, len(ys))
+        return vr_aggregate(
+            ys,
+            self.table,
+            num_clients=num_clients,
+            weights=self._weights(updates),
+            weighting=self.vr_weighting,
+            client_lr=self.client_lr,
+        )
+
+    def after_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        """Replace the rows of the clients that replied, after the server step."""
+        if self.table is None:
+            return
+        if updates:
+            ys = {u.client_key: u.delta / np.float32(self.client_lr) for u in updates}
+            self.table.replace_many(ys, self._weights(updates))
+        self.accounting.round(server_round).server_state_bytes = self.table.memory_bytes()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.table is not None:
+            state["table"] = self.table.state_dict(include_data=self.table_path is None)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "table" in state:
+            self.table = UpdateTable.from_state_dict(state["table"], path=self.table_path)
+
+
+__all__ = ["FedAdaVR", "OPTIMIZERS", "VARIANTS"]

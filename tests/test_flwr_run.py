@@ -1,0 +1,82 @@
+"""Real ``flwr run .`` simulations (Ray) on tiny configs: the app finishes and writes its results.
+
+One private local SuperLink serves all runs of this module and is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.flwr_cli import LocalFlower
+
+pytestmark = pytest.mark.slow
+
+TINY = {
+    "num-server-rounds": 2,
+    "local-steps": 5,
+    "batch-size": 32,
+    "model": "cnn",
+    "partitioner": "iid",
+    "fraction-train": 0.5,
+    "fraction-evaluate": 0.25,
+    "min-evaluate-nodes": 1,
+    "eval-batch-size": 1000,
+}
+
+
+@pytest.fixture(scope="module")
+def flower(tmp_path_factory: pytest.TempPathFactory):
+    local = LocalFlower(tmp_path_factory.mktemp("flwr-home"))
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+@pytest.fixture(scope="module")
+def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("results")
+
+
+def _run(flower: LocalFlower, results_dir: Path, name: str, **config) -> dict:
+    proc = flower.run({**TINY, **config, "results-dir": str(results_dir), "run-name": name})
+    out_dir = results_dir / name
+    assert proc.returncode == 0 and (out_dir / "final_model.npz").is_file(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads((out_dir / "metrics.json").read_text())
+
+
+def test_fedams_run_writes_every_results_file(flower: LocalFlower, results_dir: Path) -> None:
+    metrics = _run(flower, results_dir, "fedams", strategy="fedams")
+    out_dir = results_dir / "fedams"
+    for name in ("config.json", "metrics.csv", "metrics.json", "final_model.npz", "accuracy_vs_round.png", "accuracy_vs_uplink.png"):
+        assert (out_dir / name).stat().st_size > 0, name
+    rows = list(csv.DictReader(open(out_dir / "metrics.csv")))
+    assert [int(r["round"]) for r in rows] == [0, 1, 2]
+    last = metrics["rows"][-1]
+    assert last["replies"] == 2 and last["failures"] == 0
+    assert last["uplink_bytes"] > 2 * 4 * 29_034  # two full CNN models came back
+    assert float(rows[-1]["accuracy"]) > float(rows[0]["accuracy"])
+    assert json.loads((out_dir / "config.json").read_text())["strategy"] == "fedams"
+
+
+def test_fedcams_sign_uploads_about_one_32nd_of_fedams(flower: LocalFlower, results_dir: Path) -> None:
+    dense = _run(flower, results_dir, "dense", strategy="fedams")["rows"][-1]
+    sign = _run(flower, results_dir, "sign", strategy="fedcams", compressor="sign")["rows"][-1]
+    ratio = dense["uplink_update_bytes"] / sign["uplink_update_bytes"]
+    print(f"update bytes per round: fedams {dense['uplink_update_bytes']}, fedcams-sign {sign['uplink_update_bytes']}, ratio {ratio:.1f}")
+    assert 28 < ratio < 33
+    assert sign["compression_ratio"] > 28
+
+
+def test_fedadavr_int4_with_partial_participation(flower: LocalFlower, results_dir: Path) -> None:
+    metrics = _run(
+        flower, results_dir, "vr", strategy="fedadavr", **{"table-precision": "int4", "server-lr": 0.01, "fraction-train": 0.34},
+        )
+    rows = metrics["rows"]
+    assert rows[-1]["sampled"] == 2 and rows[-1]["replies"] == 2
+    assert rows[-1]["server_state_bytes"] > 0
+    assert rows[-1]["accuracy"] > rows[0]["accuracy"]
