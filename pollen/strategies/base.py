@@ -167,6 +167,7 @@ class AdaptiveStrategy(Strategy):
         self.opt_state: OptimizerState | None = None
         self.accounting = Accounting()
         self.node_keys: dict[int, str] = {}
+        self._key_order: tuple[str, ...] = ()
         self._sampled: dict[int, list[int]] = {}
         self._train_started: dict[int, float] = {}
 
@@ -197,6 +198,7 @@ class AdaptiveStrategy(Strategy):
     def _adopt_global_model(self, arrays: ArrayRecord) -> None:
         """Take the global model from the record Flower hands back each round."""
         named = record_to_arrays(arrays)
+        self._key_order = tuple(named)
         if self.layout is None:
             self.layout = ModelLayout.from_arrays(named, self.buffer_keys)
             self.optimizer = self.build_optimizer(self.layout)
@@ -228,11 +230,7 @@ class AdaptiveStrategy(Strategy):
         assert self.layout is not None and self.params is not None
         named = self.layout.unflatten(self.params)
         named.update(self.buffers)
-        return arrays_to_record({key: named[key] for key in self._original_order()})
-
-    def _original_order(self) -> list[str]:
-        assert self.layout is not None
-        return list(self._key_order) if hasattr(self, "_key_order") else list(self.layout.keys)
+        return arrays_to_record({key: named[key] for key in self._key_order})
 
     # ------------------------------------------------------------------ sampling
     def _wait_for_nodes(self, grid: Grid, needed: int) -> list[int]:
@@ -279,8 +277,6 @@ class AdaptiveStrategy(Strategy):
     ) -> Iterable[Message]:
         """Sample clients and send them the global model and the round's config."""
         self._adopt_global_model(arrays)
-        if not hasattr(self, "_key_order"):
-            self._key_order = tuple(arrays.keys())
         stats = self.accounting.round(server_round)
         self._train_started[server_round] = time.perf_counter()
         nodes = self._sample(grid, self.fraction_train, self.min_train_nodes)
@@ -474,7 +470,7 @@ class AdaptiveStrategy(Strategy):
             "accounting": self.accounting.to_dict(),
         }
         if self.layout is not None:
-            state["key_order"] = list(self._original_order())
+            state["key_order"] = list(self._key_order)
             state["buffer_keys"] = list(self.layout.buffer_keys)
             specs = self.layout.trainable + self.layout.buffers
             state["shapes"] = {spec.name: list(spec.shape) for spec in specs}
