@@ -74,7 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
-    out = Path(tempfile.mkdtemp(prefix="pollen-bench-"))
+    out = Path(tempfile.mkdtemp(prefix="pollen-quality-"))
     flower = LocalFlower(out / "flwr-home")
     finals = {}
     try:

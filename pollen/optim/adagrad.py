@@ -53,14 +53,6 @@ class Adagrad(ServerOptimizer):
         self.initial_accumulator = check_real(self.name, "initial_accumulator", initial_accumulator, low=0.0)
         self.slot_names = ("m", "z") if self.beta1 > 0.0 else ("z",)
 
-    def hyperparameters(self) -> dict[str, float | int | str | bool]:
-        return {
-            "eta": self.eta,
-            "eps": self.eps,
-            "beta1": self.beta1,
-            "initial_accumulator": self.initial_accumulator,
-        }
-
     def _initial_slots(self, dim: int) -> dict[str, np.ndarray]:
         slots = super()._initial_slots(dim)
         slots["z"].fill(self.initial_accumulator)

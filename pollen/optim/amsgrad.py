@@ -98,17 +98,6 @@ class AMSGrad(ServerOptimizer):
         self.max_stabilisation = check_bool(self.name, "max_stabilisation", max_stabilisation)
         self.slot_names = ("m", "v", "v_hat") if self.max_stabilisation else ("m", "v")
 
-    def hyperparameters(self) -> dict[str, float | int | str | bool]:
-        return {
-            "eta": self.eta,
-            "beta1": self.beta1,
-            "beta2": self.beta2,
-            "eps": self.eps,
-            "eps_mode": self.eps_mode,
-            "bias_correction": self.bias_correction,
-            "max_stabilisation": self.max_stabilisation,
-        }
-
     def _initial_slots(self, dim: int) -> dict[str, np.ndarray]:
         slots = super()._initial_slots(dim)
         if self.max_stabilisation and self.eps_mode == "max":

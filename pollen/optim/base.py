@@ -15,6 +15,7 @@ All vectors are flat, contiguous ``np.float32`` arrays of one length ``d``.
 from __future__ import annotations
 
 import abc
+import inspect
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
@@ -156,9 +157,14 @@ class ServerOptimizer(abc.ABC):
         self._finish(state, delta, params, out)
         return state, out
 
-    @abc.abstractmethod
     def hyperparameters(self) -> dict[str, float | int | str | bool]:
-        """The settings of this optimiser, for logging and ``summary()``."""
+        """The settings of this optimiser, for logging and ``summary()``.
+
+        Every scalar keyword of the constructor, read back from the attribute of the same name.
+        """
+        names = inspect.signature(type(self).__init__).parameters
+        values = {name: getattr(self, name, None) for name in names if name != "self"}
+        return {k: v for k, v in values.items() if isinstance(v, (bool, int, float, str))}
 
     # -- for subclasses -----------------------------------------------------------------
     def _initial_slots(self, dim: int) -> dict[str, np.ndarray]:

@@ -37,9 +37,6 @@ class SGD(ServerOptimizer):
         self.momentum = check_beta(self.name, "momentum", momentum)
         self.slot_names = ("momentum_buffer",) if self.momentum > 0.0 else ()
 
-    def hyperparameters(self) -> dict[str, float | int | str | bool]:
-        return {"eta": self.eta, "momentum": self.momentum}
-
     def _step(
         self, t: int, slots: dict[str, np.ndarray], delta: np.ndarray, params: np.ndarray | None, out: np.ndarray
     ) -> None:

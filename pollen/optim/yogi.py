@@ -65,15 +65,6 @@ class Yogi(ServerOptimizer):
         self.eps = check_eps(self.name, eps)
         self.bias_correction = check_bool(self.name, "bias_correction", bias_correction)
 
-    def hyperparameters(self) -> dict[str, float | int | str | bool]:
-        return {
-            "eta": self.eta,
-            "beta1": self.beta1,
-            "beta2": self.beta2,
-            "eps": self.eps,
-            "bias_correction": self.bias_correction,
-        }
-
     def _step(
         self, t: int, slots: dict[str, np.ndarray], delta: np.ndarray, params: np.ndarray | None, out: np.ndarray
     ) -> None:
