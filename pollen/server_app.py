@@ -27,9 +27,9 @@ app = ServerApp()
 NODE_WAIT_SECONDS = 30.0
 
 
-def _wait_for_nodes(grid: Grid, needed: int, patience: float = NODE_WAIT_SECONDS) -> int:
-    """Number of connected nodes once ``needed`` are there, or after ``patience`` seconds."""
-    deadline = time.monotonic() + patience
+def _wait_for_nodes(grid: Grid, needed: int) -> int:
+    """Number of connected nodes once ``needed`` are there, or after ``NODE_WAIT_SECONDS``."""
+    deadline = time.monotonic() + NODE_WAIT_SECONDS
     while (count := len(list(grid.get_node_ids()))) < needed and time.monotonic() < deadline:
         time.sleep(0.5)
     return count
