@@ -21,9 +21,10 @@ __all__ = ["Batch", "BatchAugment", "BatchCollate", "BatchTensorDataset", "to_te
 
 def to_tensor(x: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
     """``uint8`` images ``(N, H, W)`` or ``(N, H, W, C)`` to normalised float32 ``(N, C, H, W)``."""
-    t = torch.from_numpy(np.ascontiguousarray(x))
+    # as_tensor copies read-only inputs (cached raw arrays are shared and read-only)
+    t = torch.as_tensor(np.asarray(x, dtype=np.float32))
     t = t.unsqueeze(1) if t.ndim == 3 else t.permute(0, 3, 1, 2)
-    t = t.to(torch.float32).div_(255.0)
+    t = t.div_(255.0)
     m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
     s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
     return t.sub_(m).div_(s).contiguous()
