@@ -30,6 +30,7 @@ SETUP = {
     "eps": 0.001,
     "eps-mode": "max",
     "eval-batch-size": 1000,
+    "eval-every": 5,
 }
 METHODS = {
     "FedAMS": {"strategy": "fedams"},

@@ -2,11 +2,12 @@
 
 Quality: real Fashion-MNIST (Debian's full set when installed, else the embedded
 subset), 20 clients, Dirichlet(0.5), the papers' small CNN, 10 clients per round,
-~30 rounds, each run through the real app with ``flwr run`` (simulation, Ray).
+30 rounds; pollen's real ServerApp and ClientApp in one process
+(``benchmarks/inprocess.py``: only Ray and the SuperLink are left out).
 
-Overhead: seconds per round of that ``flwr run`` simulation divided by seconds of
-the same local training (same data, steps, model, clients per round) in a plain
-PyTorch loop in one process.
+Overhead: seconds per round of a ``flwr run`` simulation (Ray, local SuperLink)
+divided by seconds of the same local training (same data, K steps, model, clients
+per round) in a plain PyTorch loop in one process.
 
     python benchmarks/bench_quality_overhead.py [--rounds 30]
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from inprocess import run_inprocess  # noqa: E402
 from tests.flwr_cli import LocalFlower  # noqa: E402
 
 CLIENTS = 20
@@ -35,6 +37,7 @@ COMMON = {
     "min-evaluate-nodes": 0,
     "local-epochs": 1,
     "local-steps": 0,
+    "eval-every": 5,
     "batch-size": 32,
     "local-lr": 0.01,
     "seed": 1,
@@ -45,8 +48,11 @@ METHODS = {
 }
 
 
+OVERHEAD_STEPS = 20
+
+
 def plain_pytorch_seconds_per_round(rounds: int) -> float:
-    """The same local training in one process: 10 of 20 clients a round, one epoch each."""
+    """The same local training in one process: 10 of 20 clients a round, K steps each."""
     import numpy as np
     import torch
 
@@ -56,48 +62,65 @@ def plain_pytorch_seconds_per_round(rounds: int) -> float:
     from pollen.task.device import resolve_device
     from pollen.task.train import train
 
-    torch.set_num_threads(1)
     cfg = AppConfig.from_run_config({**defaults_from_pyproject("pyproject.toml"), **COMMON})
     data_cfg = data_config(cfg, num_partitions=CLIENTS)
     model = build_model(cfg)
     device = resolve_device("cpu")
     rng = np.random.default_rng(0)
+    for pid in range(CLIENTS):  # warm the partition cache, as a warm simulation worker has it
+        load_partition(data_cfg, pid, 32)
     start = time.perf_counter()
     for r in range(rounds):
         for pid in rng.choice(CLIENTS, 10, replace=False):
             loader, _ = load_partition(data_cfg, int(pid), 32)
-            train(model, loader, lr=0.01, local_epochs=1, device=device, seed=r)
+            local = build_model(cfg)
+            local.load_state_dict(model.state_dict())
+            train(local, loader, lr=0.01, local_steps=OVERHEAD_STEPS, device=device, seed=r)
     return (time.perf_counter() - start) / rounds
+
+
+def simulation_seconds_per_round(out: Path, rounds: int) -> float:
+    flower = LocalFlower(out / "flwr-home")
+    try:
+        proc = flower.run(
+            {**COMMON, "strategy": "fedams", "local-steps": OVERHEAD_STEPS, "num-server-rounds": rounds,
+             "eval-every": 1000, "results-dir": str(out), "run-name": "overhead"},
+            num_supernodes=CLIENTS,
+            timeout=1800,
+        )
+    finally:
+        flower.stop()
+    if proc.returncode != 0:
+        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
+    rows = json.loads((out / "overhead" / "metrics.json").read_text())["rows"]
+    steady = [r["round_seconds"] for r in rows[2:-1]]  # skip Ray start-up and the final evaluation
+    return sum(steady) / len(steady)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--overhead-rounds", type=int, default=8)
+    parser.add_argument("--skip-quality", action="store_true")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="pollen-quality-"))
-    flower = LocalFlower(out / "flwr-home")
-    finals = {}
-    try:
+    if not args.skip_quality:
+        print(f"Quality: Fashion-MNIST, {CLIENTS} clients, Dirichlet(0.5), CNN, 10 clients/round, 1 local epoch "
+              f"(batch 32, lr 0.01), {args.rounds} rounds, seed 1", flush=True)
         for name, settings in METHODS.items():
-            proc = flower.run(
+            rows = run_inprocess(
                 {**COMMON, **settings, "num-server-rounds": args.rounds, "results-dir": str(out), "run-name": name},
-                num_supernodes=CLIENTS,
-                timeout=3600,
+                CLIENTS,
             )
-            if proc.returncode != 0:
-                raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
-            rows = json.loads((out / name / "metrics.json").read_text())["rows"]
-            steady = [r["round_seconds"] for r in rows[2:]]
-            finals[name] = (rows[-1]["accuracy"], sum(steady) / len(steady), rows[-1]["cum_uplink_bytes"])
-    finally:
-        flower.stop()
-    plain = plain_pytorch_seconds_per_round(min(args.rounds, 5))
-    print(f"Fashion-MNIST (source: see results config), {CLIENTS} clients, Dirichlet(0.5), CNN, 10 clients/round, {args.rounds} rounds, seed 1")
-    for name, (acc, sec, up) in finals.items():
-        print(f"  {name:8s} final accuracy {acc:.4f}   steady-state {sec:.2f} s/round   uplink total {up/1e6:.1f} MB")
-    sim = finals["fedams"][1]
-    print(f"plain PyTorch loop, same training: {plain:.2f} s/round")
-    print(f"overhead ratio (flwr run simulation / plain loop): {sim / plain:.2f}")
+            evaluated = [r for r in rows if isinstance(r["accuracy"], float)]
+            curve = " ".join(f"{r['round']}:{r['accuracy']:.3f}" for r in evaluated)
+            print(f"  {name:8s} final accuracy {rows[-1]['accuracy']:.4f}   (round:accuracy {curve})", flush=True)
+    sim = simulation_seconds_per_round(out, args.overhead_rounds)
+    plain = plain_pytorch_seconds_per_round(3)
+    print(f"Overhead: 20 SuperNodes, 10 per round, K={OVERHEAD_STEPS} steps of batch 32, CNN, no evaluation")
+    print(f"  flwr run simulation (steady state): {sim:.2f} s/round")
+    print(f"  plain PyTorch loop, same training:  {plain:.2f} s/round")
+    print(f"  overhead ratio (simulation / plain loop): {sim / plain:.2f}")
     print(f"results folders: {out}")
 
 

@@ -106,6 +106,7 @@ SCHEMA: dict[str, Key] = {
     "weight-decay": _NON_NEGATIVE,
     "device": Key(str, lambda v: v in ("auto", "cpu", "cuda", "mps") or v.startswith("cuda:"), "auto, cpu, cuda, cuda:N or mps"),
     "eval-batch-size": _POS_INT,
+    "eval-every": _POS_INT,
 }
 
 

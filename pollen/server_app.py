@@ -56,16 +56,22 @@ class RoundReporter:
         self.started = time.perf_counter()
         self.last = self.started
 
-    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         from pollen.task.train import evaluate
 
+        total = self.cfg["num-server-rounds"]
+        due = server_round % self.cfg["eval-every"] == 0 or server_round == total
+        if not due:
+            now = time.perf_counter()
+            self.recorder.record(self._row(server_round, None, None, now))
+            self.last = now
+            return None
         self.model.load_state_dict(arrays.to_torch_state_dict())
         loss, accuracy, _ = evaluate(self.model, self.test_loader, self.device)
         now = time.perf_counter()
         row = self._row(server_round, accuracy, loss, now)
         self.recorder.record(row)
         self.last = now
-        total = self.cfg["num-server-rounds"]
         log(
             INFO,
             "[pollen] round %d/%d  accuracy %.4f  loss %.4f  uplink %s (total %s, x%.1f vs fp32)  downlink total %s  %.1fs",
@@ -81,7 +87,7 @@ class RoundReporter:
         )
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
-    def _row(self, server_round: int, accuracy: float, loss: float, now: float) -> dict[str, Any]:
+    def _row(self, server_round: int, accuracy: float | None, loss: float | None, now: float) -> dict[str, Any]:
         accounting = self.strategy.accounting
         row: dict[str, Any] = {
             "round": server_round,

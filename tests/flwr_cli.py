@@ -26,21 +26,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _pids_with_args(*needles: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        text = [a.decode(errors="replace") for a in args]
-        if all(needle in text for needle in needles):
-            pids.append(int(entry.name))
-    return pids
-
-
 class LocalFlower:
     """A private local SuperLink for ``flwr run`` in simulation mode."""
 
@@ -70,16 +55,33 @@ class LocalFlower:
         return subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
     def stop(self) -> None:
-        for pid in _pids_with_args("--port", self.http_port):
-            try:
-                os.killpg(os.getpgid(pid), signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
+        """Stop the SuperLink and everything it started (simulation, Ray workers and agents).
+
+        Every process started through this helper inherits ``FLWR_LOCAL_CONTROL_API_PORT``
+        with this instance's private port, also Ray's agents that outlive their parent, so
+        the environment is what finds them all.
+        """
+        marker = f"FLWR_LOCAL_CONTROL_API_PORT={self.control_port}".encode()
+        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+            for pid in _pids_with_environ(marker):
                 try:
-                    os.kill(pid, signal.SIGTERM)
+                    os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
-        deadline = time.monotonic() + 15
-        while _pids_with_args("--port", self.http_port) and time.monotonic() < deadline:
-            time.sleep(0.3)
-        for pid in _pids_with_args("--port", self.http_port):
-            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + wait
+            while _pids_with_environ(marker) and time.monotonic() < deadline:
+                time.sleep(0.3)
+
+
+def _pids_with_environ(marker: bytes) -> list[int]:
+    """Processes (not this one) whose environment holds ``marker`` (``NAME=value``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
