@@ -105,7 +105,7 @@ def train(msg: Message, context: Context) -> Message:
         {
             protocol.ARRAYS_RECORD: ArrayRecord(task.model.state_dict()),
             protocol.METRICS_RECORD: metrics,
-            "pollen.client-info": info,
+            protocol.CLIENT_INFO_RECORD: info,
         }
     )
     return Message(content=content, reply_to=msg)

@@ -73,6 +73,7 @@ SCHEMA: dict[str, Key] = {
     "fraction-evaluate": Key(float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "min-train-nodes": _POS_INT,
     "min-evaluate-nodes": _NON_NEG_INT,
+    "node-wait-seconds": _NON_NEGATIVE,
     "aggregation": _choice(AGGREGATIONS),
     "server-lr": _POSITIVE,
     "beta1": _BETA,

@@ -23,6 +23,7 @@ UPDATE_RECORD = "pollen.update"
 UPDATE_META_RECORD = "pollen.update-meta"
 BUFFERS_RECORD = "pollen.buffers"
 IDENTITY_RECORD = "pollen.identity"
+CLIENT_INFO_RECORD = "pollen.client-info"
 CLIENT_STATE_PREFIX = "pollen."
 
 # ConfigRecord keys sent by the server in a train message.

@@ -24,12 +24,9 @@ from pollen.results import RunRecorder, human_bytes
 
 app = ServerApp()
 
-NODE_WAIT_SECONDS = 30.0
-
-
-def _wait_for_nodes(grid: Grid, needed: int) -> int:
-    """Number of connected nodes once ``needed`` are there, or after ``NODE_WAIT_SECONDS``."""
-    deadline = time.monotonic() + NODE_WAIT_SECONDS
+def _wait_for_nodes(grid: Grid, needed: int, patience: float) -> int:
+    """Number of connected nodes once ``needed`` are there, or after ``patience`` seconds."""
+    deadline = time.monotonic() + patience
     while (count := len(list(grid.get_node_ids()))) < needed and time.monotonic() < deadline:
         time.sleep(0.5)
     return count
@@ -122,7 +119,7 @@ def prepare(cfg: AppConfig, grid: Grid) -> tuple[Any, Any, int]:
     """Everything that can fail before round 1: nodes, data source, model."""
     from pollen.task.data import describe_source, load_test_set, validate_data_config
 
-    nodes = _wait_for_nodes(grid, cfg["min-train-nodes"])
+    nodes = _wait_for_nodes(grid, cfg["min-train-nodes"], cfg["node-wait-seconds"])
     if nodes < cfg["min-train-nodes"]:
         raise ConfigError(
             f"run-config 'min-train-nodes' = {cfg['min-train-nodes']} but only {nodes} SuperNodes "
@@ -159,7 +156,8 @@ def main(grid: Grid, context: Context) -> None:
         train_config=ConfigRecord(client_train_config(cfg)),
         evaluate_fn=reporter,
     )
-    final = result.arrays if result.arrays is not None else initial
+    # Flower hands back an empty record when no round produced a model
+    final = result.arrays if result.arrays is not None and len(result.arrays) > 0 else initial
     last = recorder.rows[-1] if recorder.rows else {}
     recorder.finish(
         {name: array.numpy() for name, array in final.items()},

@@ -52,9 +52,8 @@ def test_bad_run_config_values(tmp_path, key, value, allowed):
     assert key in message and str(value) in message and allowed in message
 
 
-def test_more_clients_requested_than_partitions(tmp_path, monkeypatch):
-    monkeypatch.setattr(server_app, "NODE_WAIT_SECONDS", 0.5)
-    message = run_main(tmp_path, nodes=3, **{"min-train-nodes": 5})
+def test_more_clients_requested_than_partitions(tmp_path):
+    message = run_main(tmp_path, nodes=3, **{"min-train-nodes": 5, "node-wait-seconds": 0.5})
     assert "min-train-nodes" in message and "5" in message and "3" in message
 
 

@@ -168,6 +168,7 @@ class AdaptiveStrategy(Strategy):
         self.accounting = Accounting()
         self.node_keys: dict[int, str] = {}
         self._key_order: tuple[str, ...] = ()
+        self.client_devices: dict[str, str] = {}
         self._sampled: dict[int, list[int]] = {}
         self._train_started: dict[int, float] = {}
 
@@ -416,6 +417,7 @@ class AdaptiveStrategy(Strategy):
         if not np.isfinite(num_examples) or num_examples <= 0:
             raise ReplyRejected(f"'{self.weighted_by_key}' must be a positive number, got {num_examples}")
         node = reply.metadata.src_node_id
+        self._note_device(node, content)
         return ClientUpdate(
             client_key=self.node_keys.get(node, f"node-{node}"),
             node_id=node,
@@ -424,6 +426,15 @@ class AdaptiveStrategy(Strategy):
             num_examples=num_examples,
             metrics=metrics,
         )
+
+    def _note_device(self, node: int, content: RecordDict) -> None:
+        """Log the device a client trained on (pollen's ClientApp reports it), once per change."""
+        info = content.config_records.get(protocol.CLIENT_INFO_RECORD)
+        device = info.get("device") if info is not None else None
+        client = self.node_keys.get(node, f"node-{node}")
+        if isinstance(device, str) and self.client_devices.get(client) != device:
+            self.client_devices[client] = device
+            log(INFO, "\t> %s trains on %s", client, device)
 
     # ------------------------------------------------------------------ evaluate
     def configure_evaluate(
