@@ -102,12 +102,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--overhead-rounds", type=int, default=8)
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="pollen-quality-"))
     if not args.skip_quality:
         print(f"Quality: Fashion-MNIST, {CLIENTS} clients, Dirichlet(0.5), CNN, 10 clients/round, 1 local epoch "
               f"(batch 32, lr 0.01), {args.rounds} rounds, seed 1", flush=True)
-        for name, settings in METHODS.items():
+        for name in args.methods:
+            settings = METHODS[name]
             rows = run_inprocess(
                 {**COMMON, **settings, "num-server-rounds": args.rounds, "results-dir": str(out), "run-name": name},
                 CLIENTS,
@@ -115,6 +118,8 @@ def main() -> None:
             evaluated = [r for r in rows if isinstance(r["accuracy"], float)]
             curve = " ".join(f"{r['round']}:{r['accuracy']:.3f}" for r in evaluated)
             print(f"  {name:8s} final accuracy {rows[-1]['accuracy']:.4f}   (round:accuracy {curve})", flush=True)
+    if args.skip_overhead:
+        return
     sim = simulation_seconds_per_round(out, args.overhead_rounds)
     plain = plain_pytorch_seconds_per_round(3)
     print(f"Overhead: 20 SuperNodes, 10 per round, K={OVERHEAD_STEPS} steps of batch 32, CNN, no evaluation")
