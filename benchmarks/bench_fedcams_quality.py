@@ -50,7 +50,7 @@ def main() -> None:
     out = tempfile.mkdtemp(prefix="pollen-fedcams-")
     print(f"Fashion-MNIST, {CLIENTS} clients, 10 per round, CNN, K=20 steps of batch 20, eta_l=0.05, "
           f"FedAMS Option 1 eta=0.1 eps=1e-3, {args.rounds} rounds, seeds {args.seeds}")
-    print(f"| partition | method | final accuracy (mean ± sd) | uplink update bytes (total) | vs FedAMS |")
+    print("| partition | method | final accuracy (mean ± sd) | uplink update bytes (total) | vs FedAMS |")
     print("|---|---|---|---|---|")
     for part_name, part in PARTITIONS.items():
         dense_bytes = None

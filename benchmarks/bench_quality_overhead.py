@@ -54,7 +54,6 @@ OVERHEAD_STEPS = 20
 def plain_pytorch_seconds_per_round(rounds: int) -> float:
     """The same local training in one process: 10 of 20 clients a round, K steps each."""
     import numpy as np
-    import torch
 
     from pollen.config import AppConfig, defaults_from_pyproject
     from pollen.experiment import build_model, data_config

@@ -24,8 +24,16 @@ from tests.flower_fakes import FakeGrid  # noqa: E402
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
-def run_inprocess(overrides: dict[str, Any], num_nodes: int) -> list[dict[str, Any]]:
-    """Run one experiment; return its metrics rows (also written under results-dir/run-name)."""
+def run_inprocess(overrides: dict[str, Any], num_nodes: int, threads: int = 1) -> list[dict[str, Any]]:
+    """Run one experiment; return its metrics rows (also written under results-dir/run-name).
+
+    ``threads`` caps torch's intra-op threads: clients train one after another here, and
+    on a small shared machine one thread per benchmark process is the fastest setting
+    (two threads were 2.2x slower per LeNet step under load).
+    """
+    import torch
+
+    torch.set_num_threads(threads)
     import pollen.client_app as client_module
     import pollen.server_app as server_module
 

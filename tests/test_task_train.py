@@ -56,7 +56,7 @@ def test_training_is_deterministic_in_the_seed_and_leaves_global_rng_alone():
     ra = train(a, loader, lr=0.1, local_steps=5, device="cpu", seed=42)
     assert torch.equal(torch.get_rng_state(), state)
     rb = train(b, loader, lr=0.1, local_steps=5, device="cpu", seed=42)
-    rc = train(c, loader, lr=0.1, local_steps=5, device="cpu", seed=43)
+    train(c, loader, lr=0.1, local_steps=5, device="cpu", seed=43)
     assert ra == rb
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import ServerOptimizer, adaptive_step, check_beta, check_bool, check_eps, check_eta
+from .base import ServerOptimizer, adaptive_step, check_bool
 
 __all__ = ["AdaBelief"]
 
@@ -58,11 +58,7 @@ class AdaBelief(ServerOptimizer):
         bias_correction: bool = True,
         inner_eps: bool = False,
     ) -> None:
-        self.eta = check_eta(self.name, eta)
-        self.beta1 = check_beta(self.name, "beta1", beta1)
-        self.beta2 = check_beta(self.name, "beta2", beta2)
-        self.eps = check_eps(self.name, eps)
-        self.bias_correction = check_bool(self.name, "bias_correction", bias_correction)
+        self._set_moment_settings(eta, beta1, beta2, eps, bias_correction)
         self.inner_eps = check_bool(self.name, "inner_eps", inner_eps)
 
     def _step(

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import ServerOptimizer, adaptive_step, check_beta, check_bool, check_eps, check_eta
+from .base import ServerOptimizer, adaptive_step
 
 __all__ = ["Adam"]
 
@@ -60,11 +60,7 @@ class Adam(ServerOptimizer):
         eps: float = 1e-3,
         bias_correction: bool = False,
     ) -> None:
-        self.eta = check_eta(self.name, eta)
-        self.beta1 = check_beta(self.name, "beta1", beta1)
-        self.beta2 = check_beta(self.name, "beta2", beta2)
-        self.eps = check_eps(self.name, eps)
-        self.bias_correction = check_bool(self.name, "bias_correction", bias_correction)
+        self._set_moment_settings(eta, beta1, beta2, eps, bias_correction)
 
     def _step(
         self, t: int, slots: dict[str, np.ndarray], delta: np.ndarray, params: np.ndarray | None, out: np.ndarray

@@ -167,6 +167,14 @@ class ServerOptimizer(abc.ABC):
         return {k: v for k, v in values.items() if isinstance(v, (bool, int, float, str))}
 
     # -- for subclasses -----------------------------------------------------------------
+    def _set_moment_settings(self, eta: Any, beta1: Any, beta2: Any, eps: Any, bias_correction: Any) -> None:
+        """Check and keep the settings the Adam family shares (Adam, Yogi, AdaBelief, LAMB)."""
+        self.eta = check_eta(self.name, eta)
+        self.beta1 = check_beta(self.name, "beta1", beta1)
+        self.beta2 = check_beta(self.name, "beta2", beta2)
+        self.eps = check_eps(self.name, eps)
+        self.bias_correction = check_bool(self.name, "bias_correction", bias_correction)
+
     def _initial_slots(self, dim: int) -> dict[str, np.ndarray]:
         return {name: np.zeros(dim, dtype=np.float32) for name in self.slot_names}
 

@@ -29,7 +29,7 @@ from numbers import Integral
 import numpy as np
 
 from .adam import update_moments
-from .base import OptimizerState, ServerOptimizer, adaptive_step, check_beta, check_bool, check_eps, check_eta
+from .base import OptimizerState, ServerOptimizer, adaptive_step, check_bool
 
 __all__ = ["Lamb", "segments_from_sizes"]
 
@@ -82,11 +82,7 @@ class Lamb(ServerOptimizer):
         segments: Sequence[tuple[int, int]] | None = None,
         layerwise: bool = True,
     ) -> None:
-        self.eta = check_eta(self.name, eta)
-        self.beta1 = check_beta(self.name, "beta1", beta1)
-        self.beta2 = check_beta(self.name, "beta2", beta2)
-        self.eps = check_eps(self.name, eps)
-        self.bias_correction = check_bool(self.name, "bias_correction", bias_correction)
+        self._set_moment_settings(eta, beta1, beta2, eps, bias_correction)
         self.layerwise = check_bool(self.name, "layerwise", layerwise)
         self.segments = None if segments is None else self._check_segments(segments)
         if self.layerwise and self.segments is None:

@@ -20,7 +20,7 @@ Subclasses choose the server optimiser and may override the small steps
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
