@@ -8,6 +8,7 @@ appends a row to ``results/<run-name>/metrics.csv`` and ``metrics.json``.
 
 from __future__ import annotations
 
+import random
 import time
 from datetime import datetime
 from logging import ERROR, INFO
@@ -144,6 +145,9 @@ def main(grid: Grid, context: Context) -> None:
         log(ERROR, "[pollen] stopped before round 1: %s", err)
         raise ConfigError(str(err)) from None
 
+    # Flower's own baselines sample with the global `random`; seed it too. (pollen's
+    # strategies use their own seeded generator over stable client ids.)
+    random.seed(cfg["seed"])
     out_dir = Path(cfg["results-dir"]).expanduser().resolve() / run_name(cfg)
     recorder = RunRecorder(out_dir, cfg.as_dict())
     log(INFO, "[pollen] %s on %s, %d SuperNodes; results in %s", cfg["strategy"], cfg["dataset"], nodes, out_dir)
