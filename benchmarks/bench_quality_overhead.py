@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inprocess import run_inprocess  # noqa: E402
+from inprocess import PYPROJECT, run_inprocess  # noqa: E402
 from tests.flwr_cli import LocalFlower  # noqa: E402
 
 CLIENTS = 20
@@ -61,7 +61,7 @@ def plain_pytorch_seconds_per_round(rounds: int) -> float:
     from pollen.task.device import resolve_device
     from pollen.task.train import train
 
-    cfg = AppConfig.from_run_config({**defaults_from_pyproject("pyproject.toml"), **COMMON})
+    cfg = AppConfig.from_run_config({**defaults_from_pyproject(str(PYPROJECT)), **COMMON})
     data_cfg = data_config(cfg, num_partitions=CLIENTS)
     model = build_model(cfg)
     device = resolve_device("cpu")
