@@ -169,6 +169,7 @@ class AdaptiveStrategy(Strategy):
         self.node_keys: dict[int, str] = {}
         self._key_order: tuple[str, ...] = ()
         self.client_devices: dict[str, str] = {}
+        self._last_returned: ArrayRecord | None = None
         self._sampled: dict[int, list[int]] = {}
         self._train_started: dict[int, float] = {}
 
@@ -197,7 +198,13 @@ class AdaptiveStrategy(Strategy):
 
     # ------------------------------------------------------------------ model state
     def _adopt_global_model(self, arrays: ArrayRecord) -> None:
-        """Take the global model from the record Flower hands back each round."""
+        """Take the global model from the record Flower hands back each round.
+
+        When it is the record this strategy returned last round, ``params`` already hold
+        it and nothing is decoded again.
+        """
+        if arrays is self._last_returned and self.params is not None:
+            return
         named = record_to_arrays(arrays)
         self._key_order = tuple(named)
         if self.layout is None:
@@ -308,7 +315,8 @@ class AdaptiveStrategy(Strategy):
             weights = [u.num_examples for u in updates]
             metrics = aggregate_metrics([u.metrics for u in updates if u.metrics is not None], weights)
             stats.train_metrics = dict(metrics or {})
-            result = (self.global_arrays(), metrics)
+            self._last_returned = self.global_arrays()
+            result = (self._last_returned, metrics)
         else:
             log(WARNING, "aggregate_train: no usable reply in round %d; the model is unchanged", server_round)
         stats.train_seconds = time.perf_counter() - self._train_started.get(server_round, time.perf_counter())
