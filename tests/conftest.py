@@ -15,4 +15,5 @@ if importlib.util.find_spec("torch") is None:
         "test_task_train.py",
         "test_flwr_run.py",
         "test_deploy_e2e.py",
+        "test_cuda_training.py",
     ]
