@@ -20,7 +20,7 @@ from pollen import protocol
 from pollen.clientside import compression_mod
 from pollen.compression import decode_payload
 from pollen.optim import AMSGrad
-from pollen.strategies import FedAMS, FedCAMS
+from pollen.strategies import FedAMS, FedCAMS, MeteredFedAdam, MeteredFedAvg
 from pollen.wire import records_to_payload
 from tests.flower_fakes import (
     BUFFERS,
@@ -394,3 +394,30 @@ def test_constructor_accepts_the_edges():
     FedAMS(fraction_train=1.0, fraction_evaluate=0.0, option=2, eps=0.0)
     FedCAMS(compressor="topk", topk_ratio=1.0, granularity="tensor", error_feedback=False)
     assert FedCAMS(compressor="none").train_config(1)[protocol.CFG_CODEC] == "none"
+
+
+# --------------------------------------------------------------------------- Flower's own baselines
+@pytest.mark.parametrize("strategy_cls", [MeteredFedAvg, MeteredFedAdam])
+def test_flower_baselines_hold_back_untrusted_replies(strategy_cls):
+    """Flower's own aggregation would average a NaN model in (or raise); the metered wrapper rejects it."""
+    x0 = tiny_model(0)
+
+    def client(msg):  # noqa: ANN001, ANN202
+        node = msg.metadata.dst_node_id
+        local = {k: (v + 0.1 if np.issubdtype(v.dtype, np.floating) else v) for k, v in global_arrays_of(msg).items()}
+        if node == 1:
+            local["conv.weight"] = np.full_like(local["conv.weight"], np.nan)
+        if node == 2:
+            return full_model_reply(msg, local, num_examples=0)
+        if node == 3:
+            local["fc.bias"] = np.zeros(7, np.float32)
+        return full_model_reply(msg, local, num_examples=10)
+
+    strategy = strategy_cls(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=5, min_available_nodes=5)
+    grid = FakeGrid([1, 2, 3, 4, 5], client)
+    arrays, _, _ = run_train_round(strategy, grid, 1, model_record(x0))
+    stats = strategy.accounting.rounds[1]
+    assert (stats.sampled, stats.replies, stats.failures) == (5, 2, 3)
+    assert all(np.all(np.isfinite(a)) for a in named_arrays(arrays).values())
+    assert any("NaN" in r for r in stats.failure_reasons)
+    assert any("num-examples" in r for r in stats.failure_reasons)
