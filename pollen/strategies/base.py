@@ -231,7 +231,7 @@ class AdaptiveStrategy(Strategy):
         return self.optimizer
 
     def on_layout(self, layout: ModelLayout) -> None:
-        """Hook: the model layout is known (round 1, or after ``load_state_dict``)."""
+        """Hook: the model layout became known (first round; ``load_state_dict`` restores state itself)."""
 
     def global_arrays(self) -> ArrayRecord:
         """The current global model as an ``ArrayRecord`` in the original key order."""
