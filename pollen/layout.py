@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pollen.optim.lamb import segments_from_sizes
+
 # PyTorch names the non-trainable state of normalisation layers with these suffixes.
 BUFFER_NAME_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -84,11 +86,7 @@ class ModelLayout:
     @property
     def segments(self) -> tuple[tuple[int, int], ...]:
         """(start, stop) of each trainable tensor inside the flat vector."""
-        bounds, start = [], 0
-        for spec in self.trainable:
-            bounds.append((start, start + spec.size))
-            start += spec.size
-        return tuple(bounds)
+        return tuple(segments_from_sizes(spec.size for spec in self.trainable))
 
     def flatten(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
         """Concatenate the trainable arrays into one float32 vector."""

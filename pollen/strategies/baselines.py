@@ -38,7 +38,8 @@ class Metered:
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self._started[server_round] = time.perf_counter()
-        self._layout = ModelLayout.from_arrays(record_to_arrays(arrays))
+        if self._layout is None:  # the model's shapes do not change between rounds
+            self._layout = ModelLayout.from_arrays(record_to_arrays(arrays))
         messages = list(super().configure_train(server_round, arrays, config, grid))
         stats = self.accounting.round(server_round)
         stats.sampled = len(messages)
