@@ -2,16 +2,21 @@
 
 Actions:
 
-- ``train``: load the global model, run K local SGD steps or E epochs on this
-  node's partition, reply with the trained model; ``compression_mod`` turns that
-  into a compressed, error-fed update when the strategy asks for one.
-- ``evaluate``: loss and accuracy of the global model on the held-out split.
-- ``query.pollen_identify``: the node's stable client id (node-config ``client-id``,
-  else ``partition-<id>``), so the server keys per-client state by something that
-  survives a SuperNode reconnecting.
+- ``train``: load the global model, run the local step the strategy names (``pollen.local-step``,
+  default plain SGD for K steps or E epochs; see :mod:`pollen.clientside.steps`) on this node's
+  partition, and reply with the trained model, or with a compressed, error-fed update straight
+  from the flat update vector when the strategy asks for a codec;
+- ``train.pollen_phase``: a mid-round message of a multi-phase round (``pollen.phase`` names the
+  handler in the same table);
+- ``evaluate``: loss and accuracy of the global model on the held-out split;
+- ``query.pollen_identify``: the node's stable client id (node-config ``client-id``, else
+  ``partition-<id>``) and cluster id (``cluster-id``, when set), so the server keys per-client
+  state by something that survives a SuperNode reconnecting.
 
-Node-config (SuperNode side) may set ``partition-id``, ``num-partitions``,
-``data-dir``, ``device`` and ``client-id``; those win over the run-config.
+Node-config (SuperNode side) may set ``partition-id``, ``num-partitions``, ``data-dir``, ``device``,
+``client-id``, ``cluster-id`` and ``state-dir`` (keep client state such as error-feedback residuals
+in a file there, so a SuperNode restart or a resumed run loses nothing); those win over the
+run-config.
 """
 
 from __future__ import annotations
@@ -19,18 +24,24 @@ from __future__ import annotations
 from logging import INFO
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import log
 
 from pollen import protocol
-from pollen.clientside import compression_mod
+from pollen.clientside import compression_mod, relay_demo  # noqa: F401 (relay_demo registers its steps)
+from pollen.clientside.compression_mod import client_state_for, compress_update, wants_compression
+from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, StepOutcome, lookup, model_arrays
 from pollen.config import AppConfig
 from pollen.experiment import build_model, data_config
+from pollen.layout import ModelLayout
+from pollen.wire import arrays_to_record, record_to_arrays
 
 app = ClientApp()
 
-_TRAIN_KEYS = ("local-lr", "local-epochs", "local-steps", "batch-size", "momentum", "weight-decay")
+#: Seed offset of the i-th message of a round, so each phase draws its own batches.
+_PHASE_SEED_STRIDE = 7_919
 
 
 def node_setting(context: Context, key: str, default: Any) -> Any:
@@ -59,56 +70,79 @@ class LocalTask:
         self.batch_size = self.cfg["batch-size"]
         self.loaders = lambda batch_size: load_partition(self.data_cfg, self.partition_id, batch_size)
         self.model = build_model(self.cfg)
+        self.client_id = client_id(context)
 
     def load_global(self, msg: Message) -> None:
         self.model.load_state_dict(msg.content.array_records[protocol.ARRAYS_RECORD].to_torch_state_dict())
 
+    def seed(self, server_round: int, phase_index: int = 0) -> int:
+        return self.cfg["seed"] * 1_000_003 + server_round * 1_009 + self.partition_id + phase_index * _PHASE_SEED_STRIDE
 
-def _setting(config: ConfigRecord, cfg: AppConfig, key: str) -> Any:
-    return config[key] if key in config else cfg[key]
+
+def _config(msg: Message) -> ConfigRecord:
+    return msg.content.config_records.get(protocol.CONFIG_RECORD, ConfigRecord())
+
+
+def _run(msg: Message, context: Context, handler_table: dict, handler_name: str, what: str, phase_index: int) -> Message:
+    """Run one handler of the step table and build the reply the strategy asked for."""
+    task = LocalTask(context)
+    config = _config(msg)
+    handler = lookup(handler_table, handler_name, what)
+    server_round = int(config.get(protocol.CFG_SERVER_ROUND, 0))
+    global_flat = None
+    if protocol.ARRAYS_RECORD in msg.content.array_records:
+        task.load_global(msg)
+    state = client_state_for(context, config, first_message=phase_index == 0)
+    work = LocalWork(task=task, msg=msg, config=config, state=state, server_round=server_round, seed=task.seed(server_round, phase_index))
+    layout = work.layout() if wants_compression(config) else None
+    if layout is not None and protocol.ARRAYS_RECORD in msg.content.array_records:
+        global_flat = layout.flatten(record_to_arrays(msg.content.array_records[protocol.ARRAYS_RECORD]))
+    outcome = handler(work)
+    content = _reply_records(work, outcome, layout, global_flat)
+    state.commit()
+    log(INFO, "[pollen] %s trained %d steps on %s", task.client_id, int(outcome.metrics.get("num-steps", 0)), task.device)
+    return Message(content=content, reply_to=msg)
+
+
+def _reply_records(work: LocalWork, outcome: StepOutcome, layout: ModelLayout | None, global_flat: np.ndarray | None) -> RecordDict:
+    """The reply: the model (full or compressed from the flat update), extras, flags, metrics, client info."""
+    content = RecordDict()
+    if outcome.upload_model:
+        if layout is None:
+            content[protocol.ARRAYS_RECORD] = ArrayRecord(work.task.model.state_dict())
+        else:
+            local = model_arrays(work.task.model)
+            reference = global_flat if global_flat is not None else outcome.reference
+            if reference is None:
+                raise ValueError("a compressed upload needs the global model or the step's reference vector")
+            delta = layout.flatten(local)
+            delta -= reference
+            buffers = {key: local[key] for key in layout.buffer_keys}
+            content.update(compress_update(delta, work.config, work.state, segments=layout.segments, buffers=buffers))
+    for name, vector in outcome.extras.items():
+        content[protocol.extra_record(name)] = arrays_to_record({protocol.EXTRA_ARRAY: np.asarray(vector, dtype=np.float32)})
+    if outcome.flags:
+        content[protocol.FLAGS_RECORD] = ConfigRecord(dict(outcome.flags))
+    metrics = dict(outcome.metrics)
+    metrics["on-gpu"] = int(work.task.device.type == "cuda")
+    content[protocol.METRICS_RECORD] = MetricRecord(metrics)
+    content[protocol.CLIENT_INFO_RECORD] = ConfigRecord({"device": str(work.task.device), protocol.IDENTITY_CLIENT_ID: work.task.client_id})
+    return content
 
 
 @app.train(mods=[compression_mod])
 def train(msg: Message, context: Context) -> Message:
-    """Train the global model locally and reply with the trained model."""
-    from pollen.task.train import train as local_train
+    """Train the global model locally with the strategy's local step and reply with the update."""
+    step = str(_config(msg).get(protocol.CFG_LOCAL_STEP, "sgd"))
+    return _run(msg, context, LOCAL_STEPS, step, "local step", phase_index=0)
 
-    task = LocalTask(context)
-    task.load_global(msg)
-    config = msg.content.config_records.get(protocol.CONFIG_RECORD, ConfigRecord())
-    settings = {key: _setting(config, task.cfg, key) for key in _TRAIN_KEYS}
-    trainloader, _ = task.loaders(int(settings["batch-size"]))
-    server_round = int(config.get(protocol.CFG_SERVER_ROUND, 0))
-    steps = int(settings["local-steps"])
-    result = local_train(
-        task.model,
-        trainloader,
-        lr=float(settings["local-lr"]),
-        local_steps=steps if steps > 0 else None,
-        local_epochs=None if steps > 0 else int(settings["local-epochs"]),
-        momentum=float(settings["momentum"]),
-        weight_decay=float(settings["weight-decay"]),
-        device=task.device,
-        seed=task.cfg["seed"] * 1_000_003 + server_round * 1_009 + task.partition_id,
-    )
-    log(INFO, "[pollen] %s trained %d steps on %s", client_id(context), result.num_steps, task.device)
-    metrics = MetricRecord(
-        {
-            "train-loss": float(result.train_loss),
-            "num-examples": int(result.num_examples),
-            "num-steps": int(result.num_steps),
-            "on-gpu": int(task.device.type == "cuda"),
-        }
-    )
-    info = ConfigRecord({"device": str(task.device), protocol.IDENTITY_CLIENT_ID: client_id(context)})
-    content = RecordDict(
-        {
-            protocol.ARRAYS_RECORD: ArrayRecord(task.model.state_dict()),
-            protocol.METRICS_RECORD: metrics,
-            protocol.CLIENT_INFO_RECORD: info,
-        }
-    )
-    return Message(content=content, reply_to=msg)
+
+@app.train("pollen_phase", mods=[compression_mod])
+def train_phase(msg: Message, context: Context) -> Message:
+    """A later message of a multi-phase round: run the handler ``pollen.phase`` names."""
+    config = _config(msg)
+    name = str(config.get(protocol.CFG_PHASE, ""))
+    return _run(msg, context, PHASES, name, "phase", phase_index=int(config.get(protocol.CFG_PHASE_INDEX, 1)))
 
 
 @app.evaluate()
@@ -126,6 +160,9 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 @app.query("pollen_identify")
 def identify(msg: Message, context: Context) -> Message:
-    """Tell the server this node's stable client id."""
+    """Tell the server this node's stable client id (and its cluster id, when node-config sets one)."""
     identity = ConfigRecord({protocol.IDENTITY_CLIENT_ID: client_id(context)})
+    cluster = node_setting(context, "cluster-id", "")
+    if cluster != "":
+        identity[protocol.IDENTITY_CLUSTER_ID] = str(cluster)
     return Message(content=RecordDict({protocol.IDENTITY_RECORD: identity}), reply_to=msg)

@@ -12,20 +12,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-STRATEGIES = (
-    "fedavg",
-    "fedadam",
-    "fedyogi",
-    "fedadagrad",
-    "fedams",
-    "fedamsgrad",
-    "fedcams",
-    "fedadavr",
-    "mifa",
-    "fedvarp",
-    "fedadavr-novr",
-    "fedadavr-noopt",
-)
+def _strategy_names() -> tuple[str, ...]:
+    """The names the strategy modules register (``pollen.strategies.registry``)."""
+    from pollen.strategies import strategy_names
+
+    return strategy_names()
+
+
+STRATEGIES = _strategy_names()
 SERVER_OPTIMIZERS = ("adagrad", "adam", "adabelief", "yogi", "lamb", "sgd")
 TABLE_PRECISIONS = ("fp32", "fp16", "int8", "int4")
 VR_WEIGHTINGS = ("sampled-normalised", "horvitz-thompson", "literal")
@@ -108,7 +102,23 @@ SCHEMA: dict[str, Key] = {
     "device": Key(str, lambda v: v in ("auto", "cpu", "cuda", "mps") or v.startswith("cuda:"), "auto, cpu, cuda, cuda:N or mps"),
     "eval-batch-size": _POS_INT,
     "eval-every": _POS_INT,
+    "resume": _ANY_STR,
+    "stop-after-round": _NON_NEG_INT,
+    "state-dir": _ANY_STR,
 }
+
+#: Keys that may differ between a checkpoint and the run that resumes it (the rest must be equal).
+RESUME_MAY_DIFFER = (
+    "resume",
+    "stop-after-round",
+    "num-server-rounds",
+    "node-wait-seconds",
+    "device",
+    "eval-batch-size",
+    "results-dir",
+    "data-dir",
+    "state-dir",
+)
 
 
 def _coerce(key: str, value: Any, spec: Key) -> Any:

@@ -13,6 +13,12 @@ existing ClientApp sends) or pollen's compressed form:
 - ``UPDATE_META_RECORD``: ConfigRecord with the codec name and dimension,
 - ``BUFFERS_RECORD``: ArrayRecord with the non-trainable arrays, uncompressed,
 - ``"metrics"``: MetricRecord with at least ``num-examples``.
+
+Methods that move more than the model add named extras, in either direction: each extra vector
+travels in its own ArrayRecord ``pollen.x.<name>`` holding one array ``"value"`` (so its bytes are
+counted under its own name), and one-bit flags travel as booleans in the ConfigRecord
+``pollen.flags``. A round with more than one exchange sends its later messages with the message type
+``train.pollen_phase`` and the phase name in the config (``pollen.phase``).
 """
 
 ARRAYS_RECORD = "arrays"
@@ -25,6 +31,13 @@ BUFFERS_RECORD = "pollen.buffers"
 IDENTITY_RECORD = "pollen.identity"
 CLIENT_INFO_RECORD = "pollen.client-info"
 CLIENT_STATE_PREFIX = "pollen."
+FLAGS_RECORD = "pollen.flags"
+EXTRA_RECORD_PREFIX = "pollen.x."
+EXTRA_ARRAY = "value"
+
+# Message type of a mid-round exchange (a second, third... message of one training round); the
+# ClientApp routes it with ``@app.train("pollen_phase")`` and dispatches on CFG_PHASE.
+PHASE_MESSAGE_TYPE = "train.pollen_phase"
 
 # ConfigRecord keys sent by the server in a train message.
 CFG_SERVER_ROUND = "server-round"
@@ -33,6 +46,10 @@ CFG_TOPK_RATIO = "pollen.topk-ratio"
 CFG_ERROR_FEEDBACK = "pollen.error-feedback"
 CFG_GRANULARITY = "pollen.granularity"
 CFG_BUFFER_KEYS = "pollen.buffer-keys"
+CFG_PHASE = "pollen.phase"
+CFG_PHASE_INDEX = "pollen.phase-index"
+CFG_LOCAL_STEP = "pollen.local-step"
+CFG_RUN_KEY = "pollen.run-key"
 
 # Keys of UPDATE_META_RECORD.
 META_CODEC = "codec"
@@ -42,8 +59,14 @@ META_GRANULARITY = "granularity"
 # Keys of IDENTITY_RECORD / the identify query.
 QUERY_IDENTIFY = "query.pollen_identify"
 IDENTITY_CLIENT_ID = "client-id"
+IDENTITY_CLUSTER_ID = "cluster-id"
 
 NUM_EXAMPLES = "num-examples"
+
+
+def extra_record(name: str) -> str:
+    """Record name of the extra vector ``name`` (e.g. ``pollen.x.v_hat``), in either direction."""
+    return EXTRA_RECORD_PREFIX + name
 
 
 def join_keys(keys: tuple[str, ...] | list[str]) -> str:

@@ -35,6 +35,10 @@ COLUMNS = (
     "uplink_fp32_bytes",
     "compression_ratio",
     "downlink_bytes",
+    "messages_sent",
+    "exchange_messages",
+    "uplink_by_record",
+    "downlink_by_record",
     "server_state_bytes",
     "cum_uplink_bytes",
     "cum_downlink_bytes",
@@ -54,14 +58,28 @@ def human_bytes(n: float) -> str:
 class RunRecorder:
     """Writes rows as they come, so a crashed or running job still has its numbers on disk."""
 
-    def __init__(self, out_dir: Path, config: Mapping[str, Any]) -> None:
+    def __init__(self, out_dir: Path, config: Mapping[str, Any], *, fresh: bool = True) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, Any]] = []
         self.summary: dict[str, Any] = {}
-        (self.out_dir / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+        name = "config.json" if fresh else "config-resumed.json"
+        (self.out_dir / name).write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+        if fresh:
+            self._rewrite_csv()
+
+    def restore(self, rows: list[Mapping[str, Any]]) -> None:
+        """Start from the rows a checkpoint kept (rows written after it, before a crash, are dropped)."""
+        self.rows = [{column: row.get(column, "") for column in COLUMNS} for row in rows]
+        self._rewrite_csv()
+        self._write_json()
+
+    def _rewrite_csv(self) -> None:
         with open(self.out_dir / "metrics.csv", "w", newline="") as handle:
-            csv.writer(handle).writerow(COLUMNS)
+            writer = csv.writer(handle)
+            writer.writerow(COLUMNS)
+            for row in self.rows:
+                writer.writerow([_fmt(row[c]) for c in COLUMNS])
 
     def record(self, row: Mapping[str, Any]) -> None:
         full = {column: row.get(column, "") for column in COLUMNS}
@@ -82,6 +100,8 @@ class RunRecorder:
 
 
 def _fmt(value: Any) -> Any:
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
     return f"{value:.6g}" if isinstance(value, float) else value
 
 

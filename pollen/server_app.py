@@ -19,9 +19,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from pollen.config import AppConfig, ConfigError
+from pollen import protocol
+from pollen.config import RESUME_MAY_DIFFER, AppConfig, ConfigError
 from pollen.experiment import build_model, build_strategy, client_train_config, data_config
 from pollen.results import RunRecorder, human_bytes
+from pollen.strategies import RunCheckpoint, RunInterrupted
 
 app = ServerApp()
 
@@ -39,6 +41,13 @@ def run_name(cfg: AppConfig) -> str:
     return f"{cfg['strategy']}-{cfg['dataset']}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
+def run_dir(cfg: AppConfig) -> Path:
+    """The run's results directory: the one ``resume`` names, else ``results-dir/<run-name>``."""
+    if cfg["resume"]:
+        return Path(cfg["resume"]).expanduser().resolve()
+    return Path(cfg["results-dir"]).expanduser().resolve() / run_name(cfg)
+
+
 class RoundReporter:
     """Centralised evaluation plus the per-round row and progress line (Flower's ``evaluate_fn``)."""
 
@@ -53,6 +62,16 @@ class RoundReporter:
         self.device = resolve_device(cfg["device"])
         self.started = time.perf_counter()
         self.last = self.started
+        self.elapsed_before = 0.0  # seconds of the run before a resume
+
+    def app_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the reporter: the rows so far and the elapsed time."""
+        return {"rows": self.recorder.rows, "elapsed": self.elapsed_before + time.perf_counter() - self.started}
+
+    def restore(self, app_state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's rows and elapsed time."""
+        self.recorder.restore(app_state.get("rows", []))
+        self.elapsed_before = float(app_state.get("elapsed", 0.0))
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         from pollen.task.train import evaluate
@@ -95,7 +114,7 @@ class RoundReporter:
             "cum_downlink_bytes": accounting.cumulative("downlink_bytes", server_round)
             + accounting.cumulative("eval_downlink_bytes", server_round),
             "round_seconds": now - self.last,
-            "elapsed_seconds": now - self.started,
+            "elapsed_seconds": self.elapsed_before + now - self.started,
         }
         stats = accounting.rounds.get(server_round)
         if stats is not None:
@@ -106,6 +125,10 @@ class RoundReporter:
                 uplink_bytes=stats.uplink_bytes,
                 uplink_update_bytes=stats.uplink_update_bytes,
                 uplink_fp32_bytes=stats.uplink_fp32_bytes,
+                uplink_by_record=dict(stats.uplink_records),
+                downlink_by_record=dict(stats.downlink_records),
+                messages_sent=stats.messages_sent,
+                exchange_messages=stats.exchange_messages,
                 compression_ratio=stats.compression_ratio,
                 downlink_bytes=stats.downlink_bytes + stats.eval_downlink_bytes,
                 server_state_bytes=getattr(stats, "server_state_bytes", 0),
@@ -134,32 +157,66 @@ def prepare(cfg: AppConfig, grid: Grid) -> tuple[Any, Any, int]:
     return model, test_loader, nodes
 
 
+def make_checkpoint(cfg: AppConfig, out_dir: Path) -> RunCheckpoint:
+    """The run's checkpoint, tied to its run-config (keys in ``RESUME_MAY_DIFFER`` may change)."""
+    return RunCheckpoint(
+        out_dir,
+        resume=bool(cfg["resume"]),
+        fingerprint=cfg.as_dict(),
+        ignore=(*RESUME_MAY_DIFFER, "run-name"),
+        stop_after_round=cfg["stop-after-round"],
+    )
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run one experiment as the run-config says."""
+    """Run one experiment as the run-config says (or resume one)."""
     try:
         cfg = AppConfig.from_run_config(context.run_config)
         strategy = build_strategy(cfg)
+        out_dir = run_dir(cfg)
+        checkpoint = make_checkpoint(cfg, out_dir)
+        if checkpoint.resume:
+            done = checkpoint.validate(type(strategy).__name__)
+            if done >= cfg["num-server-rounds"]:
+                raise ConfigError(
+                    f"run-config 'resume' = {cfg['resume']!r}: that run already finished round {done}; "
+                    f"allowed: num-server-rounds > {done}"
+                )
         model, test_loader, nodes = prepare(cfg, grid)
-    except ValueError as err:  # ConfigError, DataSourceError and the task layer's checks
+    except ValueError as err:  # ConfigError, CheckpointError, DataSourceError and the task layer's checks
         log(ERROR, "[pollen] stopped before round 1: %s", err)
         raise ConfigError(str(err)) from None
 
     # Flower's own baselines sample with the global `random`; seed it too. (pollen's
     # strategies use their own seeded generator over stable client ids.)
     random.seed(cfg["seed"])
-    out_dir = Path(cfg["results-dir"]).expanduser().resolve() / run_name(cfg)
-    recorder = RunRecorder(out_dir, cfg.as_dict())
+    recorder = RunRecorder(out_dir, cfg.as_dict(), fresh=not checkpoint.resume)
     log(INFO, "[pollen] %s on %s, %d SuperNodes; results in %s", cfg["strategy"], cfg["dataset"], nodes, out_dir)
     initial = ArrayRecord(model.state_dict())
     reporter = RoundReporter(cfg, strategy, recorder, model, test_loader)
-    result = strategy.start(
-        grid=grid,
-        initial_arrays=initial,
-        num_rounds=cfg["num-server-rounds"],
-        train_config=ConfigRecord(client_train_config(cfg)),
-        evaluate_fn=reporter,
-    )
+    checkpoint.app_state = reporter.app_state
+    if checkpoint.resume:
+        reporter.restore(checkpoint.read_app_state(type(strategy).__name__))
+    train_config = client_train_config(cfg)
+    train_config[protocol.CFG_RUN_KEY] = out_dir.name
+    try:
+        result = strategy.start(
+            grid=grid,
+            initial_arrays=initial,
+            num_rounds=cfg["num-server-rounds"],
+            train_config=ConfigRecord(train_config),
+            evaluate_fn=reporter,
+            checkpoint=checkpoint,
+        )
+    except RunInterrupted as stop:
+        log(
+            INFO,
+            "[pollen] stopped after round %d as asked; continue with --run-config \"resume='%s'\"",
+            stop.server_round,
+            out_dir,
+        )
+        return
     # Flower hands back an empty record when no round produced a model
     final = result.arrays if result.arrays is not None and len(result.arrays) > 0 else initial
     last = recorder.rows[-1] if recorder.rows else {}
@@ -170,6 +227,8 @@ def main(grid: Grid, context: Context) -> None:
             "total_uplink_bytes": last.get("cum_uplink_bytes"),
             "total_downlink_bytes": last.get("cum_downlink_bytes"),
             "seconds": last.get("elapsed_seconds"),
+            "checkpoint_bytes": checkpoint.last_bytes,
+            "checkpoint_seconds": checkpoint.last_seconds,
         },
     )
     log(INFO, "[pollen] done: final accuracy %.4f; results in %s", last.get("accuracy", float("nan")), out_dir)

@@ -12,7 +12,8 @@ from flwr.app import Message, MessageType
 
 from pollen import protocol
 from pollen.clientside import compression_mod
-from pollen.clientside.compression_mod import RESIDUAL_STATE_KEY
+from pollen.clientside.compression_mod import RESIDUAL
+from pollen.clientside.state import STATE_KEY
 from pollen.compression import SignCodec, decode_payload
 from pollen.wire import records_to_payload
 from tests.flower_fakes import (
@@ -72,7 +73,7 @@ class Trainer:
 
 
 def residual(context) -> np.ndarray:  # noqa: ANN001
-    return context.state.array_records[RESIDUAL_STATE_KEY]["e"].numpy()
+    return context.state.array_records[STATE_KEY][RESIDUAL].numpy()
 
 
 def decoded(reply: Message) -> np.ndarray:
@@ -131,7 +132,7 @@ def test_without_error_feedback_no_residual_is_stored():
     trainer = Trainer(4)
     for t in (1, 2, 3):
         out = compression_mod(train_message(global_model(t), sign_config(error_feedback=False), node_id=3), context, trainer)
-        assert RESIDUAL_STATE_KEY not in context.state.array_records
+        assert STATE_KEY not in context.state.array_records
         # Plain C(Delta): nothing carried over from earlier rounds.
         want = SignCodec().decode(SignCodec().encode(trainer.true_deltas[-1].astype(np.float32)), D)
         np.testing.assert_array_equal(decoded(out), want.astype(np.float64))

@@ -18,7 +18,8 @@ from flwr.serverapp.strategy import FedAdam
 
 from pollen import protocol
 from pollen.clientside import compression_mod
-from pollen.clientside.compression_mod import RESIDUAL_STATE_KEY
+from pollen.clientside.compression_mod import RESIDUAL
+from pollen.clientside.state import STATE_KEY
 from pollen.compression import decode_payload
 from pollen.optim import AMSGrad
 from pollen.strategies import FedAMS, FedCAMS
@@ -421,7 +422,7 @@ def test_fedcams_none_equals_fedams_bit_for_bit():
     # Every client that took part keeps e == 0 exactly.
     took_part = {n for call in grid_cams.sampled_per_call() for n in call}
     for node in took_part:
-        residual = contexts[node].state.array_records[RESIDUAL_STATE_KEY]["e"].numpy()
+        residual = contexts[node].state.array_records[STATE_KEY][RESIDUAL].numpy()
         assert residual.shape == (D,) and not residual.any()
 
 
@@ -509,7 +510,7 @@ def test_state_dict_roundtrip_resumes_identically():
     for name in BUFFERS:
         np.testing.assert_array_equal(first.buffers[name], resumed.buffers[name])
         assert first.buffers[name].dtype == resumed.buffers[name].dtype
-    assert first.rng.bit_generator.state == resumed.rng.bit_generator.state
+    assert first.sampler.rng.bit_generator.state == resumed.sampler.rng.bit_generator.state
     assert first.node_keys == resumed.node_keys
     assert first.accounting.rounds[2].failure_reasons == resumed.accounting.rounds[2].failure_reasons
     assert first.accounting.to_dict()["1"] == resumed.accounting.to_dict()["1"]
@@ -527,4 +528,4 @@ def test_state_dict_refuses_another_strategy_class():
     restored = FedAMS()
     restored.load_state_dict(pickle.loads(pickle.dumps(empty.state_dict())))
     assert restored.seed == 9 and restored.layout is None
-    assert restored.rng.integers(1 << 30) == np.random.default_rng(9).integers(1 << 30)
+    assert restored.sampler.rng.integers(1 << 30) == np.random.default_rng(9).integers(1 << 30)

@@ -1,76 +1,120 @@
-"""``compression_mod``: a Flower mod that turns a ClientApp's trained model into a compressed update.
+"""Compressed, error-fed uploads: a Flower mod for any ClientApp, and the function under it.
 
-Add it to any ClientApp (``ClientApp(mods=[compression_mod])`` or
-``@app.train(mods=[compression_mod])``). When a pollen strategy's train message asks
-for a codec (``pollen.codec`` in its config), the mod lets the ClientApp train as
-usual, then replaces the reply's full ``"arrays"`` by
+``compression_mod``: add it to any ClientApp (``ClientApp(mods=[compression_mod])`` or
+``@app.train(mods=[compression_mod])``). When a pollen strategy's train message asks for a codec
+(``pollen.codec`` in its config), the mod lets the ClientApp train as usual, then replaces the
+reply's full ``"arrays"`` by
 
     p = (x_local - x_global) + e;   payload = C(p);   e <- p - decode(payload)
 
-i.e. FedCAMS Algorithm 2, line 12. The residual ``e`` lives in ``context.state``, so
-Flower keeps it per node across rounds; a node that is not sampled never runs the
-mod and its residual stays exactly as it was. Non-trainable buffers travel apart,
-uncompressed. Without a codec in the config the reply passes through untouched, so
-the same ClientApp also serves FedAvg/FedAMS.
+i.e. FedCAMS Algorithm 2, line 12. Every other record of the reply (metrics, extras, flags, the
+client's own records) passes through untouched. Non-trainable buffers travel apart, uncompressed.
+Without a codec in the config, or when the ClientApp already uploaded a compressed update, the
+reply passes through untouched, so the same ClientApp also serves FedAvg/FedAMS.
+
+``compress_update``: the same step for a ClientApp that already holds its update as one flat
+vector (pollen's own ClientApp): no ``ArrayRecord`` of the full model is built only to be decoded
+again. The residual ``e`` is kept with :class:`~pollen.clientside.state.ClientState` (in
+``context.state``, and in a node-local file when node-config ``state-dir`` is set), so a node that
+is not sampled keeps its residual exactly as it was.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
 from pollen import protocol
+from pollen.clientside.state import ClientState
 from pollen.compression import make_codec
 from pollen.compression.error_feedback import ErrorFeedback, compress_with_feedback
 from pollen.layout import ModelLayout
 from pollen.wire import arrays_to_record, payload_to_records, record_to_arrays
 
-RESIDUAL_STATE_KEY = "pollen.ef-residual"
+RESIDUAL = "ef-residual"
 
 
-def load_residual(context: Context, dim: int) -> np.ndarray | None:
-    """This node's error-feedback residual, or ``None`` (zero) when it has none of size ``dim``."""
-    record = context.state.array_records.get(RESIDUAL_STATE_KEY)
-    if record is None or "e" not in record:
-        return None
-    residual = record["e"].numpy()
-    return residual if residual.shape == (dim,) else None
+def wants_compression(config: ConfigRecord | None) -> bool:
+    """Whether a train config asks for a compressed upload."""
+    return config is not None and protocol.CFG_CODEC in config
 
 
-def store_residual(context: Context, residual: np.ndarray) -> None:
-    context.state[RESIDUAL_STATE_KEY] = arrays_to_record({"e": residual})
+def client_state_for(context: Context, config: ConfigRecord, *, first_message: bool = True) -> ClientState:
+    """This node's :class:`ClientState` for the message whose config is ``config``.
+
+    Node-config ``state-dir`` (else run-config ``state-dir``) keeps it in a file that survives a
+    SuperNode restart or a resumed run; ``client-id`` (else ``partition-<id>``) names the file and
+    the strategy's ``pollen.run-key`` the run it belongs to.
+    """
+    node = context.node_config
+    state_dir = str(node.get("state-dir") or context.run_config.get("state-dir") or "")
+    client_id = str(node.get("client-id") or f"partition-{int(node.get('partition-id', 0))}")
+    return ClientState(
+        context,
+        server_round=int(config.get(protocol.CFG_SERVER_ROUND, 0)),
+        first_message=first_message,
+        state_dir=state_dir or None,
+        client_id=client_id,
+        run_key=str(config.get(protocol.CFG_RUN_KEY, "")),
+    )
+
+
+def compress_update(
+    delta: np.ndarray,
+    config: ConfigRecord,
+    state: ClientState,
+    *,
+    segments: Sequence[tuple[int, int]] | None = None,
+    buffers: Mapping[str, np.ndarray] | None = None,
+) -> dict[str, ArrayRecord | ConfigRecord]:
+    """The records of a compressed upload of ``delta`` (flat float32), as ``config`` asks.
+
+    ``state`` holds the error-feedback residual between rounds (updated here, committed by the
+    caller); ``buffers`` (non-trainable arrays) travel uncompressed in ``pollen.buffers``.
+    """
+    granularity = str(config.get(protocol.CFG_GRANULARITY, "model"))
+    codec = make_codec(
+        str(config[protocol.CFG_CODEC]),
+        topk_ratio=float(config.get(protocol.CFG_TOPK_RATIO, 1 / 64)),
+        segments=segments,
+        granularity=granularity,
+    )
+    use_feedback = bool(config.get(protocol.CFG_ERROR_FEEDBACK, True))
+    residual = state.get(RESIDUAL) if use_feedback else None
+    if residual is not None and residual.shape != delta.shape:
+        residual = None  # the model changed size: start again from e = 0
+    payload, feedback = compress_with_feedback(codec, delta, ErrorFeedback(residual=residual, enabled=use_feedback))
+    if use_feedback:
+        state.set(RESIDUAL, feedback.residual)
+    update, meta = payload_to_records(payload, granularity)
+    records: dict[str, ArrayRecord | ConfigRecord] = {protocol.UPDATE_RECORD: update, protocol.UPDATE_META_RECORD: meta}
+    if buffers:
+        records[protocol.BUFFERS_RECORD] = arrays_to_record(buffers)
+    return records
 
 
 def compress_reply(
     msg: Message, reply: Message, context: Context, global_arrays: dict[str, np.ndarray], config: ConfigRecord
 ) -> Message:
-    """Replace the full model in ``reply`` by the compressed update that ``config`` asks for."""
+    """Replace the full model in ``reply`` by the compressed update ``config`` asks for; keep the rest."""
     local_arrays = record_to_arrays(reply.content.array_records[protocol.ARRAYS_RECORD])
     buffer_keys = protocol.split_keys(str(config.get(protocol.CFG_BUFFER_KEYS, "")))
     layout = ModelLayout.from_arrays(global_arrays, buffer_keys)
     layout.check_arrays(local_arrays, layout.trainable + layout.buffers)
-    delta = layout.flatten(local_arrays) - layout.flatten(global_arrays)
-
-    granularity = str(config.get(protocol.CFG_GRANULARITY, "model"))
-    codec = make_codec(
-        str(config[protocol.CFG_CODEC]),
-        topk_ratio=float(config.get(protocol.CFG_TOPK_RATIO, 1 / 64)),
-        segments=layout.segments,
-        granularity=granularity,
+    delta = layout.flatten(local_arrays)
+    delta -= layout.flatten(global_arrays)
+    state = client_state_for(context, config)
+    records = compress_update(
+        delta, config, state, segments=layout.segments, buffers={k: local_arrays[k] for k in layout.buffer_keys}
     )
-    use_feedback = bool(config.get(protocol.CFG_ERROR_FEEDBACK, True))
-    feedback = ErrorFeedback(residual=load_residual(context, layout.dim) if use_feedback else None, enabled=use_feedback)
-    payload, feedback = compress_with_feedback(codec, delta, feedback)
-    if use_feedback:
-        store_residual(context, feedback.residual)
-
-    update, meta = payload_to_records(payload, granularity)
-    content = RecordDict({protocol.UPDATE_RECORD: update, protocol.UPDATE_META_RECORD: meta})
-    if layout.buffers:
-        content[protocol.BUFFERS_RECORD] = arrays_to_record({k: local_arrays[k] for k in layout.buffer_keys})
+    if bool(config.get(protocol.CFG_ERROR_FEEDBACK, True)):
+        state.commit()
+    content = RecordDict(records)
     for name, record in reply.content.items():
-        if name != protocol.ARRAYS_RECORD and not isinstance(record, ArrayRecord):
+        if name != protocol.ARRAYS_RECORD and name not in content:
             content[name] = record
     return Message(content=content, reply_to=msg)
 
@@ -79,12 +123,13 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     """Flower mod: compress the train reply with error feedback when the server asks for it."""
     is_train = msg.metadata.message_type.split(".")[0] == "train"
     config = msg.content.config_records.get(protocol.CONFIG_RECORD) if is_train else None
-    if config is None or protocol.CFG_CODEC not in config:
+    if not wants_compression(config) or protocol.ARRAYS_RECORD not in msg.content.array_records:
         return call_next(msg, context)
-    # Snapshot what the mod needs: the ClientApp may consume the incoming records.
+    # Keep what the mod needs: the ClientApp may consume the incoming records. The arrays are
+    # read-only views of the message bytes, not copies.
     global_arrays = record_to_arrays(msg.content.array_records[protocol.ARRAYS_RECORD])
     config = ConfigRecord(dict(config))
     reply = call_next(msg, context)
     if reply.has_error() or protocol.ARRAYS_RECORD not in reply.content.array_records:
-        return reply
+        return reply  # nothing to compress, or the ClientApp compressed itself (compress_update)
     return compress_reply(msg, reply, context, global_arrays, config)

@@ -6,16 +6,24 @@
 """
 
 from pollen.strategies.accounting import Accounting, RoundStats
-from pollen.strategies.base import AdaptiveStrategy, ClientUpdate, ReplyRejected
+from pollen.strategies.base import AdaptiveStrategy
 from pollen.strategies.baselines import MeteredFedAdagrad, MeteredFedAdam, MeteredFedAvg, MeteredFedYogi
+from pollen.strategies.checkpointing import RunCheckpoint
 from pollen.strategies.fedadavr import FedAdaVR
 from pollen.strategies.fedams import FedAMS
 from pollen.strategies.fedcams import FedCAMS
+from pollen.strategies.registry import build_strategy, implementations, register, strategy_names
+from pollen.strategies.relay_demo import RelayAverage
+from pollen.strategies.replies import ClientUpdate, Extra, ReplyRejected, ReplySpec
+from pollen.strategies.rounds import RunInterrupted
+from pollen.strategies.sampling import ClientSampler
 
 __all__ = [
     "Accounting",
     "AdaptiveStrategy",
+    "ClientSampler",
     "ClientUpdate",
+    "Extra",
     "FedAMS",
     "FedAdaVR",
     "FedCAMS",
@@ -23,6 +31,14 @@ __all__ = [
     "MeteredFedAdam",
     "MeteredFedAvg",
     "MeteredFedYogi",
+    "RelayAverage",
     "ReplyRejected",
+    "ReplySpec",
     "RoundStats",
+    "RunCheckpoint",
+    "RunInterrupted",
+    "build_strategy",
+    "implementations",
+    "register",
+    "strategy_names",
 ]

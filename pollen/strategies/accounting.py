@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+
+#: Failure reasons are kept short in the results (a reason, not a traceback).
+MAX_REASON_LENGTH = 200
 
 
 @dataclass
@@ -13,6 +16,9 @@ class RoundStats:
     the record that carries the model update (compressed payload or full model), and
     ``uplink_fp32_bytes`` what a dense float32 update of the trainable parameters
     would have cost for the same replies, so their ratio is the compression gain.
+    ``uplink_records`` / ``downlink_records`` split the training traffic by record name (model,
+    compressed update, each extra, flags); records of a mid-round exchange are named
+    ``<phase>/<record>``. ``messages_sent`` counts every training message, all phases.
     """
 
     server_round: int
@@ -26,6 +32,10 @@ class RoundStats:
     downlink_bytes: int = 0
     eval_downlink_bytes: int = 0
     eval_uplink_bytes: int = 0
+    messages_sent: int = 0
+    exchange_messages: int = 0
+    uplink_records: dict[str, int] = field(default_factory=dict)
+    downlink_records: dict[str, int] = field(default_factory=dict)
     train_seconds: float = 0.0
     server_state_bytes: int = 0
     train_metrics: dict[str, float] = field(default_factory=dict)
@@ -33,7 +43,22 @@ class RoundStats:
 
     def fail(self, reason: str) -> None:
         self.failures += 1
-        self.failure_reasons.append(reason)
+        self.failure_reasons.append(reason[:MAX_REASON_LENGTH])
+
+    def add_uplink(self, record_bytes: dict[str, int], prefix: str = "") -> None:
+        """Count the records of one reply (all of them, before it is judged)."""
+        for name, size in record_bytes.items():
+            key = prefix + name
+            self.uplink_records[key] = self.uplink_records.get(key, 0) + size
+            self.uplink_bytes += size
+
+    def add_downlink(self, record_bytes: dict[str, int], prefix: str = "") -> None:
+        """Count the records of one message sent."""
+        self.messages_sent += 1
+        for name, size in record_bytes.items():
+            key = prefix + name
+            self.downlink_records[key] = self.downlink_records.get(key, 0) + size
+            self.downlink_bytes += size
 
     @property
     def compression_ratio(self) -> float:
@@ -65,6 +90,7 @@ class Accounting:
     @classmethod
     def from_dict(cls, data: dict) -> Accounting:
         accounting = cls()
+        known = {f.name for f in fields(RoundStats)}
         for key, values in data.items():
-            accounting.rounds[int(key)] = RoundStats(**values)
+            accounting.rounds[int(key)] = RoundStats(**{k: v for k, v in values.items() if k in known})
         return accounting

@@ -4,26 +4,31 @@
 
 - keeps the global model as one contiguous float32 vector of trainable parameters
   plus the non-trainable buffers (averaged, never fed to the optimiser),
-- samples clients with its own seeded generator, keyed by a stable client identity,
-- validates every reply (shape, dtype, finite values, decodable payload); a reply
+- samples clients with a seeded :class:`~pollen.strategies.sampling.ClientSampler` keyed by
+  stable client ids (per cluster when a method asks),
+- sends each sampled node its content through one hook, :meth:`node_content` (default: the
+  shared model and config, built once), and counts the bytes of every message sent,
+- runs further exchanges inside a round through :meth:`mid_round` / :meth:`exchange`,
+- reads every reply once with :func:`~pollen.strategies.replies.read_reply` against the
+  method's :class:`~pollen.strategies.replies.ReplySpec` (update, named extras, flags); a reply
   that cannot be trusted is dropped with a logged reason and counted as a failure,
-- decodes compressed updates transparently (any codec of ``pollen.compression``),
-- counts bytes per direction and per round from the records on the wire,
-- writes and reads back everything it holds (``state_dict`` / ``load_state_dict``).
+- counts bytes per direction, per record and per round from the records on the wire,
+- writes and reads back everything it holds (``state_dict`` / ``load_state_dict``), which the
+  round loop (:class:`~pollen.strategies.rounds.RoundLoop`) checkpoints each round for resume.
 
 Subclasses choose the server optimiser and may override the small steps
-``aggregate_deltas`` (how client updates become one delta) and ``train_config``
-(what extra config clients receive). Sign convention: a client's update is
-``delta = x_local - x_global`` (points downhill); the server *adds* the optimiser's step.
+``aggregate_deltas`` (how client updates become one delta), ``train_config`` (extra config
+for clients), ``node_content``, ``mid_round`` and ``after_round``. Sign convention: a
+client's update is ``delta = x_local - x_global`` (points downhill); the server *adds* the
+optimiser's step.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -32,31 +37,19 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from pollen import protocol
-from pollen.compression import decode_payload
-from pollen.compression.payload import PayloadError
 from pollen.layout import ModelLayout
 from pollen.optim import ServerOptimizer
 from pollen.optim.base import OptimizerState
 from pollen.strategies.accounting import Accounting, RoundStats
-from pollen.wire import arrays_to_record, content_bytes, record_to_arrays, records_to_payload
+from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec, count_records, read_reply
+from pollen.strategies.rounds import RoundLoop
+from pollen.strategies.sampling import ClientSampler
+from pollen.wire import arrays_to_record, record_to_arrays
 
 AGGREGATIONS = ("mean", "weighted")
+TRAIN_PHASE = "train"
 
-
-class ReplyRejected(ValueError):
-    """A reply that cannot be used; the message is the logged reason."""
-
-
-@dataclass
-class ClientUpdate:
-    """One client's validated contribution to a round."""
-
-    client_key: str
-    node_id: int
-    delta: np.ndarray
-    buffers: dict[str, np.ndarray]
-    num_examples: float
-    metrics: MetricRecord | None
+__all__ = ["AGGREGATIONS", "AdaptiveStrategy", "ClientUpdate", "ReplyRejected", "ReplySpec", "aggregate_metrics"]
 
 
 def _check_fraction(name: str, value: float, allow_zero: bool) -> None:
@@ -67,7 +60,7 @@ def _check_fraction(name: str, value: float, allow_zero: bool) -> None:
 
 
 def aggregate_metrics(records: list[MetricRecord], weights: list[float]) -> MetricRecord | None:
-    """Weighted average of numeric metrics present in every record (lists are skipped)."""
+    """Weighted average of numeric metrics present in every record (lists and non-finite values are skipped)."""
     if not records:
         return None
     total = float(sum(weights)) or 1.0
@@ -75,12 +68,14 @@ def aggregate_metrics(records: list[MetricRecord], weights: list[float]) -> Metr
     out = MetricRecord()
     for key in sorted(common):
         values = [record[key] for record in records]
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            out[key] = float(sum(w * float(v) for w, v in zip(weights, values)) / total)
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in values):
+            value = float(sum(w * float(v) for w, v in zip(weights, values)) / total)
+            if np.isfinite(value):
+                out[key] = value
     return out
 
 
-class AdaptiveStrategy(Strategy):
+class AdaptiveStrategy(RoundLoop, Strategy):
     """Base of pollen's strategies: flat-vector state, validated replies, bytes, state dict.
 
     Parameters
@@ -107,7 +102,7 @@ class AdaptiveStrategy(Strategy):
         Names of non-trainable arrays; ``None`` infers them (integer dtypes and
         PyTorch normalisation statistics).
     seed : int (default: 0)
-        Seed of client sampling.
+        Seed of client sampling (and of the sampler's saved state).
     identify_clients : bool (default: False)
         Ask each new node once for its stable client id (pollen's ClientApp answers
         ``query.pollen_identify``; other ClientApps fall back to the node id). Stable
@@ -117,6 +112,9 @@ class AdaptiveStrategy(Strategy):
     arrayrecord_key, configrecord_key : str
         Record names in train/evaluate messages (Flower's defaults).
     """
+
+    #: What this method expects in a training reply; subclasses declare their extras and flags.
+    reply_spec: ClassVar[ReplySpec] = ReplySpec()
 
     def __init__(
         self,
@@ -156,22 +154,31 @@ class AdaptiveStrategy(Strategy):
         self.weighted_by_key = weighted_by_key
         self.buffer_keys = None if buffer_keys is None else tuple(buffer_keys)
         self.seed = seed
-        self.identify_clients = identify_clients
         self.arrayrecord_key = arrayrecord_key
         self.configrecord_key = configrecord_key
 
-        self.rng = np.random.default_rng(seed)
+        self.sampler = ClientSampler(seed=seed, min_available_nodes=min_available_nodes, identify_clients=identify_clients)
         self.layout: ModelLayout | None = None
         self.params: np.ndarray | None = None
         self.buffers: dict[str, np.ndarray] = {}
         self.opt_state: OptimizerState | None = None
         self.accounting = Accounting()
-        self.node_keys: dict[int, str] = {}
         self._key_order: tuple[str, ...] = ()
         self.client_devices: dict[str, str] = {}
         self._last_returned: ArrayRecord | None = None
-        self._sampled: dict[int, list[int]] = {}
+        self._asked: dict[tuple[int, str], list[int]] = {}
         self._train_started: dict[int, float] = {}
+        self._phases_sent: dict[int, int] = {}
+        self._current_phase: dict[int, str] = {}
+
+    @property
+    def identify_clients(self) -> bool:
+        return self.sampler.identify_clients
+
+    @property
+    def node_keys(self) -> dict[int, str]:
+        """Node id -> stable client id, as far as known (kept by the sampler)."""
+        return self.sampler.node_keys
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> None:
@@ -241,54 +248,34 @@ class AdaptiveStrategy(Strategy):
         return arrays_to_record({key: named[key] for key in self._key_order})
 
     # ------------------------------------------------------------------ sampling
-    def _wait_for_nodes(self, grid: Grid, needed: int) -> list[int]:
-        while len(nodes := sorted(grid.get_node_ids())) < needed:
-            log(INFO, "Waiting for nodes to connect: %d connected (minimum required: %d).", len(nodes), needed)
-            time.sleep(1.0)
-        return nodes
+    def sample_train(self, server_round: int, grid: Grid) -> list[int]:
+        """Hook: the nodes that train this round (default: ``fraction_train`` of them, uniformly)."""
+        return self.sampler.sample(grid, self.fraction_train, self.min_train_nodes)
 
-    def _identify(self, grid: Grid, nodes: list[int]) -> None:
-        """Ask nodes seen for the first time for their stable client id."""
-        unknown = [node for node in nodes if node not in self.node_keys]
-        if not unknown:
-            return
-        if self.identify_clients:
-            queries = [
-                Message(content=RecordDict(), message_type=protocol.QUERY_IDENTIFY, dst_node_id=node)
-                for node in unknown
-            ]
-            for reply in grid.send_and_receive(queries, timeout=60.0):
-                node = reply.metadata.src_node_id
-                if reply.has_error() or protocol.IDENTITY_RECORD not in reply.content:
-                    continue
-                client_id = reply.content[protocol.IDENTITY_RECORD].get(protocol.IDENTITY_CLIENT_ID)
-                if isinstance(client_id, str) and client_id:
-                    self.node_keys[node] = client_id
-        for node in unknown:
-            self.node_keys.setdefault(node, f"node-{node}")
-
-    def _sample(self, grid: Grid, fraction: float, minimum: int) -> list[int]:
-        nodes = self._wait_for_nodes(grid, max(self.min_available_nodes, minimum))
-        self._identify(grid, nodes)
-        size = min(max(int(len(nodes) * fraction), minimum), len(nodes))
-        ordered = sorted(nodes, key=lambda node: (self.node_keys[node], node))
-        picks = self.rng.choice(len(ordered), size=size, replace=False)
-        return [ordered[i] for i in sorted(picks)]
-
-    # ------------------------------------------------------------------ train
+    # ------------------------------------------------------------------ train: downlink
     def train_config(self, server_round: int) -> dict[str, Any]:
         """Extra config entries sent to clients (e.g. the codec to upload with)."""
         return {}
 
+    def node_content(self, server_round: int, node: int, shared: RecordDict) -> RecordDict:
+        """Hook: what ``node`` receives in this round's train message.
+
+        The default sends every node the same ``shared`` content (the global model and the
+        round's config, built once). A method that sends a node something of its own (a
+        compressed increment, a moment only when it changed, its cluster's relay) returns a
+        new ``RecordDict`` here; records it reuses from ``shared`` are not copied.
+        """
+        return shared
+
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Sample clients and send them the global model and the round's config."""
+        """Sample clients and send each its content (default: the global model and the round's config)."""
         self._adopt_global_model(arrays)
         stats = self.accounting.round(server_round)
         self._train_started[server_round] = time.perf_counter()
-        nodes = self._sample(grid, self.fraction_train, self.min_train_nodes)
-        self._sampled[server_round] = nodes
+        nodes = self.sample_train(server_round, grid)
+        self._asked[(server_round, TRAIN_PHASE)] = list(nodes)
         stats.sampled = len(nodes)
         config = ConfigRecord(dict(config))
         config[protocol.CFG_SERVER_ROUND] = server_round
@@ -296,17 +283,135 @@ class AdaptiveStrategy(Strategy):
             config[protocol.CFG_BUFFER_KEYS] = protocol.join_keys(self.layout.buffer_keys)
         for key, value in self.train_config(server_round).items():
             config[key] = value
-        content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
-        stats.downlink_bytes += content_bytes(content) * len(nodes)
-        log(INFO, "configure_train: sampled %d nodes (out of %d)", len(nodes), len(self.node_keys))
-        return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=n) for n in nodes]
+        shared = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        messages = [
+            Message(content=self.node_content(server_round, node, shared), message_type=MessageType.TRAIN, dst_node_id=node)
+            for node in nodes
+        ]
+        self._count_sent(stats, messages)
+        log(INFO, "configure_train: sampled %d nodes (out of %d)", len(nodes), len(self.sampler.known_clients))
+        return messages
+
+    @staticmethod
+    def _count_sent(stats: RoundStats, messages: list[Message], prefix: str = "") -> None:
+        """Count each message's records once per message sent (a shared record is measured once)."""
+        measured: dict[int, int] = {}
+        for message in messages:
+            sizes = {}
+            for name, record in message.content.items():
+                if id(record) not in measured:
+                    measured[id(record)] = int(record.count_bytes())
+                sizes[name] = measured[id(record)]
+            stats.add_downlink(sizes, prefix)
+
+    # ------------------------------------------------------------------ train: more phases
+    def exchange(
+        self,
+        server_round: int,
+        grid: Grid,
+        contents: Mapping[int, RecordDict],
+        *,
+        phase: str,
+        timeout: float,
+    ) -> list[Message]:
+        """Send ``contents[node]`` to each node as a mid-round message of ``phase``; return the replies.
+
+        The messages have type ``train.pollen_phase`` and carry ``pollen.phase`` and the round in
+        their ``"config"`` record (added here when missing), so pollen's ClientApp can route them.
+        Bytes both ways are counted under ``<phase>/<record>``; only one reply per asked node is
+        kept (others are dropped with a logged reason).
+        """
+        stats = self.accounting.round(server_round)
+        phase_index = self._phases_sent[server_round] = self._phases_sent.get(server_round, 0) + 1
+        messages = []
+        for node, content in contents.items():
+            content = RecordDict(dict(content.items()))
+            config = ConfigRecord(dict(content.config_records.get(self.configrecord_key, ConfigRecord())))
+            config[protocol.CFG_PHASE] = phase
+            config[protocol.CFG_PHASE_INDEX] = phase_index
+            config[protocol.CFG_SERVER_ROUND] = server_round
+            content[self.configrecord_key] = config
+            messages.append(Message(content=content, message_type=protocol.PHASE_MESSAGE_TYPE, dst_node_id=node))
+        self._asked[(server_round, phase)] = list(contents)
+        self._current_phase[server_round] = phase
+        self._count_sent(stats, messages, prefix=f"{phase}/")
+        stats.exchange_messages += len(messages)
+        replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
+        return self._from_asked(server_round, phase, replies, stats)
+
+    def _from_asked(self, server_round: int, phase: str, replies: list[Message], stats: RoundStats) -> list[Message]:
+        """Replies from nodes asked in this phase, one each; the rest are failures with a reason."""
+        asked = set(self._asked.get((server_round, phase), []))
+        kept, seen = [], set()
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if node not in asked:
+                self._reject(stats, node, f"reply from a node not asked in {phase} of round {server_round}")
+            elif node in seen:
+                self._reject(stats, node, f"second reply in {phase} of round {server_round}")
+            else:
+                seen.add(node)
+                kept.append(reply)
+        return kept
+
+    # ------------------------------------------------------------------ train: replies
+    def collect(
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+        *,
+        phase: str = TRAIN_PHASE,
+        spec: ReplySpec | None = None,
+    ) -> list[ClientUpdate]:
+        """Read every reply of ``phase`` once against ``spec`` (default: :attr:`reply_spec`).
+
+        Counts each reply's bytes by record, rejects what cannot be trusted with a logged
+        reason, and counts nodes that were asked but did not answer as failures.
+        """
+        assert self.layout is not None and self.params is not None
+        stats = self.accounting.round(server_round)
+        spec = self.reply_spec if spec is None else spec
+        prefix = "" if phase == TRAIN_PHASE else f"{phase}/"
+        replies = self._from_asked(server_round, phase, list(replies), stats)
+        updates: list[ClientUpdate] = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            try:
+                if not reply.has_error():
+                    stats.add_uplink(count_records(reply), prefix)
+                update = read_reply(
+                    reply,
+                    client_key=self.sampler.key(node),
+                    layout=self.layout,
+                    params=self.params,
+                    spec=spec,
+                    arrayrecord_key=self.arrayrecord_key,
+                    weighted_by_key=self.weighted_by_key,
+                    weight_required=self.aggregation == "weighted",
+                )
+            except Exception as err:  # noqa: BLE001 - every failure is a rejected reply, never a crash
+                self._reject(stats, node, _reason(err))
+                continue
+            self._note_device(node, reply.content)
+            updates.append(update)
+        answered = {reply.metadata.src_node_id for reply in replies}
+        for node in self._asked.get((server_round, phase), []):
+            if node not in answered:
+                self._reject(stats, node, f"no reply before the timeout ({phase})")
+        return updates
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate replies, aggregate their deltas, take one server optimiser step."""
         stats = self.accounting.round(server_round)
-        updates = self._collect_updates(server_round, list(replies), stats)
+        updates = self.collect(server_round, replies, phase=self._current_phase.get(server_round, TRAIN_PHASE))
+        stats.replies = len(updates)
+        for update in updates:
+            if update.delta is not None:
+                stats.uplink_update_bytes += _update_bytes(update.record_bytes, self.arrayrecord_key)
+                stats.uplink_fp32_bytes += 4 * self.layout.dim
+        log(INFO, "aggregate_train: %d usable replies, %d failures", len(updates), stats.failures)
         result: tuple[ArrayRecord | None, MetricRecord | None] = (None, None)
         if updates:
             delta = self.aggregate_deltas(server_round, updates)
@@ -321,7 +426,14 @@ class AdaptiveStrategy(Strategy):
             log(WARNING, "aggregate_train: no usable reply in round %d; the model is unchanged", server_round)
         stats.train_seconds = time.perf_counter() - self._train_started.get(server_round, time.perf_counter())
         self.after_round(server_round, updates)
+        self._forget_round(server_round)
         return result
+
+    def _forget_round(self, server_round: int) -> None:
+        for key in [key for key in self._asked if key[0] <= server_round]:
+            del self._asked[key]
+        self._phases_sent.pop(server_round, None)
+        self._current_phase.pop(server_round, None)
 
     def after_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
         """Hook for subclasses that keep per-client state (called after the server step)."""
@@ -331,116 +443,43 @@ class AdaptiveStrategy(Strategy):
         self.opt_state, step = self.optimizer.update(self.opt_state, delta, self.params)
         self.params += step
 
+    def aggregate_weights(self, updates: list[ClientUpdate]) -> np.ndarray:
+        """Weight of each update: ``1/M`` (papers) or ``n_i / sum n`` (``aggregation="weighted"``)."""
+        if self.aggregation == "mean":
+            return np.full(len(updates), 1.0 / len(updates))
+        raw = np.array([u.num_examples for u in updates], dtype=np.float64)
+        return raw / raw.sum()
+
     def aggregate_deltas(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
         """Average of the client deltas: plain mean (papers) or weighted by examples."""
-        if self.aggregation == "mean":
-            weights = np.full(len(updates), 1.0 / len(updates))
-        else:
-            raw = np.array([u.num_examples for u in updates], dtype=np.float64)
-            weights = raw / raw.sum()
-        out = np.zeros_like(updates[0].delta)
-        for weight, update in zip(weights, updates):
+        with_delta = [u for u in updates if u.delta is not None]
+        out = np.zeros(self.layout.dim, dtype=np.float32)
+        for weight, update in zip(self.aggregate_weights(with_delta), with_delta):
             out += np.float32(weight) * update.delta
         return out
 
     def _average_buffers(self, updates: list[ClientUpdate]) -> None:
-        if not self.buffers:
+        updates = [u for u in updates if u.buffers]
+        if not self.buffers or not updates:
             return
-        weights = np.array([u.num_examples for u in updates], dtype=np.float64)
-        weights = weights / weights.sum() if self.aggregation == "weighted" else np.full(len(updates), 1 / len(updates))
+        weights = self.aggregate_weights(updates)
         for name, old in self.buffers.items():
             mean = np.zeros(old.shape, dtype=np.float64)
             for weight, update in zip(weights, updates):
                 mean += weight * update.buffers[name]
             self.buffers[name] = (np.rint(mean) if np.issubdtype(old.dtype, np.integer) else mean).astype(old.dtype)
 
-    # ------------------------------------------------------------------ reply validation
-    def _collect_updates(self, server_round: int, replies: list[Message], stats: RoundStats) -> list[ClientUpdate]:
-        updates: list[ClientUpdate] = []
-        answered = set()
-        for reply in replies:
-            node = reply.metadata.src_node_id
-            answered.add(node)
-            if reply.has_error():
-                self._reject(stats, node, f"client error: {reply.error.reason}")
-                continue
-            stats.uplink_bytes += content_bytes(reply.content)
-            try:
-                update = self.parse_reply(reply, stats)
-            except (ReplyRejected, PayloadError, ValueError, KeyError, TypeError) as err:
-                self._reject(stats, node, str(err))
-                continue
-            updates.append(update)
-        for node in self._sampled.get(server_round, []):
-            if node not in answered:
-                self._reject(stats, node, "no reply before the timeout")
-        stats.replies = len(updates)
-        log(INFO, "aggregate_train: %d usable replies, %d failures", len(updates), stats.failures)
-        return updates
-
     def _reject(self, stats: RoundStats, node: int, reason: str) -> None:
-        client = self.node_keys.get(node, f"node-{node}")
+        client = self.sampler.key(node)
         stats.fail(f"{client}: {reason}")
         log(WARNING, "\t> rejected reply from %s (node %d): %s", client, node, reason)
-
-    def parse_reply(self, reply: Message, stats: RoundStats) -> ClientUpdate:
-        """Turn one reply into a validated ``ClientUpdate`` or raise ``ReplyRejected``."""
-        assert self.layout is not None and self.params is not None
-        content = reply.content
-        if protocol.UPDATE_RECORD in content.array_records:
-            if protocol.UPDATE_META_RECORD not in content.config_records:
-                raise ReplyRejected("compressed update without its meta record")
-            payload = records_to_payload(
-                content.array_records[protocol.UPDATE_RECORD], content.config_records[protocol.UPDATE_META_RECORD]
-            )
-            delta = decode_payload(payload, self.layout.dim, segments=self.layout.segments)
-            stats.uplink_update_bytes += content.array_records[protocol.UPDATE_RECORD].count_bytes()
-            buffers = {}
-            if self.layout.buffers:
-                if protocol.BUFFERS_RECORD not in content.array_records:
-                    raise ReplyRejected("compressed update without the model's buffers")
-                buffers = record_to_arrays(content.array_records[protocol.BUFFERS_RECORD])
-                self.layout.check_arrays(buffers, self.layout.buffers)
-                buffers = {spec.name: np.reshape(buffers[spec.name], spec.shape) for spec in self.layout.buffers}
-        elif self.arrayrecord_key in content.array_records:
-            record = content.array_records[self.arrayrecord_key]
-            arrays = record_to_arrays(record)
-            self.layout.check_arrays(arrays, self.layout.trainable + self.layout.buffers)
-            delta = self.layout.flatten(arrays) - self.params
-            buffers = {spec.name: np.reshape(arrays[spec.name], spec.shape) for spec in self.layout.buffers}
-            stats.uplink_update_bytes += record.count_bytes()
-        else:
-            raise ReplyRejected(
-                f"reply carries neither '{self.arrayrecord_key}' nor '{protocol.UPDATE_RECORD}' arrays"
-            )
-        if delta.shape != (self.layout.dim,) or not np.all(np.isfinite(delta)):
-            raise ReplyRejected("decoded update is not a finite vector of the model's size")
-        stats.uplink_fp32_bytes += 4 * self.layout.dim
-        metrics = next(iter(content.metric_records.values()), None)
-        num_examples = 1.0
-        if metrics is not None and self.weighted_by_key in metrics:
-            num_examples = float(metrics[self.weighted_by_key])
-        elif self.aggregation == "weighted":
-            raise ReplyRejected(f"metrics lack '{self.weighted_by_key}', needed for weighted aggregation")
-        if not np.isfinite(num_examples) or num_examples <= 0:
-            raise ReplyRejected(f"'{self.weighted_by_key}' must be a positive number, got {num_examples}")
-        node = reply.metadata.src_node_id
-        self._note_device(node, content)
-        return ClientUpdate(
-            client_key=self.node_keys.get(node, f"node-{node}"),
-            node_id=node,
-            delta=delta.astype(np.float32, copy=False),
-            buffers=buffers,
-            num_examples=num_examples,
-            metrics=metrics,
-        )
 
     def _note_device(self, node: int, content: RecordDict) -> None:
         """Log the device a client trained on (pollen's ClientApp reports it), once per change."""
         info = content.config_records.get(protocol.CLIENT_INFO_RECORD)
         device = info.get("device") if info is not None else None
-        client = self.node_keys.get(node, f"node-{node}")
-        if isinstance(device, str) and self.client_devices.get(client) != device:
+        client = self.sampler.key(node)
+        if isinstance(device, str) and len(device) < 64 and self.client_devices.get(client) != device:
             self.client_devices[client] = device
             log(INFO, "\t> %s trains on %s", client, device)
 
@@ -451,29 +490,37 @@ class AdaptiveStrategy(Strategy):
         """Sample clients for federated evaluation on their held-out data."""
         if self.fraction_evaluate == 0.0:
             return []
-        nodes = self._sample(grid, self.fraction_evaluate, self.min_evaluate_nodes)
+        nodes = self.sampler.sample(grid, self.fraction_evaluate, self.min_evaluate_nodes)
         config = ConfigRecord(dict(config))
         config[protocol.CFG_SERVER_ROUND] = server_round
         content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
-        self.accounting.round(server_round).eval_downlink_bytes += content_bytes(content) * len(nodes)
+        stats = self.accounting.round(server_round)
+        stats.eval_downlink_bytes += int(sum(record.count_bytes() for record in content.values())) * len(nodes)
+        self._asked[(server_round, "evaluate")] = list(nodes)
         return [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in nodes]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Weighted average of the clients' evaluation metrics; failed replies are skipped."""
+        """Weighted average of the clients' evaluation metrics; failed or malformed replies are skipped."""
         stats = self.accounting.round(server_round)
         records, weights = [], []
-        for reply in replies:
-            if reply.has_error():
-                log(WARNING, "\t> evaluation failed on node %d: %s", reply.metadata.src_node_id, reply.error.reason)
-                continue
-            stats.eval_uplink_bytes += content_bytes(reply.content)
-            metrics = next(iter(reply.content.metric_records.values()), None)
-            if metrics is None:
-                continue
-            weight = metrics.get(self.weighted_by_key, 1)
-            if isinstance(weight, (int, float)) and weight > 0:
-                records.append(metrics)
-                weights.append(float(weight))
+        for reply in self._from_asked(server_round, "evaluate", list(replies), stats):
+            node = reply.metadata.src_node_id
+            try:
+                if reply.has_error():
+                    raise ReplyRejected(f"client error: {reply.error.reason}")
+                stats.eval_uplink_bytes += sum(count_records(reply).values())
+                metrics = reply.content.metric_records.get(protocol.METRICS_RECORD)
+                if metrics is None:
+                    metrics = next(iter(reply.content.metric_records.values()), None)
+                if metrics is None:
+                    continue
+                weight = metrics.get(self.weighted_by_key, 1)
+                if isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 < weight < 1e12:
+                    records.append(metrics)
+                    weights.append(float(weight))
+            except Exception as err:  # noqa: BLE001 - evaluation never crashes the server either
+                log(WARNING, "\t> evaluation reply from %s (node %d) skipped: %s", self.sampler.key(node), node, _reason(err))
+        self._asked.pop((server_round, "evaluate"), None)
         aggregated = aggregate_metrics(records, weights)
         stats.evaluate_metrics = dict(aggregated or {})
         return aggregated
@@ -484,8 +531,7 @@ class AdaptiveStrategy(Strategy):
         state: dict[str, Any] = {
             "strategy": type(self).__name__,
             "seed": self.seed,
-            "rng": self.rng.bit_generator.state,
-            "node_keys": {str(k): v for k, v in self.node_keys.items()},
+            "sampler": self.sampler.state_dict(),
             "accounting": self.accounting.to_dict(),
         }
         if self.layout is not None:
@@ -504,17 +550,31 @@ class AdaptiveStrategy(Strategy):
         if state.get("strategy") != type(self).__name__:
             raise ValueError(f"state was written by {state.get('strategy')!r}, not {type(self).__name__}")
         self.seed = state["seed"]
-        self.rng = np.random.default_rng()
-        self.rng.bit_generator.state = state["rng"]
-        self.node_keys = {int(k): v for k, v in state["node_keys"].items()}
+        self.sampler.load_state_dict(state["sampler"])
         self.accounting = Accounting.from_dict(state["accounting"])
+        self._last_returned = None
         if "params" in state:
             named = {
-                name: np.zeros(state["shapes"][name], dtype=state["dtypes"][name]) for name in state["key_order"]
+                name: np.zeros(state["shapes"][name], dtype=np.dtype(state["dtypes"][name])) for name in state["key_order"]
             }
             self.layout = ModelLayout.from_arrays(named, state["buffer_keys"])
             self._key_order = tuple(state["key_order"])
-            self.params = np.array(state["params"], dtype=np.float32)
+            params = np.array(state["params"], dtype=np.float32)
+            if params.shape != (self.layout.dim,):
+                raise ValueError(f"state params have shape {params.shape}, the model has ({self.layout.dim},)")
+            self.params = params
             self.buffers = {k: np.array(v) for k, v in state["buffers"].items()}
             self.optimizer = self.build_optimizer(self.layout)
             self.opt_state = OptimizerState.from_dict(state["optimizer"])
+
+
+def _reason(err: BaseException) -> str:
+    """A short, one-line reason for a rejected reply."""
+    text = str(err).replace("\n", " ")
+    reason = text if isinstance(err, ReplyRejected | ValueError) and text else f"{type(err).__name__}: {text}"
+    return reason[:200]
+
+
+def _update_bytes(record_bytes: Mapping[str, int], arrayrecord_key: str) -> int:
+    """Bytes of the record(s) carrying the model update of a reply."""
+    return record_bytes.get(protocol.UPDATE_RECORD, 0) + record_bytes.get(arrayrecord_key, 0)

@@ -1,19 +1,27 @@
-"""Flower's own FedAvg / FedAdam / FedYogi / FedAdagrad, with pollen's byte accounting.
+"""Flower's own FedAvg / FedAdam / FedYogi / FedAdagrad, with pollen's byte accounting, screening and state.
 
 The baselines are Flower's implementations unchanged (``flwr.serverapp.strategy``);
 ``Metered`` observes the messages going out and the replies coming in, so the app
 reports the same per-round numbers (sampled, replies, failures, bytes each way) for
-every method, and it holds back replies that cannot be trusted (wrong names or
-shapes, NaN/Inf, no positive ``num-examples``): Flower's aggregation would raise on
-some of them or average them into the model. They count as failures, with a reason.
+every method. It holds back replies that cannot be trusted before Flower aggregates
+them, with the same reader pollen's strategies use (:func:`pollen.strategies.replies.read_reply`:
+names, shapes, dtypes, finite values after the cast, a positive bounded ``num-examples``),
+plus what Flower's own consistency check would raise on (exactly one ArrayRecord and one
+MetricRecord, the same metric names in every reply). They count as failures, with a reason.
+It also runs pollen's round loop (resume from a checkpoint) and has ``state_dict`` /
+``load_state_dict`` (Flower's moments, the global ``random`` state Flower samples with).
 """
 
 from __future__ import annotations
 
+import random
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from logging import WARNING
+from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid
@@ -22,28 +30,37 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedYogi
 from pollen import protocol
 from pollen.layout import ModelLayout
 from pollen.strategies.accounting import Accounting
-from pollen.wire import content_bytes, record_to_arrays
+from pollen.strategies.registry import register, sampling_kwargs
+from pollen.strategies.replies import ReplyRejected, count_records, read_reply
+from pollen.strategies.rounds import RoundLoop
+from pollen.wire import record_to_arrays
+
+_FLOWER_STATE = ("current_arrays", "m_t", "v_t")
 
 
-class Metered:
-    """Mixin: count messages and bytes around a Flower strategy's own steps."""
+class Metered(RoundLoop):
+    """Mixin: count messages and bytes around a Flower strategy's own steps, screen replies, keep state."""
 
     def __init__(self, *args, **kwargs) -> None:  # noqa: D107
         super().__init__(*args, **kwargs)
         self.accounting = Accounting()
         self._started: dict[int, float] = {}
         self._layout: ModelLayout | None = None
+        self._params: np.ndarray | None = None
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self._started[server_round] = time.perf_counter()
+        named = record_to_arrays(arrays)
         if self._layout is None:  # the model's shapes do not change between rounds
-            self._layout = ModelLayout.from_arrays(record_to_arrays(arrays))
+            self._layout = ModelLayout.from_arrays(named)
+        self._params = self._layout.flatten(named)
         messages = list(super().configure_train(server_round, arrays, config, grid))
         stats = self.accounting.round(server_round)
         stats.sampled = len(messages)
-        stats.downlink_bytes += sum(content_bytes(m.content) for m in messages)
+        for message in messages:
+            stats.add_downlink({name: int(record.count_bytes()) for name, record in message.content.items()})
         return messages
 
     def aggregate_train(
@@ -51,54 +68,122 @@ class Metered:
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         received = list(replies)
         stats = self.accounting.round(server_round)
-        replies = []
+        usable = []
         for reply in received:
             node = reply.metadata.src_node_id
-            if reply.has_error():
-                stats.fail(f"node {node}: {reply.error.reason}")
-                continue
-            stats.uplink_bytes += content_bytes(reply.content)
-            reason = self._untrusted(reply)
-            if reason:
+            try:
+                if not reply.has_error():
+                    stats.add_uplink(count_records(reply))
+                self._screen(reply)
+            except Exception as err:  # noqa: BLE001 - a bad reply is a failure, never a crash
+                reason = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
                 stats.fail(f"node {node}: {reason}")
-                log(WARNING, "\t> rejected reply from node %d: %s", node, reason)
+                log(WARNING, "\t> rejected reply from node %d: %s", node, reason[:200])
                 continue
-            replies.append(reply)
-            stats.replies += 1
+            usable.append(reply)
+        usable = self._same_metric_names(
+            usable, lambda reply, why: stats.fail(f"node {reply.metadata.src_node_id}: {why}")
+        )
+        for reply in usable:
             update_bytes = reply.content.array_records[protocol.ARRAYS_RECORD].count_bytes()
             stats.uplink_update_bytes += update_bytes
             stats.uplink_fp32_bytes += update_bytes
+        stats.replies = len(usable)
         for _ in range(stats.sampled - len(received)):
             stats.fail("no reply before the timeout")
-        result = super().aggregate_train(server_round, replies)
+        try:
+            result = super().aggregate_train(server_round, usable)
+        except Exception as err:  # noqa: BLE001 - Flower's own checks raise; the round fails, the run goes on
+            stats.fail(f"aggregation failed: {type(err).__name__}: {err}")
+            log(WARNING, "aggregate_train: Flower's aggregation failed (%s); the model is unchanged", err)
+            result = (None, None)
         stats.train_metrics = dict(result[1] or {})
         stats.train_seconds = time.perf_counter() - self._started.get(server_round, time.perf_counter())
         return result
 
-    def _untrusted(self, reply: Message) -> str:
-        """Why a train reply cannot be aggregated, or ``""`` when it can."""
-        records = reply.content.array_records
-        if protocol.ARRAYS_RECORD not in records:
-            return f"reply has no '{protocol.ARRAYS_RECORD}' record"
-        try:
-            arrays = record_to_arrays(records[protocol.ARRAYS_RECORD])
-            if self._layout is not None:
-                self._layout.check_arrays(arrays, self._layout.trainable + self._layout.buffers)
-        except ValueError as err:
-            return str(err)
-        metrics = next(iter(reply.content.metric_records.values()), None)
-        weight = None if metrics is None else metrics.get(protocol.NUM_EXAMPLES)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            return f"metrics lack a positive '{protocol.NUM_EXAMPLES}' (got {weight!r})"
-        return ""
+    def _screen(self, reply: Message) -> None:
+        """Raise ``ReplyRejected`` when Flower's aggregation must not see this reply."""
+        content = reply.content
+        if len(content.array_records) != 1 or protocol.ARRAYS_RECORD not in content.array_records:
+            raise ReplyRejected(f"reply must carry exactly one ArrayRecord, '{protocol.ARRAYS_RECORD}'")
+        if len(content.metric_records) != 1:
+            raise ReplyRejected("reply must carry exactly one MetricRecord")
+        if self._layout is not None and self._params is not None:
+            read_reply(reply, client_key="", layout=self._layout, params=self._params, weight_required=True)
+        metrics = next(iter(content.metric_records.values()))
+        weight = metrics.get(protocol.NUM_EXAMPLES)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1e12:
+            raise ReplyRejected(f"metrics lack a positive '{protocol.NUM_EXAMPLES}' (got {weight!r})")
+
+    @staticmethod
+    def _same_metric_names(replies: list[Message], on_reject: Callable[[Message, str], None]) -> list[Message]:
+        """Keep the replies whose metric names agree with most others (Flower raises on a mix)."""
+        if not replies:
+            return replies
+        names = [frozenset(next(iter(r.content.metric_records.values())).keys()) for r in replies]
+        common = Counter(names).most_common(1)[0][0]
+        kept = []
+        for reply, keys in zip(replies, names):
+            if keys == common:
+                kept.append(reply)
+            else:
+                on_reject(reply, "metric names differ from the round's other replies")
+        return kept
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        replies = list(replies)
         stats = self.accounting.round(server_round)
-        stats.eval_uplink_bytes += sum(content_bytes(r.content) for r in replies if not r.has_error())
-        aggregated = super().aggregate_evaluate(server_round, replies)
+        usable = []
+        for reply in replies:
+            try:
+                if reply.has_error():
+                    continue
+                stats.eval_uplink_bytes += sum(count_records(reply).values())
+                metrics = list(reply.content.metric_records.values())
+                weight = metrics[0].get(protocol.NUM_EXAMPLES) if len(metrics) == 1 else None
+                if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1e12:
+                    raise ReplyRejected(f"evaluation metrics lack a positive '{protocol.NUM_EXAMPLES}'")
+                if not all(isinstance(v, (int, float)) and np.isfinite(v) for v in metrics[0].values() if not isinstance(v, list)):
+                    raise ReplyRejected("evaluation metrics hold non-finite values")
+            except Exception as err:  # noqa: BLE001
+                log(WARNING, "\t> evaluation reply from node %d skipped: %s", reply.metadata.src_node_id, err)
+                continue
+            usable.append(reply)
+        usable = self._same_metric_names(
+            usable, lambda reply, why: log(WARNING, "\t> evaluation reply from node %d skipped: %s", reply.metadata.src_node_id, why)
+        )
+        try:
+            aggregated = super().aggregate_evaluate(server_round, usable)
+        except Exception as err:  # noqa: BLE001
+            log(WARNING, "aggregate_evaluate: Flower's aggregation failed (%s)", err)
+            aggregated = None
         stats.evaluate_metrics = dict(aggregated or {})
         return aggregated
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Flower's moments and current model (FedOpt family), the global ``random`` state, the accounting."""
+        version, internal, gauss = random.getstate()
+        state: dict[str, Any] = {
+            "strategy": type(self).__name__,
+            "random": [version, list(internal), gauss],
+            "accounting": self.accounting.to_dict(),
+        }
+        for name in _FLOWER_STATE:
+            value = getattr(self, name, None)
+            if value is not None:
+                state[name] = [[key, np.array(array)] for key, array in value.items()]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` wrote (same strategy class)."""
+        if state.get("strategy") != type(self).__name__:
+            raise ValueError(f"state was written by {state.get('strategy')!r}, not {type(self).__name__}")
+        version, internal, gauss = state["random"]
+        random.setstate((int(version), tuple(int(v) for v in internal), gauss))
+        self.accounting = Accounting.from_dict(state["accounting"])
+        for name in _FLOWER_STATE:
+            if name in state:
+                setattr(self, name, {key: np.array(array) for key, array in state[name]})
 
 
 class MeteredFedAvg(Metered, FedAvg):
@@ -115,3 +200,30 @@ class MeteredFedYogi(Metered, FedYogi):
 
 class MeteredFedAdagrad(Metered, FedAdagrad):
     """Flower's FedAdagrad, metered."""
+
+
+def _flower_optimizer_kwargs(cfg: Any, *, moments: bool = True) -> dict[str, Any]:
+    kwargs = dict(eta=cfg["server-lr"], eta_l=cfg["local-lr"], tau=cfg["eps"])
+    if moments:
+        kwargs.update(beta_1=cfg["beta1"], beta_2=cfg["beta2"])
+    return kwargs
+
+
+@register("fedavg", "flwr.serverapp.strategy.FedAvg (Flower's own, metered)")
+def _build_fedavg(cfg: Any) -> MeteredFedAvg:
+    return MeteredFedAvg(**sampling_kwargs(cfg))
+
+
+@register("fedadam", "flwr.serverapp.strategy.FedAdam (Flower's own, metered)")
+def _build_fedadam(cfg: Any) -> MeteredFedAdam:
+    return MeteredFedAdam(**sampling_kwargs(cfg), **_flower_optimizer_kwargs(cfg))
+
+
+@register("fedyogi", "flwr.serverapp.strategy.FedYogi (Flower's own, metered)")
+def _build_fedyogi(cfg: Any) -> MeteredFedYogi:
+    return MeteredFedYogi(**sampling_kwargs(cfg), **_flower_optimizer_kwargs(cfg))
+
+
+@register("fedadagrad", "flwr.serverapp.strategy.FedAdagrad (Flower's own, metered)")
+def _build_fedadagrad(cfg: Any) -> MeteredFedAdagrad:
+    return MeteredFedAdagrad(**sampling_kwargs(cfg), **_flower_optimizer_kwargs(cfg, moments=False))

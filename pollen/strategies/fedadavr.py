@@ -19,6 +19,7 @@ SuperNode reconnects; clients that cannot say fall back to ``node-<id>``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ import numpy as np
 from pollen.layout import ModelLayout
 from pollen.optim import ServerOptimizer, make_server_optimizer
 from pollen.strategies.base import AdaptiveStrategy, ClientUpdate
+from pollen.strategies.registry import register, sampling_kwargs
 from pollen.vr import UpdateTable, VARIANTS, get_variant, vr_aggregate
 from pollen.vr.aggregate import check_weighting
 
@@ -144,7 +146,7 @@ class FedAdaVR(AdaptiveStrategy):
         """The variance-reduced delta ``eta_c * r`` from the sampled updates and the old table."""
         ys = {u.client_key: u.delta / np.float32(self.client_lr) for u in updates}
         known = self.table.known_clients if self.table is not None else 0
-        num_clients = max(self.num_clients or 0, len(self.node_keys), known, len(ys))
+        num_clients = max(self.num_clients or 0, len(self.sampler.known_clients), known, len(ys))
         return vr_aggregate(
             ys,
             self.table,
@@ -173,6 +175,41 @@ class FedAdaVR(AdaptiveStrategy):
         super().load_state_dict(state)
         if "table" in state:
             self.table = UpdateTable.from_state_dict(state["table"], path=self.table_path)
+
+
+def _fedadavr_builder(variant: str):  # noqa: ANN202
+    """A run-config builder of one FedAdaVR variant."""
+
+    def build(cfg: Mapping[str, Any]) -> FedAdaVR:
+        adaptive = variant == "fedadavr"
+        own_table = variant in ("fedadavr", "noopt")
+        return FedAdaVR(
+            **sampling_kwargs(cfg),
+            variant=variant,
+            server_optimizer=cfg["server-optimizer"] if adaptive else None,
+            server_lr=cfg["server-lr"],
+            client_lr=cfg["local-lr"],
+            beta_1=cfg["beta1"],
+            beta_2=cfg["beta2"],
+            eps=cfg["eps"],
+            vr_weighting=cfg["vr-weighting"] if own_table else None,
+            table_precision=cfg["table-precision"] if own_table else None,
+            table_path=cfg["table-path"] or None,
+            num_clients=cfg["num-clients"] or None,
+            seed=cfg["seed"],
+        )
+
+    return build
+
+
+for _name, _variant, _what in (
+    ("fedadavr", "fedadavr", "pollen.strategies.FedAdaVR (table-precision != fp32 is FedAdaVR-Quant)"),
+    ("mifa", "mifa", "pollen.strategies.FedAdaVR(variant='mifa')"),
+    ("fedvarp", "fedvarp", "pollen.strategies.FedAdaVR(variant='fedvarp')"),
+    ("fedadavr-novr", "novr", "pollen.strategies.FedAdaVR(variant='novr')"),
+    ("fedadavr-noopt", "noopt", "pollen.strategies.FedAdaVR(variant='noopt')"),
+):
+    register(_name, _what)(_fedadavr_builder(_variant))
 
 
 __all__ = ["FedAdaVR", "OPTIMIZERS", "VARIANTS"]

@@ -9,11 +9,13 @@ bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pollen import protocol
 from pollen.compression import CODECS, GRANULARITIES
-from pollen.strategies.fedams import FedAMS
+from pollen.strategies.fedams import FedAMS, fedams_kwargs
+from pollen.strategies.registry import register
 
 
 class FedCAMS(FedAMS):
@@ -71,3 +73,14 @@ class FedCAMS(FedAMS):
             protocol.CFG_ERROR_FEEDBACK: self.error_feedback,
             protocol.CFG_GRANULARITY: self.granularity,
         }
+
+
+@register("fedcams", "pollen.strategies.FedCAMS")
+def _build_fedcams(cfg: Mapping[str, Any]) -> FedCAMS:
+    return FedCAMS(
+        **fedams_kwargs(cfg),
+        compressor=cfg["compressor"],
+        topk_ratio=cfg["topk-ratio"],
+        error_feedback=cfg["error-feedback"],
+        granularity=cfg["compression-granularity"],
+    )

@@ -1,0 +1,151 @@
+"""What a pollen ClientApp runs for one message: a table of local steps and of mid-round phases.
+
+The strategy names the local step in its train config (``pollen.local-step``, default ``"sgd"``) and
+the phase of a mid-round message (``pollen.phase``); the ClientApp looks both up here instead of
+growing a branch per method. A method adds its client side with two decorators::
+
+    @local_step("my-step")
+    def my_step(work: LocalWork) -> StepOutcome: ...
+
+    @phase("my-phase")
+    def my_phase(work: LocalWork) -> StepOutcome: ...
+
+A step trains ``work.task.model`` in place (the ClientApp uploads it as the method asks: full model,
+or a compressed update with error feedback), may keep vectors for later messages in ``work.state``
+(:class:`~pollen.clientside.state.ClientState`) and may return named extras and flags for the reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Message
+
+from pollen import protocol
+from pollen.clientside.state import ClientState
+from pollen.layout import ModelLayout
+
+TRAIN_KEYS = ("local-lr", "local-epochs", "local-steps", "batch-size", "momentum", "weight-decay")
+
+
+@dataclass
+class LocalWork:
+    """Everything a local step or phase handler gets for one message."""
+
+    task: Any  # pollen.client_app.LocalTask: cfg, model, device, loaders, partition_id
+    msg: Message
+    config: ConfigRecord
+    state: ClientState
+    server_round: int
+    seed: int
+
+    def setting(self, key: str) -> Any:
+        """A local-training setting: the message's config wins over the run-config."""
+        return self.config[key] if key in self.config else self.task.cfg[key]
+
+    def layout(self) -> ModelLayout:
+        """The model's layout (trainable tensors and buffers) as the server flattens it."""
+        keys = self.config.get(protocol.CFG_BUFFER_KEYS)
+        buffer_keys = protocol.split_keys(str(keys)) if keys is not None else None
+        return ModelLayout.from_arrays(model_arrays(self.task.model), buffer_keys)
+
+
+@dataclass
+class StepOutcome:
+    """What a step did and what its reply adds to the model upload.
+
+    ``reference`` is the flat model the update is measured from, when the message carried no
+    global model (a mid-round phase); ``upload_model=False`` sends no update at all (a lazy
+    client that sends only a flag).
+    """
+
+    metrics: dict[str, int | float]
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+    flags: dict[str, bool] = field(default_factory=dict)
+    reference: np.ndarray | None = None
+    upload_model: bool = True
+
+
+Handler = Callable[[LocalWork], StepOutcome]
+LOCAL_STEPS: dict[str, Handler] = {}
+PHASES: dict[str, Handler] = {}
+
+
+def local_step(name: str) -> Callable[[Handler], Handler]:
+    """Register the local step a train message names with ``pollen.local-step``."""
+    return _registrar(LOCAL_STEPS, name, "local step")
+
+
+def phase(name: str) -> Callable[[Handler], Handler]:
+    """Register the handler of the mid-round phase a ``train.pollen_phase`` message names."""
+    return _registrar(PHASES, name, "phase")
+
+
+def _registrar(table: dict[str, Handler], name: str, what: str) -> Callable[[Handler], Handler]:
+    def decorate(handler: Handler) -> Handler:
+        if name in table and table[name] is not handler:
+            raise ValueError(f"{what} {name!r} is registered twice")
+        table[name] = handler
+        return handler
+
+    return decorate
+
+
+def lookup(table: dict[str, Handler], name: str, what: str) -> Handler:
+    """The handler for ``name``; ``ValueError`` naming what is allowed."""
+    if name not in table:
+        raise ValueError(f"{what} {name!r} is unknown to this ClientApp; allowed: {', '.join(sorted(table))}")
+    return table[name]
+
+
+def model_arrays(model: Any) -> dict[str, np.ndarray]:
+    """The model's state dict as numpy arrays (CPU copies for a model on a GPU)."""
+    return {name: tensor.detach().cpu().numpy() for name, tensor in model.state_dict().items()}
+
+
+def load_flat(model: Any, layout: ModelLayout, vector: np.ndarray) -> None:
+    """Load the trainable tensors of ``model`` from a flat vector (buffers are left as they are)."""
+    import torch
+
+    named = layout.unflatten(np.asarray(vector, dtype=np.float32))
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, value in named.items():
+            state[name].copy_(torch.from_numpy(value))
+
+
+def run_sgd(work: LocalWork, steps: int | None, *, seed: int | None = None) -> Any:
+    """``pollen.task.train.train`` with the message's settings; ``steps`` overrides K/E when given."""
+    from pollen.task.train import train
+
+    configured = int(work.setting("local-steps"))
+    local_steps = steps if steps is not None else (configured if configured > 0 else None)
+    trainloader, _ = work.task.loaders(int(work.setting("batch-size")))
+    return train(
+        work.task.model,
+        trainloader,
+        lr=float(work.setting("local-lr")),
+        local_steps=local_steps,
+        local_epochs=None if local_steps else int(work.setting("local-epochs")),
+        momentum=float(work.setting("momentum")),
+        weight_decay=float(work.setting("weight-decay")),
+        device=work.task.device,
+        seed=work.seed if seed is None else seed,
+    )
+
+
+def train_metrics(result: Any) -> dict[str, int | float]:
+    return {
+        "train-loss": float(result.train_loss),
+        protocol.NUM_EXAMPLES: int(result.num_examples),
+        "num-steps": int(result.num_steps),
+    }
+
+
+@local_step("sgd")
+def sgd(work: LocalWork) -> StepOutcome:
+    """Plain local SGD: K steps (``local-steps``) or E epochs (``local-epochs``)."""
+    return StepOutcome(train_metrics(run_sgd(work, None)))

@@ -1,0 +1,117 @@
+"""RelayAverage: local SGD with one relayed averaging half-way through the round.
+
+The worked example of pollen's round protocol (README, "Write your own strategy"): it uses each
+extension point once, on a method small enough to read in one sitting. Round t:
+
+1. **train** (local step ``relay-first-half``): every sampled client runs the first half of its
+   ``local-steps`` from ``x_t`` and uploads its model ``x_i``;
+2. **mid-round exchange** ``relay-mix`` (:meth:`mid_round` / :meth:`exchange`, a *per-client
+   downlink*): the server sends client i the weighted mean of the *other* clients' models,
+   ``r_i = (sum_j w_j x_j - w_i x_i) / (1 - w_i)``, and its weight ``w_i``; the client mixes
+   ``x_i' = w_i x_i + (1 - w_i) r_i`` (the same weighted mean of all models for everyone), runs
+   the second half of its steps from there and uploads its model with one **extra record**,
+   ``layer-sq-norms`` (``||x_i'' - x_i'||^2`` per trainable tensor);
+3. **aggregate**: the mean of the updates, ``x_{t+1} = x_t + eta * mean_i (x_i'' - x_t)``.
+
+With ``eta = 1`` and one client it is FedAvg; with several it is local SGD with one intermediate
+synchronisation, the simplest member of HA-Fed's family (one cluster, fully connected, one gossip).
+The client side is :mod:`pollen.clientside.relay_demo`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from pollen import protocol
+from pollen.optim import SGD
+from pollen.strategies.base import AdaptiveStrategy
+from pollen.strategies.registry import adaptive_kwargs, register
+from pollen.strategies.replies import ClientUpdate, Extra, ReplySpec
+from pollen.wire import arrays_to_record
+
+RELAY_PHASE = "relay-mix"
+FIRST_HALF_STEP = "relay-first-half"
+RELAY_EXTRA = "relay"
+NORMS_EXTRA = "layer-sq-norms"
+CFG_WEIGHT = "pollen.relay-weight"
+
+
+class RelayAverage(AdaptiveStrategy):
+    """Local SGD with one relayed averaging in the middle of every round.
+
+    Parameters
+    ----------
+    eta : float (default: 1.0)
+        Server learning rate of the final step (1.0: plain averaging).
+    **kwargs
+        Sampling and aggregation options of :class:`AdaptiveStrategy`; ``aggregation="weighted"``
+        also weights the mid-round mix by ``num-examples``.
+    """
+
+    #: The final replies carry one extra vector: the squared norm of each tensor's second-half move.
+    reply_spec = ReplySpec(extras=(Extra(NORMS_EXTRA, size="tensors", nonnegative=True),))
+    #: The first-half replies carry only the model.
+    first_half_spec = ReplySpec()
+
+    def __init__(self, *, eta: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(optimizer=SGD(eta=eta), **kwargs)
+        self.last_layer_sq_norms: np.ndarray | None = None
+
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        return {protocol.CFG_LOCAL_STEP: FIRST_HALF_STEP}
+
+    def mid_round(self, server_round: int, grid: Grid, replies: list[Message], timeout: float) -> list[Message]:
+        """Read the first-half models, send each client its relay, return the second-half replies."""
+        firsts = self.collect(server_round, replies, spec=self.first_half_spec)
+        if not firsts:
+            return []
+        relays = self.relays(firsts)
+        buffer_keys = protocol.join_keys(self.layout.buffer_keys) if self.layout.buffer_keys else None
+        contents = {}
+        for update in firsts:
+            relay, weight = relays[update.node_id]
+            config = ConfigRecord({CFG_WEIGHT: weight})
+            if buffer_keys:
+                config[protocol.CFG_BUFFER_KEYS] = buffer_keys
+            contents[update.node_id] = RecordDict(
+                {
+                    protocol.extra_record(RELAY_EXTRA): arrays_to_record({protocol.EXTRA_ARRAY: relay}),
+                    protocol.CONFIG_RECORD: config,
+                }
+            )
+        return self.exchange(server_round, grid, contents, phase=RELAY_PHASE, timeout=timeout)
+
+    def relays(self, firsts: list[ClientUpdate]) -> dict[int, tuple[np.ndarray, float]]:
+        """Node -> (the weighted mean of the other clients' models, this client's weight)."""
+        weights = self.aggregate_weights(firsts)
+        mean_delta = np.zeros(self.layout.dim, dtype=np.float64)
+        for weight, update in zip(weights, firsts):
+            mean_delta += weight * update.delta
+        out = {}
+        for weight, update in zip(weights, firsts):
+            if weight >= 1.0:  # alone: nothing to mix with
+                others = update.delta.astype(np.float64)
+            else:
+                others = (mean_delta - weight * update.delta) / (1.0 - weight)
+            out[update.node_id] = ((self.params + others).astype(np.float32), float(weight))
+        return out
+
+    def after_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        """Keep the round's mean per-tensor squared norms (also in the round's train metrics)."""
+        norms = [u.extras[NORMS_EXTRA] for u in updates if NORMS_EXTRA in u.extras]
+        if norms:
+            self.last_layer_sq_norms = np.mean(norms, axis=0)
+            self.accounting.round(server_round).train_metrics["layer-sq-norm-max"] = float(self.last_layer_sq_norms.max())
+
+    def extra_summary(self) -> dict[str, Any]:
+        return {"relay": f"one mid-round exchange '{RELAY_PHASE}' after half of the local steps"}
+
+
+@register("relay-demo", "pollen.strategies.RelayAverage (the round-protocol example: one relayed mix per round)")
+def _build_relay_demo(cfg: Mapping[str, Any]) -> RelayAverage:
+    return RelayAverage(**adaptive_kwargs(cfg), eta=cfg["server-lr"])

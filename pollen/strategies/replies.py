@@ -1,0 +1,322 @@
+"""Reading a client's reply, once, for every strategy: model update, buffers, named extras and flags.
+
+A method says what it expects in a :class:`ReplySpec` (its update, extra vectors such as a second
+moment ``v_i`` or a gradient, one-bit flags such as "skip"); :func:`read_reply` checks the reply against
+the model layout and that spec and returns a :class:`ClientUpdate`, or raises :class:`ReplyRejected`
+with a short reason. Nothing in a reply is trusted: record kinds, names, dtypes (real floating point
+for trained values, the model's own kind for buffers), shapes, byte lengths against the declared
+shape (before anything is allocated, see :func:`pollen.wire.array_to_numpy`), finiteness after the
+cast to the dtype that is used, and the weight metric. The strategy's state is not touched here, so
+a rejected reply leaves no trace but a failure count.
+
+Wire forms of the update (``protocol``): Flower's ordinary full model under ``"arrays"`` (what any
+ClientApp sends; the update is ``x_local - x_global``), or a codec payload ``pollen.update`` +
+``pollen.update-meta`` with the buffers apart in ``pollen.buffers``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+
+from pollen import protocol
+from pollen.compression import decode_payload
+from pollen.layout import ModelLayout
+from pollen.wire import record_to_arrays, records_to_payload
+
+#: Largest weight (``num-examples``) a reply may claim; keeps weighted sums finite in float64.
+MAX_WEIGHT = 1e12
+UPDATE_MODES = ("required", "optional")
+
+
+class ReplyRejected(ValueError):
+    """A reply that cannot be used; the message is the logged reason."""
+
+
+@dataclass(frozen=True)
+class Extra:
+    """A named extra vector a method exchanges with its clients (in ``pollen.x.<name>``).
+
+    Parameters
+    ----------
+    name : str
+        The extra's name (``"v"``, ``"grad"``, ...).
+    size : int | str
+        Its length: a number, ``"model"`` (the number of trainable values d) or ``"tensors"`` (one
+        value per trainable tensor).
+    required : bool (default: True)
+        A reply without it is rejected; otherwise it is simply absent from ``ClientUpdate.extras``.
+    nonnegative : bool (default: False)
+        Reject negative values (second moments, squared norms).
+    """
+
+    name: str
+    size: int | str = "model"
+    required: bool = True
+    nonnegative: bool = False
+
+    @property
+    def record_name(self) -> str:
+        return protocol.extra_record(self.name)
+
+    def length(self, layout: ModelLayout) -> int:
+        if self.size == "model":
+            return layout.dim
+        if self.size == "tensors":
+            return len(layout.trainable)
+        if isinstance(self.size, int) and not isinstance(self.size, bool) and self.size >= 0:
+            return self.size
+        raise ValueError(f"extra {self.name!r}: size {self.size!r} is not an int, 'model' or 'tensors'")
+
+
+@dataclass(frozen=True)
+class ReplySpec:
+    """What a method expects in a reply.
+
+    Parameters
+    ----------
+    extras : tuple[Extra, ...]
+        Extra vectors (``pollen.x.<name>``).
+    flags : tuple[str, ...]
+        Names of boolean flags the reply may carry in ``pollen.flags`` (absent = False).
+    update : str (default: "required")
+        ``"required"``: a model update must be present; ``"optional"``: a reply may carry none (a
+        lazy client that sends only a flag), then ``ClientUpdate.delta`` is ``None``.
+    """
+
+    extras: tuple[Extra, ...] = ()
+    flags: tuple[str, ...] = ()
+    update: str = "required"
+
+    def __post_init__(self) -> None:
+        if self.update not in UPDATE_MODES:
+            raise ValueError(f"update={self.update!r} is unknown; allowed: {', '.join(UPDATE_MODES)}")
+        names = [extra.name for extra in self.extras]
+        if len(set(names)) != len(names):
+            raise ValueError(f"extras {names} are not unique")
+
+
+@dataclass
+class ClientUpdate:
+    """One client's validated contribution to a round.
+
+    ``delta`` is ``x_local - x_global`` as float32 (``None`` when the method allows a reply without
+    an update); ``record_bytes`` the bytes of each record of the reply, by record name.
+    """
+
+    client_key: str
+    node_id: int
+    delta: np.ndarray | None
+    buffers: dict[str, np.ndarray]
+    num_examples: float
+    metrics: MetricRecord | None
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+    flags: dict[str, bool] = field(default_factory=dict)
+    record_bytes: dict[str, int] = field(default_factory=dict)
+
+
+def count_records(reply: Message) -> dict[str, int]:
+    """Bytes of each record of a reply as Flower counts them; ``ReplyRejected`` if one cannot be counted."""
+    sizes = {}
+    for name, record in reply.content.items():
+        try:
+            sizes[name] = int(record.count_bytes())
+        except Exception as err:  # Flower raises on some legal-looking values (e.g. empty strings)
+            raise ReplyRejected(f"record '{name}' cannot be measured: {type(err).__name__}: {err}") from None
+    return sizes
+
+
+def read_reply(
+    reply: Message,
+    *,
+    client_key: str,
+    layout: ModelLayout,
+    params: np.ndarray,
+    spec: ReplySpec = ReplySpec(),
+    arrayrecord_key: str = protocol.ARRAYS_RECORD,
+    weighted_by_key: str = protocol.NUM_EXAMPLES,
+    weight_required: bool = False,
+) -> ClientUpdate:
+    """Validate one reply against ``layout`` and ``spec``; raise ``ReplyRejected`` with the reason.
+
+    ``params`` is the global model the reply's full model (if any) is compared with.
+    """
+    if reply.has_error():
+        raise ReplyRejected(f"client error: {reply.error.reason}")
+    record_bytes = count_records(reply)
+    content = reply.content
+    delta, buffers = _read_update(content, layout, params, spec, arrayrecord_key)
+    extras = {extra.name: value for extra in spec.extras if (value := _read_extra(content, extra, layout)) is not None}
+    flags = _read_flags(content, spec)
+    metrics = _first_metrics(content)
+    num_examples = _read_weight(metrics, weighted_by_key, weight_required)
+    return ClientUpdate(
+        client_key=client_key,
+        node_id=reply.metadata.src_node_id,
+        delta=delta,
+        buffers=buffers,
+        num_examples=num_examples,
+        metrics=metrics,
+        extras=extras,
+        flags=flags,
+        record_bytes=record_bytes,
+    )
+
+
+# ---------------------------------------------------------------------------- parts of a reply
+def _array_record(content, name: str) -> ArrayRecord | None:  # noqa: ANN001
+    record = content.get(name) if name in content else None
+    if record is not None and not isinstance(record, ArrayRecord):
+        raise ReplyRejected(f"record '{name}' is a {type(record).__name__}, expected an ArrayRecord")
+    return record
+
+
+def _read_update(
+    content, layout: ModelLayout, params: np.ndarray, spec: ReplySpec, arrayrecord_key: str  # noqa: ANN001
+) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
+    compressed = _array_record(content, protocol.UPDATE_RECORD)
+    full = _array_record(content, arrayrecord_key)
+    if compressed is not None and full is not None:
+        raise ReplyRejected(f"reply carries both '{arrayrecord_key}' and '{protocol.UPDATE_RECORD}'")
+    if compressed is not None:
+        meta = content.get(protocol.UPDATE_META_RECORD) if protocol.UPDATE_META_RECORD in content else None
+        if not isinstance(meta, ConfigRecord):
+            raise ReplyRejected("compressed update without its meta record")
+        payload = records_to_payload(compressed, meta)
+        delta = decode_payload(payload, layout.dim, segments=layout.segments)
+        buffers = _read_buffers(content, layout)
+    elif full is not None:
+        arrays = record_to_arrays(full)
+        _check_names(arrays, layout.keys, f"'{arrayrecord_key}'")
+        for spec_ in layout.trainable:
+            _check_shape(arrays[spec_.name], spec_.shape, spec_.name)
+            if arrays[spec_.name].dtype.kind != "f":
+                raise ReplyRejected(f"array '{spec_.name}' has dtype {arrays[spec_.name].dtype}; allowed: floating point")
+        delta = layout.flatten(arrays)
+        _check_finite(delta, "model update")
+        delta -= params
+        buffers = _buffers_from(arrays, layout)
+    else:
+        if spec.update == "required":
+            raise ReplyRejected(f"reply carries neither '{arrayrecord_key}' nor '{protocol.UPDATE_RECORD}' arrays")
+        return None, {}
+    delta = np.asarray(delta, dtype=np.float32)
+    if delta.shape != (layout.dim,):
+        raise ReplyRejected(f"decoded update has shape {delta.shape}, the model has ({layout.dim},)")
+    _check_finite(delta, "update")
+    return delta, buffers
+
+
+def _read_buffers(content, layout: ModelLayout) -> dict[str, np.ndarray]:  # noqa: ANN001
+    if not layout.buffers:
+        return {}
+    record = _array_record(content, protocol.BUFFERS_RECORD)
+    if record is None:
+        raise ReplyRejected("compressed update without the model's buffers")
+    arrays = record_to_arrays(record)
+    _check_names(arrays, layout.buffer_keys, f"'{protocol.BUFFERS_RECORD}'")
+    return _buffers_from(arrays, layout)
+
+
+def _buffers_from(arrays: dict[str, np.ndarray], layout: ModelLayout) -> dict[str, np.ndarray]:
+    """The buffers, cast to the model's dtypes and checked finite after the cast."""
+    out = {}
+    for spec in layout.buffers:
+        value = arrays[spec.name]
+        _check_shape(value, spec.shape, spec.name)
+        if value.dtype.kind not in "biuf" or (spec.dtype.kind in "biu") != (value.dtype.kind in "biu"):
+            raise ReplyRejected(f"buffer '{spec.name}' has dtype {value.dtype}, the model has {spec.dtype}")
+        if spec.dtype.kind == "f":
+            with np.errstate(over="ignore", invalid="ignore"):
+                cast = np.asarray(value, dtype=spec.dtype).reshape(spec.shape)
+            _check_finite(cast, f"buffer '{spec.name}'")
+        else:
+            info = np.iinfo(spec.dtype) if spec.dtype.kind in "iu" else None
+            if info is not None and value.size and (value.min() < info.min or value.max() > info.max):
+                raise ReplyRejected(f"buffer '{spec.name}' holds values outside {spec.dtype}")
+            cast = np.asarray(value, dtype=spec.dtype).reshape(spec.shape)
+        out[spec.name] = cast
+    return out
+
+
+def _read_extra(content, extra: Extra, layout: ModelLayout) -> np.ndarray | None:  # noqa: ANN001
+    record = _array_record(content, extra.record_name)
+    if record is None:
+        if extra.required:
+            raise ReplyRejected(f"reply lacks the extra record '{extra.record_name}'")
+        return None
+    arrays = record_to_arrays(record)
+    _check_names(arrays, (protocol.EXTRA_ARRAY,), f"'{extra.record_name}'")
+    value = arrays[protocol.EXTRA_ARRAY]
+    length = extra.length(layout)
+    if value.shape != (length,):
+        raise ReplyRejected(f"extra '{extra.name}' has shape {value.shape}, expected ({length},)")
+    if value.dtype.kind != "f":
+        raise ReplyRejected(f"extra '{extra.name}' has dtype {value.dtype}; allowed: floating point")
+    with np.errstate(over="ignore", invalid="ignore"):
+        vector = value.astype(np.float32)
+    _check_finite(vector, f"extra '{extra.name}'")
+    if extra.nonnegative and vector.size and vector.min() < 0:
+        raise ReplyRejected(f"extra '{extra.name}' holds negative values; it must be >= 0")
+    return vector
+
+
+def _read_flags(content, spec: ReplySpec) -> dict[str, bool]:  # noqa: ANN001
+    if protocol.FLAGS_RECORD not in content:
+        return {name: False for name in spec.flags}
+    record = content[protocol.FLAGS_RECORD]
+    if not isinstance(record, ConfigRecord):
+        raise ReplyRejected(f"record '{protocol.FLAGS_RECORD}' is a {type(record).__name__}, expected a ConfigRecord")
+    unknown = sorted(set(record.keys()) - set(spec.flags))
+    if unknown:
+        raise ReplyRejected(f"unknown flags {unknown}; this method knows {list(spec.flags)}")
+    flags = {}
+    for name in spec.flags:
+        value = record.get(name, False)
+        if not isinstance(value, bool):
+            raise ReplyRejected(f"flag '{name}' is {value!r}, expected true or false")
+        flags[name] = value
+    return flags
+
+
+def _first_metrics(content) -> MetricRecord | None:  # noqa: ANN001
+    if protocol.METRICS_RECORD in content.metric_records:
+        return content.metric_records[protocol.METRICS_RECORD]
+    return next(iter(content.metric_records.values()), None)
+
+
+def _read_weight(metrics: MetricRecord | None, key: str, required: bool) -> float:
+    if metrics is None or key not in metrics:
+        if required:
+            raise ReplyRejected(f"metrics lack '{key}', needed for weighted aggregation")
+        return 1.0
+    value = metrics[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ReplyRejected(f"'{key}' must be a positive number, got {value!r}")
+    weight = float(value)
+    if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
+        raise ReplyRejected(f"'{key}' must be a positive number <= {MAX_WEIGHT:g}, got {value!r}")
+    return weight
+
+
+# ---------------------------------------------------------------------------- checks
+def _check_names(arrays: dict[str, np.ndarray], expected: tuple[str, ...], where: str) -> None:
+    if sorted(arrays) != sorted(expected):
+        missing = sorted(set(expected) - set(arrays))
+        extra = sorted(set(arrays) - set(expected))
+        raise ReplyRejected(f"array names in {where} do not match the model (missing {missing[:5]}, unexpected {extra[:5]})")
+
+
+def _check_shape(value: np.ndarray, shape: tuple[int, ...], name: str) -> None:
+    size = int(np.prod(shape, dtype=np.int64))
+    # A 0-d tensor may come back as shape (1,) from some converters: same value, accept.
+    if tuple(value.shape) != shape and not (value.size == size == 1):
+        raise ReplyRejected(f"array '{name}' has shape {tuple(value.shape)}, the model has {shape}")
+
+
+def _check_finite(vector: np.ndarray, what: str) -> None:
+    if not np.isfinite(vector).all():
+        raise ReplyRejected(f"{what} contains NaN or Inf")

@@ -1,0 +1,148 @@
+"""The round loop of pollen's strategies: Flower's ``Strategy.start``, plus mid-round exchanges and resume.
+
+:class:`RoundLoop` keeps Flower's ``start(grid=..., initial_arrays=..., num_rounds=...)`` call and its
+order of work (centralised evaluation of round 0; per round: train, federated evaluation, centralised
+evaluation; a ``Result``), so a strategy drops in where ``FedAvg`` was. It adds:
+
+- **mid-round exchanges**: after the train replies come back and before they are aggregated, the
+  strategy's ``mid_round(server_round, grid, replies, timeout)`` may send further messages through the
+  grid (gossip relays, a second pass) and returns the replies to aggregate; the default returns them
+  unchanged;
+- **resume**: with ``checkpoint=RunCheckpoint(path)`` the loop writes the global model, the strategy's
+  full ``state_dict()`` and the results so far atomically after every round; with
+  ``RunCheckpoint(path, resume=True)`` it continues from the last complete round, and a resumed run
+  ends with the same parameters as an uninterrupted one (the strategy's sampling generator and all its
+  state are restored; clients derive their randomness from the round number).
+
+Flower itself (1.39 to the 1.43 nightly) always loops from round 1 and keeps no state.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable
+from logging import INFO, WARNING
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+
+from pollen.strategies.checkpointing import RunCheckpoint
+
+EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
+
+
+class RunInterrupted(RuntimeError):
+    """The loop stopped on purpose after a checkpointed round (``RunCheckpoint.stop_after_round``)."""
+
+    def __init__(self, server_round: int, result: Result) -> None:
+        super().__init__(f"stopped after round {server_round} as asked; the checkpoint can be resumed")
+        self.server_round = server_round
+        self.result = result
+
+
+class RoundLoop:
+    """Mixin for a Flower ``Strategy``: the ``start`` loop with mid-round exchanges and checkpoints."""
+
+    def mid_round(self, server_round: int, grid: Grid, replies: list[Message], timeout: float) -> list[Message]:
+        """Hook: further exchanges inside a training round; returns the replies to aggregate."""
+        return replies
+
+    def start(  # noqa: PLR0913 (Flower's signature)
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: EvaluateFn | None = None,
+        *,
+        checkpoint: RunCheckpoint | None = None,
+    ) -> Result:
+        """Run ``num_rounds`` rounds as Flower's ``Strategy.start`` does; see the module docstring.
+
+        Parameters are Flower's, plus ``checkpoint``: where to write a checkpoint after every round
+        and, when it was made with ``resume=True``, the checkpoint to continue from.
+        """
+        log(INFO, "Starting %s strategy:", type(self).__name__)
+        self.summary()
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        started = time.time()
+
+        first_round, arrays, result = 1, initial_arrays, Result()
+        saved = checkpoint.load(self) if checkpoint is not None and checkpoint.resume else None
+        if saved is not None:
+            first_round, arrays, result = saved.server_round + 1, saved.arrays, saved.result
+            log(INFO, "Resuming after round %d of %d from %s", saved.server_round, num_rounds, checkpoint.path)
+            if len(result.arrays) == 0:
+                result.arrays = arrays
+        elif evaluate_fn:
+            res = evaluate_fn(0, initial_arrays)
+            log(INFO, "Initial global evaluation results: %s", res)
+            if res is not None:
+                result.evaluate_metrics_serverapp[0] = res
+
+        for server_round in range(first_round, num_rounds + 1):
+            log(INFO, "")
+            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+            arrays = self._train_round(server_round, grid, arrays, train_config, timeout, result)
+            self._evaluate_round(server_round, grid, arrays, evaluate_config, timeout, evaluate_fn, result)
+            if checkpoint is not None:
+                checkpoint.save(server_round, arrays, self, result)
+                if checkpoint.stop_after_round == server_round and server_round < num_rounds:
+                    log(WARNING, "Stopping after round %d as asked (stop-after-round)", server_round)
+                    raise RunInterrupted(server_round, result)
+
+        log(INFO, "")
+        log(INFO, "Strategy execution finished in %.2fs", time.time() - started)
+        for line in io.StringIO(str(result)):
+            log(INFO, "\t%s", line.strip("\n"))
+        return result
+
+    def _train_round(
+        self, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, timeout: float, result: Result
+    ) -> ArrayRecord:
+        messages = self.configure_train(server_round, arrays, config, grid)
+        replies = list(grid.send_and_receive(messages=messages, timeout=timeout))
+        replies = self.mid_round(server_round, grid, replies, timeout)
+        new_arrays, metrics = self.aggregate_train(server_round, replies)
+        if new_arrays is not None:
+            result.arrays = new_arrays
+            arrays = new_arrays
+        if metrics is not None:
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
+            result.train_metrics_clientapp[server_round] = metrics
+        return arrays
+
+    def _evaluate_round(  # noqa: PLR0913
+        self,
+        server_round: int,
+        grid: Grid,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        timeout: float,
+        evaluate_fn: EvaluateFn | None,
+        result: Result,
+    ) -> None:
+        messages = list(self.configure_evaluate(server_round, arrays, config, grid))
+        replies = grid.send_and_receive(messages=messages, timeout=timeout) if messages else []
+        metrics = self.aggregate_evaluate(server_round, replies)
+        if metrics is not None:
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
+            result.evaluate_metrics_clientapp[server_round] = metrics
+        if evaluate_fn:
+            res = evaluate_fn(server_round, arrays)
+            if res is not None:
+                result.evaluate_metrics_serverapp[server_round] = res
+
+    # Subclasses provide these (Flower's Strategy and pollen's state).
+    def state_dict(self) -> dict[str, Any]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError

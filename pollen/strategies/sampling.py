@@ -1,0 +1,163 @@
+"""Who takes part in a round: seeded client sampling keyed by stable client ids, per cluster if asked.
+
+Flower's node ids change when a SuperNode reconnects and differ between runs, so sampling by node id
+is neither reproducible nor fair across reconnects. :class:`ClientSampler` asks each new node once for
+its stable client id (pollen's ClientApp answers ``query.pollen_identify`` with node-config
+``client-id``, else ``partition-<id>``, and optionally a ``cluster-id``), orders the connected nodes by
+that id and draws from its own seeded generator. Its state (generator, known ids) is saved and loaded
+with the strategy, so a resumed run samples the same clients as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+from flwr.app import Message, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+
+from pollen import protocol
+
+IDENTIFY_TIMEOUT_S = 60.0
+MAX_CLIENT_ID_LENGTH = 256
+
+
+class ClientSampler:
+    """Seeded sampling over the connected nodes, ordered by their stable client ids.
+
+    Parameters
+    ----------
+    seed : int
+        Seed of the sampling generator.
+    min_available_nodes : int
+        Nodes that must be connected before a round samples.
+    identify_clients : bool
+        Ask new nodes for their client id (and cluster id) with ``query.pollen_identify``. Nodes that
+        cannot answer are keyed ``node-<id>``.
+    """
+
+    def __init__(self, *, seed: int = 0, min_available_nodes: int = 2, identify_clients: bool = False) -> None:
+        self.seed = seed
+        self.min_available_nodes = min_available_nodes
+        self.identify_clients = identify_clients
+        self.rng = np.random.default_rng(seed)
+        self.node_keys: dict[int, str] = {}
+        self.node_clusters: dict[int, str] = {}
+        self.known_clients: set[str] = set()
+
+    # ------------------------------------------------------------------ identity
+    def key(self, node: int) -> str:
+        """The stable client id of ``node`` (``node-<id>`` until it is known)."""
+        return self.node_keys.get(node, f"node-{node}")
+
+    def cluster(self, node: int) -> str | None:
+        """The cluster id ``node`` reported, or ``None``."""
+        return self.node_clusters.get(node)
+
+    def wait_for_nodes(self, grid: Grid, needed: int) -> list[int]:
+        """The connected node ids, once at least ``needed`` are connected."""
+        while len(nodes := sorted(grid.get_node_ids())) < needed:
+            log(INFO, "Waiting for nodes to connect: %d connected (minimum required: %d).", len(nodes), needed)
+            time.sleep(1.0)
+        return nodes
+
+    def identify(self, grid: Grid, nodes: Iterable[int]) -> None:
+        """Ask nodes seen for the first time for their stable client id (and cluster id)."""
+        connected = set(nodes)
+        unknown = sorted(node for node in connected if node not in self.node_keys)
+        if not unknown:
+            return
+        if self.identify_clients:
+            queries = [
+                Message(content=RecordDict(), message_type=protocol.QUERY_IDENTIFY, dst_node_id=node)
+                for node in unknown
+            ]
+            replies = {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(queries, timeout=IDENTIFY_TIMEOUT_S)}
+            for node in unknown:  # in node order, so which of two claimants wins does not depend on timing
+                if node in replies:
+                    self._note_identity(node, replies[node], connected)
+        for node in unknown:
+            self.node_keys.setdefault(node, f"node-{node}")
+            self.known_clients.add(self.node_keys[node])
+
+    def _note_identity(self, node: int, reply: Message, connected: set[int]) -> None:
+        if reply.has_error() or protocol.IDENTITY_RECORD not in reply.content.config_records:
+            return
+        record = reply.content.config_records[protocol.IDENTITY_RECORD]
+        client_id = record.get(protocol.IDENTITY_CLIENT_ID)
+        if not (isinstance(client_id, str) and client_id) or len(client_id) > MAX_CLIENT_ID_LENGTH:
+            return
+        holders = [other for other, key in self.node_keys.items() if key == client_id and other != node]
+        if any(other in connected for other in holders):
+            log(WARNING, "\t> node %d claims client id %r, held by connected node %d; it is keyed node-%d", node, client_id, holders[0], node)
+            return
+        for other in holders:  # the same client came back under a new node id (a SuperNode reconnected)
+            del self.node_keys[other]
+            self.node_clusters.pop(other, None)
+        self.node_keys[node] = client_id
+        cluster = record.get(protocol.IDENTITY_CLUSTER_ID)
+        if isinstance(cluster, str) and cluster:
+            self.node_clusters[node] = cluster
+
+    # ------------------------------------------------------------------ sampling
+    def connected(self, grid: Grid, minimum: int = 0) -> list[int]:
+        """Connected nodes (waiting for enough), identified and ordered by client id."""
+        nodes = self.wait_for_nodes(grid, max(self.min_available_nodes, minimum))
+        self.identify(grid, nodes)
+        return sorted(nodes, key=lambda node: (self.key(node), node))
+
+    def sample(self, grid: Grid, fraction: float, minimum: int) -> list[int]:
+        """``max(floor(fraction * n), minimum)`` nodes (at most all), uniformly without replacement."""
+        ordered = self.connected(grid, minimum)
+        size = min(max(int(len(ordered) * fraction), minimum), len(ordered))
+        picks = self.rng.choice(len(ordered), size=size, replace=False)
+        return [ordered[i] for i in sorted(picks)]
+
+    def clusters(self, grid: Grid, minimum: int = 0) -> dict[str, list[int]]:
+        """Connected nodes grouped by the cluster id they reported, each group ordered by client id."""
+        groups: dict[str, list[int]] = {}
+        for node in self.connected(grid, minimum):
+            cluster = self.cluster(node)
+            if cluster is None:
+                raise ValueError(f"{self.key(node)} (node {node}) reported no cluster id; every node needs one")
+            groups.setdefault(cluster, []).append(node)
+        return dict(sorted(groups.items()))
+
+    def sample_per_cluster(self, groups: dict[str, list[int]], per_cluster: int) -> dict[str, list[int]]:
+        """Stratified sampling: ``per_cluster`` nodes from every cluster, without replacement."""
+        picked = {}
+        for cluster, members in groups.items():
+            if per_cluster > len(members):
+                raise ValueError(f"cannot sample {per_cluster} nodes from cluster {cluster!r} of {len(members)}")
+            picks = self.rng.choice(len(members), size=per_cluster, replace=False)
+            picked[cluster] = [members[i] for i in sorted(picks)]
+        return picked
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Generator state and the identities seen (node id -> client id and cluster id)."""
+        return {
+            "seed": self.seed,
+            "rng": self.rng.bit_generator.state,
+            "known_clients": sorted(self.known_clients),
+            "node_keys": {str(node): key for node, key in self.node_keys.items()},
+            "node_clusters": {str(node): cluster for node, cluster in self.node_clusters.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` wrote.
+
+        Node ids of a previous run that are not connected now are harmless: sampling only looks at
+        connected nodes, and a client that comes back under a new node id is identified again.
+        """
+        rng = np.random.default_rng()
+        rng.bit_generator.state = state["rng"]
+        self.seed = int(state["seed"])
+        self.rng = rng
+        self.known_clients = {str(key) for key in state["known_clients"]}
+        self.node_keys = {int(node): str(key) for node, key in state["node_keys"].items()}
+        self.node_clusters = {int(node): str(cluster) for node, cluster in state["node_clusters"].items()}
