@@ -9,6 +9,7 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.flwr_cli import LocalFlower
@@ -44,7 +45,7 @@ def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(flower: LocalFlower, results_dir: Path, name: str, **config) -> dict:
     proc = flower.run({**TINY, **config, "results-dir": str(results_dir), "run-name": name})
-    out_dir = results_dir / name
+    out_dir = Path(config["resume"]) if config.get("resume") else results_dir / name
     assert proc.returncode == 0 and (out_dir / "final_model.npz").is_file(), proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads((out_dir / "metrics.json").read_text())
 
@@ -80,3 +81,33 @@ def test_fedadavr_int4_with_partial_participation(flower: LocalFlower, results_d
     assert rows[-1]["sampled"] == 2 and rows[-1]["replies"] == 2
     assert rows[-1]["server_state_bytes"] > 0
     assert rows[-1]["accuracy"] > rows[0]["accuracy"]
+
+
+def test_relay_demo_runs_its_mid_round_exchange(flower: LocalFlower, results_dir: Path) -> None:
+    """The round-protocol example through a real simulation: a relay phase, an extra uplink record."""
+    metrics = _run(flower, results_dir, "relay", strategy="relay-demo", **{"local-steps": 4, "fraction-train": 0.75})
+    last = metrics["rows"][-1]
+    assert last["replies"] == 3 and last["failures"] == 0
+    assert last["exchange_messages"] == 3 and last["messages_sent"] == 6
+    assert last["downlink_by_record"]["relay-mix/pollen.x.relay"] >= 3 * 4 * 29_034
+    assert last["uplink_by_record"]["relay-mix/pollen.x.layer-sq-norms"] > 0
+    assert metrics["rows"][-1]["accuracy"] > metrics["rows"][0]["accuracy"]
+
+
+def test_resume_in_simulation_equals_the_uninterrupted_run(flower: LocalFlower, results_dir: Path, tmp_path: Path) -> None:
+    """FedCAMS with error feedback kept in client state files: stop after round 1, resume, compare."""
+    config = {"strategy": "fedcams", "compressor": "sign", "num-server-rounds": 3, "state-dir": str(tmp_path / "clients")}
+    _run(flower, results_dir, "uninterrupted", **config)
+    proc = flower.run({**TINY, **config, "results-dir": str(results_dir), "run-name": "interrupted", "stop-after-round": 1})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    crashed = results_dir / "interrupted"
+    assert (crashed / "checkpoint.npz").is_file() and not (crashed / "final_model.npz").exists()
+    resumed = _run(flower, results_dir, "ignored-name", **config, resume=str(crashed))
+    full = json.loads((results_dir / "uninterrupted" / "metrics.json").read_text())
+    assert [row["round"] for row in resumed["rows"]] == [0, 1, 2, 3]
+    assert [row["accuracy"] for row in resumed["rows"]] == [row["accuracy"] for row in full["rows"]]
+    want = np.load(results_dir / "uninterrupted" / "final_model.npz")
+    got = np.load(crashed / "final_model.npz")
+    assert sorted(want.files) == sorted(got.files)
+    for name in want.files:
+        assert want[name].tobytes() == got[name].tobytes(), name

@@ -53,8 +53,8 @@ class Metered(RoundLoop):
     ) -> Iterable[Message]:
         self._started[server_round] = time.perf_counter()
         named = record_to_arrays(arrays)
-        if self._layout is None:  # the model's shapes do not change between rounds
-            self._layout = ModelLayout.from_arrays(named)
+        # Rebuilt every round: Flower's aggregation turns integer buffers into floats after round 1.
+        self._layout = ModelLayout.from_arrays(named)
         self._params = self._layout.flatten(named)
         messages = list(super().configure_train(server_round, arrays, config, grid))
         stats = self.accounting.round(server_round)
