@@ -445,6 +445,40 @@ def run_status(procs: Processes, connection: str, env: Mapping[str, str], run_id
     return runs[0] if run_id else max(runs, key=lambda r: r.get("pending-at") or "")
 
 
+def run_traffic(procs: Processes, connection: str, env: Mapping[str, str], run_id: str) -> dict[str, int]:
+    """The SuperLink's byte counts of one run (``flwr ls --run-id <id> --format json``).
+
+    ``inbound``: bytes the SuperLink's Fleet API received from SuperNodes (pushed messages and
+    objects, pull requests); ``outbound``: bytes it sent them (pulled messages and objects).
+    Traffic between the SuperLink and the ServerApp is not counted.
+    """
+    traffic = run_status(procs, connection, env, run_id=run_id)["network-traffic"]
+    return {"inbound": int(traffic["inbound-bytes"]), "outbound": int(traffic["outbound-bytes"])}
+
+
+def cmdline(pid: int) -> list[str]:
+    """The command line of ``pid`` (empty once it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def find_in_tree(proc: Proc, program: str) -> list[int]:
+    """Live processes of ``proc``'s tree whose command line names ``program`` (e.g. ``flwr-serverapp``).
+
+    Matches an argument ending in ``program`` (the executable, or the script a Python interpreter runs).
+    The tree is remembered first, so whatever is found here is also stopped by :meth:`Processes.stop`.
+    """
+    proc.remember_tree()
+    found = []
+    for pid in process_tree(proc.pid):
+        if any(Path(arg).name == program for arg in cmdline(pid)[:2]):
+            found.append(pid)
+    return found
+
+
 def load_metrics(results_dir: Path, run_name: str) -> dict[str, Any]:
     return json.loads((Path(results_dir) / run_name / "metrics.json").read_text())
 
