@@ -10,6 +10,7 @@ strategies and the client-side mods flatten in exactly the same way.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,13 +87,19 @@ class ModelLayout:
     @property
     def segments(self) -> tuple[tuple[int, int], ...]:
         """(start, stop) of each trainable tensor inside the flat vector."""
+        return self._segments
+
+    @functools.cached_property
+    def _segments(self) -> tuple[tuple[int, int], ...]:
         return tuple(segments_from_sizes(spec.size for spec in self.trainable))
 
-    def flatten(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
-        """Concatenate the trainable arrays into one float32 vector."""
-        out = np.empty(self.dim, dtype=np.float32)
-        for spec, (start, stop) in zip(self.trainable, self.segments):
-            out[start:stop] = np.asarray(arrays[spec.name], dtype=np.float32).reshape(-1)
+    def flatten(self, arrays: Mapping[str, np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
+        """Concatenate the trainable arrays into one float32 vector (into ``out`` when given)."""
+        if out is None:
+            out = np.empty(self.dim, dtype=np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):  # a float64 1e300 becomes Inf; callers check
+            for spec, (start, stop) in zip(self.trainable, self._segments):
+                out[start:stop] = np.reshape(arrays[spec.name], -1)
         return out
 
     def unflatten(self, vector: np.ndarray) -> dict[str, np.ndarray]:

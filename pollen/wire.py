@@ -32,6 +32,37 @@ _NPY_MAGIC = b"\x93NUMPY"
 _MAX_HEADER = 10_000
 
 
+_HEADER_CACHE: dict[tuple[str, tuple[int, ...]], tuple[bytes, np.dtype, int]] = {}
+_HEADER_CACHE_LIMIT = 65_536
+
+
+def _expected_header(dtype: str, shape: tuple[int, ...]) -> tuple[bytes, np.dtype, int] | None:
+    """The exact ``.npy`` v1.0 header numpy writes for a C-ordered array of ``dtype`` and ``shape``.
+
+    Cached per (dtype, shape): a model has a few hundred distinct tensors, so after the first
+    reply each array's header is checked with one bytes comparison instead of being parsed.
+    """
+    key = (dtype, shape)
+    cached = _HEADER_CACHE.get(key)
+    if cached is None:
+        try:
+            descr = np.dtype(dtype)
+        except TypeError:
+            return None
+        if descr.hasobject or descr.fields is not None or descr.kind not in WIRE_KINDS:
+            return None
+        stream = io.BytesIO()
+        header = {"descr": np.lib.format.dtype_to_descr(descr), "fortran_order": False, "shape": shape}
+        np.lib.format.write_array_header_1_0(stream, header)
+        count = 1
+        for n in shape:
+            count *= n
+        cached = (stream.getvalue(), descr, count)
+        if len(_HEADER_CACHE) < _HEADER_CACHE_LIMIT:
+            _HEADER_CACHE[key] = cached
+    return cached
+
+
 def array_to_numpy(array: Array) -> np.ndarray:
     """The numpy array a Flower ``Array`` carries, read without trusting its header.
 
@@ -43,6 +74,13 @@ def array_to_numpy(array: Array) -> np.ndarray:
     if array.stype != "numpy.ndarray":
         raise ValueError(f"serialisation type {array.stype!r} is not numpy.ndarray")
     data = array.data
+    shape = tuple(array.shape) if isinstance(array.shape, (list, tuple)) else None
+    if shape is not None and all(isinstance(n, int) and n >= 0 for n in shape) and isinstance(array.dtype, str):
+        fast = _expected_header(array.dtype, shape)
+        if fast is not None:
+            header, dtype, count = fast
+            if data[: len(header)] == header and len(data) - len(header) == count * dtype.itemsize:
+                return np.frombuffer(data, dtype=dtype, count=count, offset=len(header)).reshape(shape)
     if not isinstance(data, (bytes, bytearray, memoryview)) or bytes(data[:6]) != _NPY_MAGIC or len(data) < 10:
         raise ValueError("data is not .npy bytes")
     stream = io.BytesIO(data)

@@ -26,7 +26,7 @@ optimiser's step.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any, ClassVar
 
@@ -44,6 +44,7 @@ from pollen.strategies.accounting import Accounting, RoundStats
 from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec, count_records, read_reply
 from pollen.strategies.rounds import RoundLoop
 from pollen.strategies.sampling import ClientSampler
+from pollen.strategies.screening import DEFAULT_MAX_ABS, UpdateScreen, all_finite
 from pollen.wire import arrays_to_record, record_to_arrays
 
 AGGREGATIONS = ("mean", "weighted")
@@ -111,10 +112,24 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         query it cannot answer; pollen's app turns it on.
     arrayrecord_key, configrecord_key : str
         Record names in train/evaluate messages (Flower's defaults).
+    outlier_rule : str (default: "reject")
+        Outlier screen of update norms (:mod:`pollen.strategies.screening`): ``"reject"``,
+        ``"clip"`` or ``"off"``; ``outlier_factor`` (10) times the median accepted norm of the
+        last ``outlier_window`` (5) rounds is the bound.
+    max_abs_update : float (default: 1e15)
+        Hard limit on any coordinate of an update (always on).
+    min_replies : int (default: 1)
+        Fewer usable replies than this and the round is skipped (model unchanged), with a reason.
+    transactional : bool (default: True)
+        Keep a copy of the model and optimiser state during the server step and put it back if the
+        step fails or produces non-finite values (the round then counts as failed).
     """
 
     #: What this method expects in a training reply; subclasses declare their extras and flags.
     reply_spec: ClassVar[ReplySpec] = ReplySpec()
+    #: The aggregate is the (weighted) mean of the deltas: replies are summed as they are read, none
+    #: is kept (``aggregate_deltas`` is not called). Methods that need each delta set this False.
+    streaming: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -132,8 +147,16 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         identify_clients: bool = False,
         arrayrecord_key: str = protocol.ARRAYS_RECORD,
         configrecord_key: str = protocol.CONFIG_RECORD,
+        outlier_rule: str = "reject",
+        outlier_factor: float = 10.0,
+        outlier_window: int = 5,
+        max_abs_update: float = DEFAULT_MAX_ABS,
+        min_replies: int = 1,
+        transactional: bool = True,
     ) -> None:
         _check_fraction("fraction_train", fraction_train, allow_zero=False)
+        if not isinstance(min_replies, int) or isinstance(min_replies, bool) or min_replies < 1:
+            raise ValueError(f"min_replies={min_replies!r} is invalid; allowed: an integer >= 1")
         _check_fraction("fraction_evaluate", fraction_evaluate, allow_zero=True)
         for name, value in (
             ("min_train_nodes", min_train_nodes),
@@ -158,6 +181,11 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         self.configrecord_key = configrecord_key
 
         self.sampler = ClientSampler(seed=seed, min_available_nodes=min_available_nodes, identify_clients=identify_clients)
+        self.screen = UpdateScreen(rule=outlier_rule, factor=outlier_factor, window=outlier_window, max_abs=max_abs_update)
+        self.min_replies = min_replies
+        self.transactional = transactional
+        self._snapshot: dict[str, np.ndarray] = {}
+        self._scratch: np.ndarray | None = None
         self.layout: ModelLayout | None = None
         self.params: np.ndarray | None = None
         self.buffers: dict[str, np.ndarray] = {}
@@ -362,11 +390,14 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         *,
         phase: str = TRAIN_PHASE,
         spec: ReplySpec | None = None,
+        sink: Callable[[ClientUpdate], None] | None = None,
     ) -> list[ClientUpdate]:
         """Read every reply of ``phase`` once against ``spec`` (default: :attr:`reply_spec`).
 
         Counts each reply's bytes by record, rejects what cannot be trusted with a logged
-        reason, and counts nodes that were asked but did not answer as failures.
+        reason, and counts nodes that were asked but did not answer as failures. With a ``sink``,
+        each update is handed to it as soon as it is read (into one reused buffer) and not kept;
+        the sink may reject it by raising ``ReplyRejected``.
         """
         assert self.layout is not None and self.params is not None
         stats = self.accounting.round(server_round)
@@ -388,7 +419,11 @@ class AdaptiveStrategy(RoundLoop, Strategy):
                     arrayrecord_key=self.arrayrecord_key,
                     weighted_by_key=self.weighted_by_key,
                     weight_required=self.aggregation == "weighted",
+                    max_abs=self.screen.max_abs,
+                    scratch=self._scratch_vector() if sink is not None else None,
                 )
+                if sink is not None:
+                    sink(update)
             except Exception as err:  # noqa: BLE001 - every failure is a rejected reply, never a crash
                 self._reject(stats, node, _reason(err))
                 continue
@@ -403,31 +438,107 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate replies, aggregate their deltas, take one server optimiser step."""
+        """Validate and screen replies, aggregate their deltas, take one server optimiser step.
+
+        Nothing of the strategy's state changes before every reply was judged; if the step fails
+        anyway (or yields non-finite values) the state is put back and the round counts as failed.
+        """
         stats = self.accounting.round(server_round)
-        updates = self.collect(server_round, replies, phase=self._current_phase.get(server_round, TRAIN_PHASE))
+        phase = self._current_phase.get(server_round, TRAIN_PHASE)
+        bound = self.screen.bound() if self.streaming else None
+        if bound is not None:
+            running = RunningMean(self.layout.dim, self.screen, bound, weighted=self.aggregation == "weighted")
+            updates = self.collect(server_round, replies, phase=phase, sink=running)
+        else:
+            running = None
+            updates = self._screen_updates(server_round, self.collect(server_round, replies, phase=phase), stats)
         stats.replies = len(updates)
         for update in updates:
-            if update.delta is not None:
-                stats.uplink_update_bytes += _update_bytes(update.record_bytes, self.arrayrecord_key)
+            if update_bytes := _update_bytes(update.record_bytes, self.arrayrecord_key):
+                stats.uplink_update_bytes += update_bytes
                 stats.uplink_fp32_bytes += 4 * self.layout.dim
         log(INFO, "aggregate_train: %d usable replies, %d failures", len(updates), stats.failures)
         result: tuple[ArrayRecord | None, MetricRecord | None] = (None, None)
-        if updates:
-            delta = self.aggregate_deltas(server_round, updates)
-            self.apply_server_step(server_round, delta)
-            self._average_buffers(updates)
-            weights = [u.num_examples for u in updates]
-            metrics = aggregate_metrics([u.metrics for u in updates if u.metrics is not None], weights)
+        applied: list[ClientUpdate] = []
+        if len(updates) < self.min_replies:
+            reason = f"{len(updates)} usable replies, fewer than min_replies={self.min_replies}"
+            if updates:
+                stats.fail(f"round skipped: {reason}")
+            log(WARNING, "aggregate_train: round %d skipped (%s); the model is unchanged", server_round, reason)
+        else:
+            try:
+                self._server_step(server_round, updates, running)
+                applied = updates
+            except Exception as err:  # noqa: BLE001 - the round fails, the run goes on with the old state
+                stats.fail(f"server step failed and was rolled back: {_reason(err)}")
+                log(WARNING, "aggregate_train: server step of round %d failed (%s); state rolled back", server_round, err)
+        if applied:
+            self.screen.observe([u.norm for u in applied])
+            weights = [u.num_examples for u in applied]
+            metrics = aggregate_metrics([u.metrics for u in applied if u.metrics is not None], weights)
             stats.train_metrics = dict(metrics or {})
             self._last_returned = self.global_arrays()
             result = (self._last_returned, metrics)
-        else:
-            log(WARNING, "aggregate_train: no usable reply in round %d; the model is unchanged", server_round)
         stats.train_seconds = time.perf_counter() - self._train_started.get(server_round, time.perf_counter())
-        self.after_round(server_round, updates)
+        self.after_round(server_round, applied)
         self._forget_round(server_round)
         return result
+
+    def _server_step(self, server_round: int, updates: list[ClientUpdate], running: RunningMean | None) -> None:
+        """Aggregate, step, average buffers; all or nothing when ``transactional``."""
+        self._take_snapshot()
+        try:
+            delta = running.mean() if running is not None else self.aggregate_deltas(server_round, updates)
+            self.apply_server_step(server_round, delta)
+            self._average_buffers(updates)
+            if not all_finite(self.params):
+                raise FloatingPointError("the server step produced NaN or Inf parameters")
+        except Exception:
+            self._restore_snapshot()
+            raise
+
+    def _take_snapshot(self) -> None:
+        """Copy params, buffers and optimiser slots into buffers kept across rounds (no new allocation)."""
+        if not self.transactional:
+            return
+        current = {"params": self.params, **{f"slot:{k}": v for k, v in self.opt_state.slots.items()}}
+        for name, value in current.items():
+            kept = self._snapshot.get(name)
+            if kept is None or kept.shape != value.shape:
+                kept = self._snapshot[name] = np.empty_like(value)
+            np.copyto(kept, value)
+        self._snapshot_step = self.opt_state.step
+        self._snapshot_buffers = {k: v.copy() for k, v in self.buffers.items()}
+
+    def _restore_snapshot(self) -> None:
+        if not self.transactional:
+            return
+        np.copyto(self.params, self._snapshot["params"])
+        for name, value in self.opt_state.slots.items():
+            np.copyto(value, self._snapshot[f"slot:{name}"])
+        self.opt_state.step = self._snapshot_step
+        self.buffers = self._snapshot_buffers
+
+    def _screen_updates(self, server_round: int, updates: list[ClientUpdate], stats: RoundStats) -> list[ClientUpdate]:
+        """The outlier screen on kept updates: history bound, else each against the others' median."""
+        with_delta = [u for u in updates if u.delta is not None]
+        bound = self.screen.bound()
+        bounds = [bound] * len(with_delta) if bound is not None else self.screen.within_round_bounds([u.norm for u in with_delta])
+        rejected = set()
+        for update, limit in zip(with_delta, bounds):
+            verdict, scale = self.screen.judge(update.norm, limit)
+            if verdict == "reject":
+                rejected.add(id(update))
+                self._reject(stats, update.node_id, self.screen.reason(update.norm, limit))
+            elif verdict == "clip":
+                update.delta = update.delta * np.float32(scale)
+                update.norm *= scale
+        return [u for u in updates if id(u) not in rejected]
+
+    def _scratch_vector(self) -> np.ndarray:
+        if self._scratch is None or self._scratch.shape != (self.layout.dim,):
+            self._scratch = np.empty(self.layout.dim, dtype=np.float32)
+        return self._scratch
 
     def _forget_round(self, server_round: int) -> None:
         for key in [key for key in self._asked if key[0] <= server_round]:
@@ -451,12 +562,16 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         return raw / raw.sum()
 
     def aggregate_deltas(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
-        """Average of the client deltas: plain mean (papers) or weighted by examples."""
-        with_delta = [u for u in updates if u.delta is not None]
-        out = np.zeros(self.layout.dim, dtype=np.float32)
-        for weight, update in zip(self.aggregate_weights(with_delta), with_delta):
-            out += np.float32(weight) * update.delta
-        return out
+        """Average of the client deltas: plain mean (papers) or weighted by examples.
+
+        Computed as :class:`RunningMean` does on the streaming path (sum of raw-weighted deltas,
+        then one multiplication), so both paths give the same bits.
+        """
+        running = RunningMean(self.layout.dim, self.screen, float("inf"), weighted=self.aggregation == "weighted")
+        for update in updates:
+            if update.delta is not None:
+                running.add(update.delta, update.num_examples)
+        return running.mean()
 
     def _average_buffers(self, updates: list[ClientUpdate]) -> None:
         updates = [u for u in updates if u.buffers]
@@ -532,6 +647,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             "strategy": type(self).__name__,
             "seed": self.seed,
             "sampler": self.sampler.state_dict(),
+            "screen": self.screen.state_dict(),
             "accounting": self.accounting.to_dict(),
         }
         if self.layout is not None:
@@ -551,6 +667,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             raise ValueError(f"state was written by {state.get('strategy')!r}, not {type(self).__name__}")
         self.seed = state["seed"]
         self.sampler.load_state_dict(state["sampler"])
+        self.screen.load_state_dict(state.get("screen", {}))
         self.accounting = Accounting.from_dict(state["accounting"])
         self._last_returned = None
         if "params" in state:
@@ -566,6 +683,47 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             self.buffers = {k: np.array(v) for k, v in state["buffers"].items()}
             self.optimizer = self.build_optimizer(self.layout)
             self.opt_state = OptimizerState.from_dict(state["optimizer"])
+
+
+class RunningMean:
+    """The round's (weighted) mean of deltas, summed as replies are read; screens each one first.
+
+    ``sum_i float32(w_i) * delta_i`` with raw weights (1 for the mean, ``num-examples`` when
+    weighted), then one multiplication by ``1 / sum w``: a rejected reply never touched the sum,
+    so the result equals a round where that client stayed silent, bit for bit.
+    """
+
+    def __init__(self, dim: int, screen: UpdateScreen, bound: float, *, weighted: bool) -> None:
+        self.total = np.zeros(dim, dtype=np.float32)
+        self.weight = 0.0
+        self.screen = screen
+        self.bound = bound
+        self.weighted = weighted
+
+    def __call__(self, update: ClientUpdate) -> None:
+        """Screen ``update`` (``ReplyRejected`` if it is an outlier), add it, drop its vector."""
+        if update.delta is None:
+            return
+        verdict, scale = self.screen.judge(update.norm, self.bound)
+        if verdict == "reject":
+            raise ReplyRejected(self.screen.reason(update.norm, self.bound))
+        if verdict == "clip":
+            update.delta *= np.float32(scale)
+            update.norm *= scale
+        self.add(update.delta, update.num_examples)
+        update.delta = None
+
+    def add(self, delta: np.ndarray, num_examples: float) -> None:
+        weight = num_examples if self.weighted else 1.0
+        if weight == 1.0:
+            self.total += delta
+        else:
+            self.total += np.float32(weight) * delta
+        self.weight += weight
+
+    def mean(self) -> np.ndarray:
+        self.total *= np.float32(1.0 / self.weight)
+        return self.total
 
 
 def _reason(err: BaseException) -> str:

@@ -37,6 +37,9 @@ OPTIMIZERS = ("adagrad", "adam", "adabelief", "yogi", "lamb", "sgd")
 class FedAdaVR(AdaptiveStrategy):
     """Adaptive server optimiser on a variance-reduced aggregate over a stored-update table.
 
+    Each round's deltas are kept until the step (the table rows are replaced after it), so this
+    strategy reads replies into per-client vectors (``streaming = False``).
+
     Parameters
     ----------
     variant : str (default: "fedadavr")
@@ -105,6 +108,8 @@ class FedAdaVR(AdaptiveStrategy):
         self.table: UpdateTable | None = None
         # Build once now so bad optimiser settings fail at construction, not in round 1.
         make_server_optimizer(self.optimizer_name, **self._optimizer_kwargs(None))
+
+    streaming = False
 
     def _optimizer_kwargs(self, layout: ModelLayout | None) -> dict[str, Any]:
         if self.optimizer_name == "sgd":

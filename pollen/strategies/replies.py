@@ -25,6 +25,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from pollen import protocol
 from pollen.compression import decode_payload
 from pollen.layout import ModelLayout
+from pollen.strategies.screening import vector_stats
 from pollen.wire import record_to_arrays, records_to_payload
 
 #: Largest weight (``num-examples``) a reply may claim; keeps weighted sums finite in float64.
@@ -116,6 +117,7 @@ class ClientUpdate:
     extras: dict[str, np.ndarray] = field(default_factory=dict)
     flags: dict[str, bool] = field(default_factory=dict)
     record_bytes: dict[str, int] = field(default_factory=dict)
+    norm: float = 0.0
 
 
 def count_records(reply: Message) -> dict[str, int]:
@@ -139,16 +141,28 @@ def read_reply(
     arrayrecord_key: str = protocol.ARRAYS_RECORD,
     weighted_by_key: str = protocol.NUM_EXAMPLES,
     weight_required: bool = False,
+    max_abs: float = float("inf"),
+    scratch: np.ndarray | None = None,
 ) -> ClientUpdate:
     """Validate one reply against ``layout`` and ``spec``; raise ``ReplyRejected`` with the reason.
 
-    ``params`` is the global model the reply's full model (if any) is compared with.
+    ``params`` is the global model the reply's full model (if any) is compared with. The update's
+    norm is computed in the same pass that checks it is finite and that no coordinate exceeds
+    ``max_abs``. ``scratch`` (a float32 vector of the model's size) is filled with a full-model
+    reply's update instead of allocating one; the returned ``delta`` is then that buffer.
     """
     if reply.has_error():
         raise ReplyRejected(f"client error: {reply.error.reason}")
     record_bytes = count_records(reply)
     content = reply.content
-    delta, buffers = _read_update(content, layout, params, spec, arrayrecord_key)
+    delta, buffers = _read_update(content, layout, params, spec, arrayrecord_key, scratch)
+    norm = 0.0
+    if delta is not None:
+        norm, peak = vector_stats(delta)
+        if not np.isfinite(norm):
+            raise ReplyRejected("update contains NaN or Inf")
+        if peak > max_abs:
+            raise ReplyRejected(f"update has a coordinate of magnitude {peak:.3g} > {max_abs:.3g} (hard limit)")
     extras = {extra.name: value for extra in spec.extras if (value := _read_extra(content, extra, layout)) is not None}
     flags = _read_flags(content, spec)
     metrics = _first_metrics(content)
@@ -163,6 +177,7 @@ def read_reply(
         extras=extras,
         flags=flags,
         record_bytes=record_bytes,
+        norm=norm,
     )
 
 
@@ -175,7 +190,7 @@ def _array_record(content, name: str) -> ArrayRecord | None:  # noqa: ANN001
 
 
 def _read_update(
-    content, layout: ModelLayout, params: np.ndarray, spec: ReplySpec, arrayrecord_key: str  # noqa: ANN001
+    content, layout: ModelLayout, params: np.ndarray, spec: ReplySpec, arrayrecord_key: str, scratch: np.ndarray | None  # noqa: ANN001
 ) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
     compressed = _array_record(content, protocol.UPDATE_RECORD)
     full = _array_record(content, arrayrecord_key)
@@ -195,9 +210,9 @@ def _read_update(
             _check_shape(arrays[spec_.name], spec_.shape, spec_.name)
             if arrays[spec_.name].dtype.kind != "f":
                 raise ReplyRejected(f"array '{spec_.name}' has dtype {arrays[spec_.name].dtype}; allowed: floating point")
-        delta = layout.flatten(arrays)
-        _check_finite(delta, "model update")
-        delta -= params
+        delta = layout.flatten(arrays, out=scratch)
+        with np.errstate(over="ignore", invalid="ignore"):
+            delta -= params  # a non-finite result is caught by the norm below
         buffers = _buffers_from(arrays, layout)
     else:
         if spec.update == "required":
@@ -206,7 +221,6 @@ def _read_update(
     delta = np.asarray(delta, dtype=np.float32)
     if delta.shape != (layout.dim,):
         raise ReplyRejected(f"decoded update has shape {delta.shape}, the model has ({layout.dim},)")
-    _check_finite(delta, "update")
     return delta, buffers
 
 

@@ -1,0 +1,127 @@
+"""Outlier screening of client updates before they reach an adaptive server's state.
+
+Adaptive methods remember: AMSGrad's running max keeps one poisoned second moment for ever, a
+stored-update table keeps a poisoned row until that client returns. One client sending a finite but
+huge update (a coordinate of 1e20, a scaled-sign scale of 1e20) would freeze the model. The rule,
+on by default:
+
+- **hard limit**: every coordinate of an update must satisfy ``|delta_j| <= max_abs`` (default 1e15,
+  so that its square stays far inside float32 in any second moment);
+- **norm screen**: an update whose L2 norm exceeds ``factor`` (default 10) times a reference norm is
+  rejected (``rule="reject"``) or scaled down to that bound (``rule="clip"``). The reference is the
+  median norm of the updates accepted in the last ``window`` rounds (default 5); in a round without
+  that history (the first), it is the median of the *other* replies of the same round (so with two
+  replies, each is compared with the other). ``rule="off"`` keeps only the hard limit.
+
+The history holds accepted norms only, so a rejected reply leaves no trace in later rounds either.
+It is part of the strategy's saved state (resume stays exact).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+RULES = ("reject", "clip", "off")
+DEFAULT_MAX_ABS = 1e15
+
+
+class UpdateScreen:
+    """Norm-based outlier screen with a short history of accepted norms.
+
+    Parameters
+    ----------
+    rule : str (default: "reject")
+        ``"reject"``, ``"clip"`` or ``"off"`` (see the module docstring).
+    factor : float (default: 10.0)
+        How many times the reference norm an update may reach, > 1.
+    window : int (default: 5)
+        Rounds of accepted norms that make the reference, >= 1.
+    max_abs : float (default: 1e15)
+        Largest absolute value of any coordinate, > 0.
+    """
+
+    def __init__(self, *, rule: str = "reject", factor: float = 10.0, window: int = 5, max_abs: float = DEFAULT_MAX_ABS) -> None:
+        if rule not in RULES:
+            raise ValueError(f"outlier rule {rule!r} is unknown; allowed: {', '.join(RULES)}")
+        if not (isinstance(factor, (int, float)) and factor > 1):
+            raise ValueError(f"outlier factor={factor!r} is out of range; allowed: a number > 1")
+        if not (isinstance(window, int) and window >= 1):
+            raise ValueError(f"outlier window={window!r} is out of range; allowed: an integer >= 1")
+        if not (isinstance(max_abs, (int, float)) and max_abs > 0):
+            raise ValueError(f"max_abs={max_abs!r} is out of range; allowed: a number > 0")
+        self.rule = rule
+        self.factor = float(factor)
+        self.window = window
+        self.max_abs = float(max_abs)
+        self.history: deque[list[float]] = deque(maxlen=window)
+
+    def bound(self) -> float | None:
+        """The largest norm an update may have this round, from history; ``None`` without history."""
+        if self.rule == "off":
+            return float("inf")
+        norms = [n for round_norms in self.history for n in round_norms if n > 0]
+        if not norms:
+            return None
+        return self.factor * float(np.median(norms))
+
+    def within_round_bounds(self, norms: list[float]) -> list[float]:
+        """Each update's bound from the median of the *other* updates' norms (a round without history)."""
+        if self.rule == "off" or len(norms) < 2:
+            return [float("inf")] * len(norms)
+        out = []
+        for i in range(len(norms)):
+            others = [n for j, n in enumerate(norms) if j != i and n > 0]
+            out.append(self.factor * float(np.median(others)) if others else float("inf"))
+        return out
+
+    def judge(self, norm: float, bound: float) -> tuple[str, float]:
+        """``("accept", 1.0)``, ``("clip", scale)`` or ``("reject", 0.0)`` for one update."""
+        if not np.isfinite(norm):
+            return "reject", 0.0
+        if norm <= bound:
+            return "accept", 1.0
+        if self.rule == "clip":
+            return "clip", bound / norm
+        return "reject", 0.0
+
+    def reason(self, norm: float, bound: float) -> str:
+        return f"update norm {norm:.3g} exceeds {bound:.3g} ({self.factor:g} x the reference norm; outlier screen)"
+
+    def observe(self, accepted_norms: list[float]) -> None:
+        """Remember this round's accepted norms (a round without any is not remembered)."""
+        if accepted_norms:
+            self.history.append([float(n) for n in accepted_norms])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": [list(r) for r in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = deque(([float(n) for n in r] for r in state.get("history", [])), maxlen=self.window)
+
+
+_BLOCK = 1 << 16
+
+
+def vector_stats(vector: np.ndarray) -> tuple[float, float]:
+    """``(L2 norm, max |x|)`` of a float vector in one pass, in float64 blocks (no overflow).
+
+    A NaN or Inf anywhere makes the norm non-finite, so this pass is also the finiteness check.
+    """
+    total, peak = 0.0, 0.0
+    for start in range(0, vector.shape[0], _BLOCK):
+        block = vector[start : start + _BLOCK].astype(np.float64)
+        total += float(np.dot(block, block))
+        np.abs(block, out=block)
+        peak = max(peak, float(block.max()) if block.size else 0.0)
+    return float(np.sqrt(total)), peak
+
+
+def all_finite(vector: np.ndarray) -> bool:
+    """Whether a float vector holds no NaN or Inf, checked in blocks (no vector-sized temporary)."""
+    for start in range(0, vector.shape[0], _BLOCK):
+        if not np.isfinite(vector[start : start + _BLOCK]).all():
+            return False
+    return True
