@@ -71,7 +71,7 @@ class ModelLayout:
             (buffers if is_buffer else trainable).append(spec)
         return cls(tuple(trainable), tuple(buffers))
 
-    @property
+    @functools.cached_property
     def dim(self) -> int:
         """Number of trainable scalars (the paper's d)."""
         return sum(spec.size for spec in self.trainable)

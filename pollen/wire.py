@@ -21,8 +21,7 @@ from pollen.compression.payload import Payload, PayloadError
 
 def arrays_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     """Wrap named numpy arrays in an ``ArrayRecord``, keeping their order."""
-    # np.require keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d).
-    return ArrayRecord(OrderedDict((name, Array(np.require(a, requirements="C"))) for name, a in arrays.items()))
+    return ArrayRecord(OrderedDict((name, numpy_to_array(a)) for name, a in arrays.items()))
 
 
 #: Array dtype kinds pollen accepts from the wire: bool, signed and unsigned integers, real floats.
@@ -108,6 +107,20 @@ def array_to_numpy(array: Array) -> np.ndarray:
         )
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
     return flat.reshape(shape, order="F" if fortran else "C")
+
+
+def numpy_to_array(value: np.ndarray) -> Array:
+    """A Flower ``Array`` holding ``value``: the ``.npy`` header and the raw bytes, one copy.
+
+    Equal to ``Array(value)`` (which runs ``np.save`` into a buffer) for C-ordered arrays of the
+    wire kinds, without the per-array ``np.save`` overhead.
+    """
+    value = np.asarray(value)
+    expected = _expected_header(value.dtype.str, tuple(value.shape)) if value.dtype.kind in WIRE_KINDS else None
+    if expected is None:
+        return Array(np.require(value, requirements="C"))
+    header = expected[0]
+    return Array(dtype=str(value.dtype), shape=tuple(value.shape), stype="numpy.ndarray", data=header + np.ascontiguousarray(value).tobytes())
 
 
 def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:

@@ -271,8 +271,10 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def global_arrays(self) -> ArrayRecord:
         """The current global model as an ``ArrayRecord`` in the original key order."""
         assert self.layout is not None and self.params is not None
-        named = self.layout.unflatten(self.params)
-        named.update(self.buffers)
+        named: dict[str, np.ndarray] = dict(self.buffers)
+        for spec, (start, stop) in zip(self.layout.trainable, self.layout.segments):
+            view = self.params[start:stop].reshape(spec.shape)  # a view: the record copies once
+            named[spec.name] = view if view.dtype == spec.dtype else view.astype(spec.dtype)
         return arrays_to_record({key: named[key] for key in self._key_order})
 
     # ------------------------------------------------------------------ sampling

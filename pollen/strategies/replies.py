@@ -158,7 +158,7 @@ def read_reply(
     delta, buffers = _read_update(content, layout, params, spec, arrayrecord_key, scratch)
     norm = 0.0
     if delta is not None:
-        norm, peak = vector_stats(delta)
+        norm, peak = vector_stats(delta, max_abs)
         if not np.isfinite(norm):
             raise ReplyRejected("update contains NaN or Inf")
         if peak > max_abs:
@@ -210,9 +210,7 @@ def _read_update(
             _check_shape(arrays[spec_.name], spec_.shape, spec_.name)
             if arrays[spec_.name].dtype.kind != "f":
                 raise ReplyRejected(f"array '{spec_.name}' has dtype {arrays[spec_.name].dtype}; allowed: floating point")
-        delta = layout.flatten(arrays, out=scratch)
-        with np.errstate(over="ignore", invalid="ignore"):
-            delta -= params  # a non-finite result is caught by the norm below
+        delta = _difference(arrays, layout, params, scratch)
         buffers = _buffers_from(arrays, layout)
     else:
         if spec.update == "required":
@@ -222,6 +220,23 @@ def _read_update(
     if delta.shape != (layout.dim,):
         raise ReplyRejected(f"decoded update has shape {delta.shape}, the model has ({layout.dim},)")
     return delta, buffers
+
+
+def _difference(arrays: dict[str, np.ndarray], layout: ModelLayout, params: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """``flatten(arrays) - params`` in one pass per tensor (values cast to float32 first, as flatten does).
+
+    A value that is not finite after the cast (a float64 1e300) gives a non-finite difference,
+    which the norm check of :func:`read_reply` rejects.
+    """
+    if out is None:
+        out = np.empty(layout.dim, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for spec, (start, stop) in zip(layout.trainable, layout.segments):
+            value = np.reshape(arrays[spec.name], -1)
+            if value.dtype != np.float32:
+                value = value.astype(np.float32)
+            np.subtract(value, params[start:stop], out=out[start:stop])
+    return out
 
 
 def _read_buffers(content, layout: ModelLayout) -> dict[str, np.ndarray]:  # noqa: ANN001

@@ -105,17 +105,31 @@ class UpdateScreen:
 _BLOCK = 1 << 16
 
 
-def vector_stats(vector: np.ndarray) -> tuple[float, float]:
-    """``(L2 norm, max |x|)`` of a float vector in one pass, in float64 blocks (no overflow).
+def vector_stats(vector: np.ndarray, max_abs: float = DEFAULT_MAX_ABS) -> tuple[float, float]:
+    """``(L2 norm, a bound on max |x|)`` of a float vector; the norm is NaN when any value is NaN or Inf.
 
-    A NaN or Inf anywhere makes the norm non-finite, so this pass is also the finiteness check.
+    The common case is one read of the vector (BLAS ``dot`` in float32): a finite sum of squares
+    means every value is finite and no larger than the norm, so when the norm is within ``max_abs``
+    the norm itself bounds the peak. Only otherwise (a huge or non-finite update, or a float32 sum
+    that overflowed) are the exact peak and a float64 norm computed. Nothing vector-sized is
+    allocated, so this pass is also the reply's finiteness check.
     """
-    total, peak = 0.0, 0.0
+    if vector.size == 0:
+        return 0.0, 0.0
+    if vector.dtype == np.float32:
+        with np.errstate(over="ignore", invalid="ignore"):
+            squares = float(np.dot(vector, vector))
+        if np.isfinite(squares) and np.sqrt(squares) <= max_abs:
+            norm = float(np.sqrt(squares))
+            return norm, norm
+    high, low = float(vector.max()), float(vector.min())
+    peak = max(abs(high), abs(low))
+    if not np.isfinite(peak):
+        return float("nan"), float("inf")
+    total = 0.0
     for start in range(0, vector.shape[0], _BLOCK):
         block = vector[start : start + _BLOCK].astype(np.float64)
         total += float(np.dot(block, block))
-        np.abs(block, out=block)
-        peak = max(peak, float(block.max()) if block.size else 0.0)
     return float(np.sqrt(total)), peak
 
 

@@ -1,0 +1,154 @@
+"""What a server round costs at ResNet-18 size: pollen's strategies vs Flower's own FedAdam, same replies.
+
+For d = 11,173,962 (ResNet-18 for CIFAR-10, real layer shapes and buffers), M client replies built
+once per reply kind (dense full models as any Flower ClientApp sends them; scaled-sign and top-k
+1/64 payloads from pollen's mod), then rounds of ``configure_train`` + ``aggregate_train`` through
+the Message API with the test suite's in-process grid, exactly as ``Strategy.start`` drives them:
+
+- Flower's ``FedAdam`` (``flwr.serverapp.strategy``, unmetered) on the dense replies,
+- pollen's ``FedAMS`` on the same dense replies,
+- pollen's ``FedCAMS`` on sign and on top-k replies, ``FedAdaVR`` with an Int4 table (dense replies).
+
+Times are medians over rounds 2.. (round 1 has no outlier history and keeps every delta); each
+is also divided by one ``np.copyto`` of a d-vector timed in the same run (memory-bandwidth
+yardstick). Memory: the peak that ``tracemalloc`` sees during one steady-state ``aggregate_train``,
+in units of one d-size float32 vector (the replies themselves are allocated before and not counted).
+
+Run: ``python benchmarks/bench_round.py [--rounds 6] [--replies 10] [--memory-replies 10 50]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flwr.app import ConfigRecord, Context, RecordDict  # noqa: E402
+from flwr.serverapp.strategy import FedAdam  # noqa: E402
+
+from pollen.clientside import compression_mod  # noqa: E402
+from pollen.strategies import FedAdaVR, FedAMS, FedCAMS  # noqa: E402
+from tests.flower_fakes import FakeGrid, full_model_reply, model_record  # noqa: E402
+
+
+def resnet_arrays() -> dict[str, np.ndarray]:
+    import torch
+
+    from pollen.task.data import dataset_info
+    from pollen.task.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("resnet18", dataset_info("cifar10"))
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+class ReplyBank:
+    """Replies of one kind for M nodes, made once from a reference global model and then reused."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], nodes: list[int], codec: str | None) -> None:
+        rng = np.random.default_rng(1)
+        self.replies: dict[int, object] = {}
+        for node in nodes:
+            local = {k: (v + rng.standard_normal(v.shape).astype(v.dtype) * 1e-3) if v.dtype.kind == "f" else v for k, v in arrays.items()}
+            self.replies[node] = local
+        self.codec = codec
+        self.made: dict[int, object] = {}
+
+    def client(self, msg):  # noqa: ANN001, ANN201
+        node = msg.metadata.dst_node_id
+        local = self.replies[node]
+        if self.codec is None:
+            return full_model_reply(msg, local)
+        context = Context(run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={})
+        return compression_mod(msg, context, lambda m, c: full_model_reply(m, local))
+
+
+def run(strategy, arrays: dict[str, np.ndarray], bank: ReplyBank, nodes: list[int], rounds: int) -> list[float]:
+    """Seconds of configure_train + aggregate_train per round (the replies' making is not timed)."""
+    grid = FakeGrid(nodes, bank.client)
+    record = model_record(arrays)
+    times = []
+    for server_round in range(1, rounds + 1):
+        started = time.perf_counter()
+        messages = list(strategy.configure_train(server_round, record, ConfigRecord(), grid))
+        configured = time.perf_counter() - started
+        replies = list(grid.send_and_receive(messages))  # the clients' work: not timed
+        started = time.perf_counter()
+        new, _ = strategy.aggregate_train(server_round, replies)
+        times.append(configured + time.perf_counter() - started)
+        record = new if new is not None else record
+    return times
+
+
+def copyto_seconds(dim: int) -> float:
+    a, b = np.ones(dim, np.float32), np.empty(dim, np.float32)
+    np.copyto(b, a)
+    samples = []
+    for _ in range(9):
+        started = time.perf_counter()
+        np.copyto(b, a)
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def peak_vectors(strategy, arrays, bank, nodes, dim: int) -> float:
+    """Peak tracemalloc bytes of one steady-state aggregate_train, in d-size float32 vectors."""
+    grid = FakeGrid(nodes, bank.client)
+    record = model_record(arrays)
+    for server_round in (1, 2):
+        replies = list(grid.send_and_receive(list(strategy.configure_train(server_round, record, ConfigRecord(), grid))))
+        if server_round == 2:
+            tracemalloc.start()
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+        new, _ = strategy.aggregate_train(server_round, replies)
+        record = new if new is not None else record
+    peak = tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.stop()
+    return peak / (4 * dim)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--replies", type=int, default=10)
+    parser.add_argument("--memory-replies", type=int, nargs="*", default=[10, 50])
+    args = parser.parse_args()
+    arrays = resnet_arrays()
+    dim = sum(v.size for k, v in arrays.items() if v.dtype.kind == "f" and not k.endswith(("running_mean", "running_var")))
+    nodes = list(range(1, args.replies + 1))
+    common = dict(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=len(nodes))
+    dense = ReplyBank(arrays, nodes, None)
+    cases = [
+        ("Flower FedAdam, dense", lambda: FedAdam(**common), dense),
+        ("pollen FedAMS, dense", lambda: FedAMS(eta=0.1, **common), dense),
+        ("pollen FedCAMS, sign", lambda: FedCAMS(compressor="sign", eta=0.1, **common), ReplyBank(arrays, nodes, "sign")),
+        ("pollen FedCAMS, top-k 1/64", lambda: FedCAMS(compressor="topk", eta=0.1, **common), ReplyBank(arrays, nodes, "topk")),
+        ("pollen FedAdaVR, int4 table", lambda: FedAdaVR(table_precision="int4", server_lr=0.01, **common), dense),
+    ]
+    yardstick = copyto_seconds(dim)
+    print(f"d = {dim:,}, {len(nodes)} replies per round; one np.copyto of a d-vector: {1e3 * yardstick:.1f} ms")
+    print(f"{'aggregate_train':<30} {'median ms':>10} {'x copyto':>9} {'x FedAdam':>10}")
+    flower = None
+    for name, make, bank in cases:
+        times = run(make(), arrays, bank, nodes, args.rounds)[1:]
+        median = statistics.median(times)
+        flower = median if flower is None else flower
+        print(f"{name:<30} {1e3 * median:>10.0f} {median / yardstick:>9.1f} {median / flower:>10.2f}")
+    for count in args.memory_replies:
+        member_nodes = list(range(1, count + 1))
+        bank = ReplyBank(arrays, member_nodes, None)
+        for name, make in (("Flower FedAdam", lambda: FedAdam(**{**common, "min_available_nodes": count})), ("pollen FedAMS", lambda: FedAMS(eta=0.1, **{**common, "min_available_nodes": count}))):
+            vectors = peak_vectors(make(), arrays, bank, member_nodes, dim)
+            print(f"peak extra memory during aggregate_train, M = {count:>2}, {name:<15}: {vectors:5.1f} d-size float32 vectors")
+
+
+if __name__ == "__main__":
+    main()
