@@ -61,16 +61,24 @@ def _check_fraction(name: str, value: float, allow_zero: bool) -> None:
 
 
 def aggregate_metrics(records: list[MetricRecord], weights: list[float]) -> MetricRecord | None:
-    """Weighted average of numeric metrics present in every record (lists and non-finite values are skipped)."""
+    """Weighted average of each numeric metric present in every record.
+
+    Lists are skipped; a non-finite value (a client reporting NaN) is left out of that metric's
+    average instead of dropping the metric for everyone.
+    """
     if not records:
         return None
-    total = float(sum(weights)) or 1.0
     common = set.intersection(*(set(record.keys()) for record in records))
     out = MetricRecord()
     for key in sorted(common):
-        values = [record[key] for record in records]
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in values):
-            value = float(sum(w * float(v) for w, v in zip(weights, values)) / total)
+        pairs = [
+            (w, float(record[key]))
+            for w, record in zip(weights, records)
+            if isinstance(record[key], (int, float)) and not isinstance(record[key], bool) and np.isfinite(record[key])
+        ]
+        total = float(sum(w for w, _ in pairs))
+        if pairs and total > 0:
+            value = float(sum(w * v for w, v in pairs) / total)
             if np.isfinite(value):
                 out[key] = value
     return out
@@ -420,7 +428,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
                     spec=spec,
                     arrayrecord_key=self.arrayrecord_key,
                     weighted_by_key=self.weighted_by_key,
-                    weight_required=self.aggregation == "weighted",
+                    weight_required=self.needs_weights(),
                     max_abs=self.screen.max_abs,
                     scratch=self._scratch_vector() if sink is not None else None,
                 )
@@ -436,6 +444,10 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             if node not in answered:
                 self._reject(stats, node, f"no reply before the timeout ({phase})")
         return updates
+
+    def needs_weights(self) -> bool:
+        """Whether a reply must carry a positive ``num-examples`` (weighted aggregation needs it)."""
+        return self.aggregation == "weighted"
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -33,6 +33,7 @@ from pollen.strategies.accounting import Accounting
 from pollen.strategies.registry import register, sampling_kwargs
 from pollen.strategies.replies import ReplyRejected, count_records, read_reply
 from pollen.strategies.rounds import RoundLoop
+from pollen.strategies.screening import UpdateScreen
 from pollen.wire import record_to_arrays
 
 _FLOWER_STATE = ("current_arrays", "m_t", "v_t")
@@ -41,9 +42,10 @@ _FLOWER_STATE = ("current_arrays", "m_t", "v_t")
 class Metered(RoundLoop):
     """Mixin: count messages and bytes around a Flower strategy's own steps, screen replies, keep state."""
 
-    def __init__(self, *args, **kwargs) -> None:  # noqa: D107
+    def __init__(self, *args, outlier_rule: str = "reject", outlier_factor: float = 10.0, **kwargs) -> None:  # noqa: D107
         super().__init__(*args, **kwargs)
         self.accounting = Accounting()
+        self.screen = UpdateScreen(rule=outlier_rule, factor=outlier_factor)
         self._started: dict[int, float] = {}
         self._layout: ModelLayout | None = None
         self._params: np.ndarray | None = None
@@ -53,8 +55,8 @@ class Metered(RoundLoop):
     ) -> Iterable[Message]:
         self._started[server_round] = time.perf_counter()
         named = record_to_arrays(arrays)
-        # Rebuilt every round: Flower's aggregation turns integer buffers into floats after round 1.
-        self._layout = ModelLayout.from_arrays(named)
+        if self._layout is None:  # the model as the user gave it: its dtypes are the ones clients use
+            self._layout = ModelLayout.from_arrays(named)
         self._params = self._layout.flatten(named)
         messages = list(super().configure_train(server_round, arrays, config, grid))
         stats = self.accounting.round(server_round)
@@ -68,19 +70,20 @@ class Metered(RoundLoop):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         received = list(replies)
         stats = self.accounting.round(server_round)
-        usable = []
+        usable, norms = [], []
         for reply in received:
             node = reply.metadata.src_node_id
             try:
                 if not reply.has_error():
                     stats.add_uplink(count_records(reply))
-                self._screen(reply)
+                norms.append(self._screen(reply))
             except Exception as err:  # noqa: BLE001 - a bad reply is a failure, never a crash
                 reason = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
-                stats.fail(f"node {node}: {reason}")
+                stats.fail(f"node {node}: {reason}"[:200])
                 log(WARNING, "\t> rejected reply from node %d: %s", node, reason[:200])
                 continue
             usable.append(reply)
+        usable = self._without_outliers(usable, norms, stats)
         usable = self._same_metric_names(
             usable, lambda reply, why: stats.fail(f"node {reply.metadata.src_node_id}: {why}")
         )
@@ -93,6 +96,8 @@ class Metered(RoundLoop):
             stats.fail("no reply before the timeout")
         try:
             result = super().aggregate_train(server_round, usable)
+            if usable:
+                self.screen.observe(self._round_norms)
         except Exception as err:  # noqa: BLE001 - Flower's own checks raise; the round fails, the run goes on
             stats.fail(f"aggregation failed: {type(err).__name__}: {err}")
             log(WARNING, "aggregate_train: Flower's aggregation failed (%s); the model is unchanged", err)
@@ -101,19 +106,38 @@ class Metered(RoundLoop):
         stats.train_seconds = time.perf_counter() - self._started.get(server_round, time.perf_counter())
         return result
 
-    def _screen(self, reply: Message) -> None:
-        """Raise ``ReplyRejected`` when Flower's aggregation must not see this reply."""
+    def _without_outliers(self, replies: list[Message], norms: list[float], stats: Any) -> list[Message]:
+        """pollen's outlier screen (history bound, else each against the others' median)."""
+        bound = self.screen.bound()
+        bounds = [bound] * len(norms) if bound is not None else self.screen.within_round_bounds(norms)
+        kept, kept_norms = [], []
+        for reply, norm, limit in zip(replies, norms, bounds):
+            if self.screen.judge(norm, limit)[0] == "accept":
+                kept.append(reply)
+                kept_norms.append(norm)
+            else:  # Flower's aggregation cannot take a clipped reply; an outlier is rejected
+                stats.fail(f"node {reply.metadata.src_node_id}: {self.screen.reason(norm, limit)}"[:200])
+                log(WARNING, "\t> rejected reply from node %d: %s", reply.metadata.src_node_id, self.screen.reason(norm, limit))
+        self._round_norms = kept_norms
+        return kept
+
+    def _screen(self, reply: Message) -> float:
+        """The update's norm; ``ReplyRejected`` when Flower's aggregation must not see this reply."""
         content = reply.content
         if len(content.array_records) != 1 or protocol.ARRAYS_RECORD not in content.array_records:
             raise ReplyRejected(f"reply must carry exactly one ArrayRecord, '{protocol.ARRAYS_RECORD}'")
         if len(content.metric_records) != 1:
             raise ReplyRejected("reply must carry exactly one MetricRecord")
-        if self._layout is not None and self._params is not None:
-            read_reply(reply, client_key="", layout=self._layout, params=self._params, weight_required=True)
         metrics = next(iter(content.metric_records.values()))
         weight = metrics.get(protocol.NUM_EXAMPLES)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1e12:
             raise ReplyRejected(f"metrics lack a positive '{protocol.NUM_EXAMPLES}' (got {weight!r})")
+        if self._layout is None or self._params is None:
+            return 0.0
+        update = read_reply(
+            reply, client_key="", layout=self._layout, params=self._params, weight_required=True, max_abs=self.screen.max_abs
+        )
+        return update.norm
 
     @staticmethod
     def _same_metric_names(replies: list[Message], on_reject: Callable[[Message, str], None]) -> list[Message]:
@@ -167,7 +191,11 @@ class Metered(RoundLoop):
             "strategy": type(self).__name__,
             "random": [version, list(internal), gauss],
             "accounting": self.accounting.to_dict(),
+            "screen": self.screen.state_dict(),
         }
+        if self._layout is not None:
+            specs = self._layout.trainable + self._layout.buffers
+            state["model"] = [[spec.name, list(spec.shape), spec.dtype.str] for spec in specs]
         for name in _FLOWER_STATE:
             value = getattr(self, name, None)
             if value is not None:
@@ -181,6 +209,9 @@ class Metered(RoundLoop):
         version, internal, gauss = state["random"]
         random.setstate((int(version), tuple(int(v) for v in internal), gauss))
         self.accounting = Accounting.from_dict(state["accounting"])
+        self.screen.load_state_dict(state.get("screen", {}))
+        if "model" in state:
+            self._layout = ModelLayout.from_arrays({name: np.zeros(shape, np.dtype(dtype)) for name, shape, dtype in state["model"]})
         for name in _FLOWER_STATE:
             if name in state:
                 setattr(self, name, {key: np.array(array) for key, array in state[name]})

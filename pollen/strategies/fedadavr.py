@@ -142,6 +142,10 @@ class FedAdaVR(AdaptiveStrategy):
             else "none",
         }
 
+    def needs_weights(self) -> bool:
+        """Example-weighted variants need every reply's ``num-examples``."""
+        return super().needs_weights() or not self.variant.equal_weights
+
     def _weights(self, updates: list[ClientUpdate]) -> dict[str, float] | None:
         if self.variant.equal_weights:
             return None

@@ -251,22 +251,30 @@ def _read_buffers(content, layout: ModelLayout) -> dict[str, np.ndarray]:  # noq
 
 
 def _buffers_from(arrays: dict[str, np.ndarray], layout: ModelLayout) -> dict[str, np.ndarray]:
-    """The buffers, cast to the model's dtypes and checked finite after the cast."""
+    """The buffers, cast to the model's dtypes and checked after the cast.
+
+    Any real numeric kind is accepted (Flower's own aggregation turns integer counters into
+    floats; a PyTorch client sends them back as integers); a float value must be finite after the
+    cast, and an integer buffer must receive finite values inside its integer range.
+    """
     out = {}
     for spec in layout.buffers:
         value = arrays[spec.name]
         _check_shape(value, spec.shape, spec.name)
-        if value.dtype.kind not in "biuf" or (spec.dtype.kind in "biu") != (value.dtype.kind in "biu"):
-            raise ReplyRejected(f"buffer '{spec.name}' has dtype {value.dtype}, the model has {spec.dtype}")
-        if spec.dtype.kind == "f":
-            with np.errstate(over="ignore", invalid="ignore"):
+        if value.dtype.kind not in "biuf":
+            raise ReplyRejected(f"buffer '{spec.name}' has dtype {value.dtype}; allowed: a real number type")
+        with np.errstate(over="ignore", invalid="ignore"):
+            if spec.dtype.kind == "f":
                 cast = np.asarray(value, dtype=spec.dtype).reshape(spec.shape)
-            _check_finite(cast, f"buffer '{spec.name}'")
-        else:
-            info = np.iinfo(spec.dtype) if spec.dtype.kind in "iu" else None
-            if info is not None and value.size and (value.min() < info.min or value.max() > info.max):
-                raise ReplyRejected(f"buffer '{spec.name}' holds values outside {spec.dtype}")
-            cast = np.asarray(value, dtype=spec.dtype).reshape(spec.shape)
+                _check_finite(cast, f"buffer '{spec.name}'")
+            else:
+                if value.dtype.kind == "f":
+                    _check_finite(value, f"buffer '{spec.name}'")
+                if spec.dtype.kind in "iu" and value.size:
+                    info = np.iinfo(spec.dtype)
+                    if float(value.min()) < info.min or float(value.max()) > info.max:
+                        raise ReplyRejected(f"buffer '{spec.name}' holds values outside {spec.dtype}")
+                cast = np.asarray(np.rint(value) if value.dtype.kind == "f" else value).astype(spec.dtype).reshape(spec.shape)
         out[spec.name] = cast
     return out
 
