@@ -25,6 +25,7 @@ def _isolated(monkeypatch, tmp_path):
     import datasets.config
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("POLLEN_CACHE_DIR", str(tmp_path / "partition-cache"))
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
     monkeypatch.setitem(S.SYSTEM_DIRS, "fashion-mnist", ())
     monkeypatch.setitem(S.SYSTEM_DIRS, "mnist", ())

@@ -4,12 +4,24 @@ Everything expensive is cached per process: the raw arrays per ``(dataset, data_
 table per :class:`DataConfig`, and each partition's tensors per ``(config, partition_id)``. A client
 process that trains many times (simulation workers) converts its data once; every call returns fresh
 ``DataLoader`` objects over the same cached tensors.
+
+Each partition's images and labels are also cached on disk (:func:`partition_cache_dir`), because in
+deployment a SuperNode starts a new ClientApp process per message: with a warm cache such a process
+reads one small ``.npz`` instead of reading and partitioning the whole dataset. The file name holds a
+hash of everything the partition depends on (see :func:`partition_cache_key`); a file that does not
+load, check out or match its key is rebuilt, never used.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
+import logging
 import numbers
+import os
+import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -17,7 +29,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from pollen.task.partitions import PARTITIONERS, make_partitions, split_train_val
+from pollen.task import partitions as _partitions_module
+from pollen.task import sources as _sources_module
+from pollen.task.partitions import (
+    PARTITIONER_SETTINGS,
+    PARTITIONERS,
+    make_partitions,
+    split_train_val,
+)
 from pollen.task.sources import (
     SPECS,
     DatasetInfo,
@@ -26,10 +45,17 @@ from pollen.task.sources import (
     expected_files,
     find_in_dir,
     load_raw,
+    source_fingerprint,
 )
-from pollen.task.transforms import BatchAugment, BatchCollate, BatchTensorDataset, to_tensor
+from pollen.task.transforms import (
+    BatchAugment,
+    BatchCollate,
+    BatchTensorDataset,
+    to_tensor,
+)
 
 __all__ = [
+    "CACHE_ENV",
     "DATASETS",
     "PARTITIONERS",
     "DataConfig",
@@ -40,6 +66,8 @@ __all__ = [
     "describe_source",
     "load_partition",
     "load_test_set",
+    "partition_cache_dir",
+    "partition_cache_key",
     "validate_data_config",
 ]
 
@@ -189,12 +217,31 @@ def _tensors(raw_x: np.ndarray, raw_y: np.ndarray, dataset: str) -> BatchTensorD
 
 @functools.lru_cache(maxsize=256)
 def _partition_datasets(cfg: DataConfig, partition_id: int) -> tuple[BatchTensorDataset, BatchTensorDataset]:
+    arrays = _partition_arrays(cfg, partition_id)
+    return (
+        _tensors(arrays["x_train"], arrays["y_train"], cfg.dataset),
+        _tensors(arrays["x_val"], arrays["y_val"], cfg.dataset),
+    )
+
+
+def _partition_arrays(cfg: DataConfig, partition_id: int) -> dict[str, np.ndarray]:
+    """One partition's uint8 images and int64 labels: from the disk cache, else built (and stored)."""
+    path, key = _cache_entry(cfg, partition_id)
+    if path is not None:
+        cached = _read_cached(path, key, cfg.dataset)
+        if cached is not None:
+            return cached
     raw = _raw(cfg.dataset, cfg.data_dir)
     train_idx, val_idx = _partition_table(cfg)[partition_id]
-    return (
-        _tensors(raw.x_train[train_idx], raw.y_train[train_idx], cfg.dataset),
-        _tensors(raw.x_train[val_idx], raw.y_train[val_idx], cfg.dataset),
-    )
+    arrays = {
+        "x_train": raw.x_train[train_idx],
+        "y_train": raw.y_train[train_idx],
+        "x_val": raw.x_train[val_idx],
+        "y_val": raw.y_train[val_idx],
+    }
+    if path is not None:
+        _write_cached(path, key, arrays)
+    return arrays
 
 
 @functools.lru_cache(maxsize=4)
@@ -204,9 +251,165 @@ def _test_dataset(dataset: str, data_dir: str) -> BatchTensorDataset:
 
 
 def clear_caches() -> None:
-    """Forget every cached dataset, partition table and tensor (for tests and long-lived processes)."""
+    """Forget every dataset, partition table and tensor cached in this process (for tests and
+    long-lived processes); the on-disk partition cache stays (see :func:`partition_cache_dir`)."""
     for fn in (_raw, _partition_table, _partition_datasets, _test_dataset):
         fn.cache_clear()
+
+
+# --------------------------------------------------------------------------- partition cache on disk
+
+#: Environment variable naming the directory of the on-disk partition cache; ``off`` disables it.
+CACHE_ENV = "POLLEN_CACHE_DIR"
+_DEFAULT_CACHE_DIR = "~/.cache/pollen/partitions"
+_CACHE_OFF = frozenset({"off", "none", "no", "false", "0", "disable", "disabled"})
+_CACHE_FORMAT = 1  # bump when the file layout changes
+_CACHE_ARRAYS = ("key", "x_train", "y_train", "x_val", "y_val")
+
+# What ``flwr.common.log`` writes to, without importing Flower into the task layer.
+_flwr_log = logging.getLogger("flwr")
+
+
+def partition_cache_dir() -> Path | None:
+    """Where partitions are cached on disk: ``$POLLEN_CACHE_DIR``, else ``~/.cache/pollen/partitions``.
+
+    ``POLLEN_CACHE_DIR=off`` (or ``none``, ``0``, ``false``) turns the disk cache off; ``None`` then.
+    """
+    value = os.environ.get(CACHE_ENV, "").strip()
+    if value.lower() in _CACHE_OFF:
+        return None
+    return Path(value or _DEFAULT_CACHE_DIR).expanduser()
+
+
+@functools.cache
+def _code_identity() -> dict[str, str]:
+    """Hashes of the code that turns files into partitions, and the versions of the libraries it uses.
+
+    A changed reader, partitioner or split gives new cache keys instead of stale partitions.
+    """
+    import importlib.metadata  # noqa: PLC0415
+
+    out = {}
+    for module in (_sources_module, _partitions_module):
+        out[module.__name__] = hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:16]
+    try:
+        out["flwr-datasets"] = importlib.metadata.version("flwr-datasets")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+        out["flwr-datasets"] = "unknown"
+    out["numpy"] = np.__version__
+    return out
+
+
+def partition_cache_key(cfg: DataConfig, partition_id: int) -> str | None:
+    """The text the disk cache keys partition ``partition_id`` of ``cfg`` on (canonical JSON).
+
+    It holds the dataset, the identity of the files it is read from (paths, sizes, modification times),
+    the partitioner and the settings it reads, the seed, the number of partitions, the validation
+    fraction, the partition id, and the code and library versions that build partitions. ``None`` when
+    the source cannot be identified without loading it (the Hugging Face hub or cache, the embedded
+    subset): those partitions are cached in memory only.
+    """
+    source = source_fingerprint(cfg.dataset, cfg.data_dir)
+    if source is None:
+        return None
+    key = {
+        "format": _CACHE_FORMAT,
+        "code": _code_identity(),
+        "dataset": cfg.dataset,
+        "source": source,
+        "partitioner": cfg.partitioner,
+        "settings": {
+            name: float(getattr(cfg, name)) if name == "alpha" else int(getattr(cfg, name))
+            for name in PARTITIONER_SETTINGS[cfg.partitioner]
+        },
+        "seed": int(cfg.seed),
+        "num_partitions": int(cfg.num_partitions),
+        "val_fraction": float(cfg.val_fraction),
+        "partition_id": int(partition_id),
+    }
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
+
+
+def _cache_entry(cfg: DataConfig, partition_id: int) -> tuple[Path | None, str]:
+    cache_dir = partition_cache_dir()
+    key = partition_cache_key(cfg, partition_id) if cache_dir is not None else None
+    if cache_dir is None or key is None:
+        return None, ""
+    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+    return cache_dir / f"{cfg.dataset}-{cfg.partitioner}-{partition_id}-of-{cfg.num_partitions}-{digest}.npz", key
+
+
+def _check_cached(arrays: dict[str, np.ndarray], key: str, dataset: str) -> None:
+    """``ValueError`` saying what is wrong when a loaded cache file is not the partition asked for."""
+    stored = arrays["key"]
+    if stored.dtype.kind != "U" or stored.ndim != 0 or str(stored[()]) != key:
+        raise ValueError("its stored key does not match")
+    info = SPECS[dataset].info
+    shape = (info.image_size, info.image_size) + ((info.num_channels,) if info.num_channels > 1 else ())
+    for split in ("train", "val"):
+        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if x.dtype != np.uint8 or x.shape[1:] != shape:
+            raise ValueError(f"x_{split} is {x.dtype} {x.shape}, expected uint8 (N, {', '.join(map(str, shape))})")
+        if y.dtype != np.int64 or y.shape != (len(x),):
+            raise ValueError(f"y_{split} is {y.dtype} {y.shape}, expected int64 ({len(x)},)")
+        if len(y) and (y.min() < 0 or y.max() >= info.num_classes):
+            raise ValueError(f"y_{split} spans {y.min()}..{y.max()}, {dataset} has {info.num_classes} classes")
+    if len(arrays["x_train"]) == 0:
+        raise ValueError("x_train is empty")
+
+
+def _read_cached(path: Path, key: str, dataset: str) -> dict[str, np.ndarray] | None:
+    """The cached partition, or ``None`` (absent, or unusable: then one warning and it gets rebuilt)."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as err:
+        _flwr_log.warning("[pollen] partition cache %s cannot be opened (%s); rebuilding it", path, err)
+        return None
+    try:
+        with f, np.load(f, allow_pickle=False) as z:
+            if sorted(z.files) != sorted(_CACHE_ARRAYS):
+                raise ValueError(f"it holds {sorted(z.files)}, expected {sorted(_CACHE_ARRAYS)}")
+            arrays = {name: z[name] for name in _CACHE_ARRAYS}
+        _check_cached(arrays, key, dataset)
+    except Exception as err:  # noqa: BLE001 - any failure: rebuild, never use
+        reason = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+        _flwr_log.warning("[pollen] partition cache %s is unusable (%s); rebuilding it", path, reason)
+        return None
+    del arrays["key"]
+    return arrays
+
+
+def _write_cached(path: Path, key: str, arrays: dict[str, np.ndarray]) -> None:
+    """Store a partition atomically: temp file in the same directory, fsync, ``os.replace``.
+
+    Processes that build the same partition at once each write a whole file and the last rename wins;
+    a reader sees the old file or the new one, never a part. A failure costs a warning, not the run.
+    """
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide the file from other users' nodes
+            np.savez(f, key=np.array(key), **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        with contextlib.suppress(OSError):  # make the rename itself durable where the OS allows
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+    except OSError as err:
+        _flwr_log.warning("[pollen] cannot write partition cache %s (%s); continuing without it", path, err)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 # --------------------------------------------------------------------------- public loaders
@@ -225,6 +428,9 @@ def load_partition(
     The train loader shuffles (``train`` reseeds the shuffle per call); the validation loader does
     not. With ``augment=True`` training batches get a random crop after 4 pixels of padding, plus a
     horizontal flip for datasets where that keeps the label (not MNIST digits).
+
+    The partition comes from memory, else from the on-disk cache (:func:`partition_cache_dir`), else it
+    is built from the dataset and stored there.
     """
     validate_data_config(cfg)
     _check_batch_size(batch_size)

@@ -23,9 +23,18 @@ import warnings
 
 import numpy as np
 
-__all__ = ["PARTITIONERS", "make_partitions", "split_train_val"]
+__all__ = ["PARTITIONERS", "PARTITIONER_SETTINGS", "make_partitions", "split_train_val"]
 
 PARTITIONERS = ("iid", "dirichlet", "pathological", "shards")
+
+#: The ``make_partitions`` keyword arguments each partitioner reads besides ``num_partitions`` and
+#: ``seed`` (the on-disk partition cache keys on exactly these; keep in step with ``_partitioner``).
+PARTITIONER_SETTINGS: dict[str, tuple[str, ...]] = {
+    "iid": (),
+    "dirichlet": ("alpha",),
+    "pathological": ("classes_per_partition",),
+    "shards": ("shards_per_partition",),
+}
 
 
 def _partitioner(

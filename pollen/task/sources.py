@@ -5,9 +5,9 @@ original order (``(N, H, W)`` for grey images, ``(N, H, W, C)`` for colour) plus
 they came from. Sources are tried in this order and the first that holds the dataset wins:
 
 1. ``data-dir``, a directory the user names. It must hold the dataset (IDX files for (Fashion-)MNIST,
-   the CIFAR python pickles, parquet files, or a ``DatasetDict`` written with ``save_to_disk``),
-   directly or in a subdirectory named after the dataset. A directory that does not is an error; there
-   is no silent fallback.
+   the CIFAR binary or python versions, parquet files, or a ``DatasetDict`` written with
+   ``save_to_disk``), directly or in a subdirectory named after the dataset. A directory that does not
+   is an error; there is no silent fallback.
 2. A copy installed on the machine (Debian's ``dataset-fashion-mnist`` puts the IDX files under
    ``/usr/share/datasets/fashion-mnist``).
 3. The Hugging Face cache and hub, through ``flwr_datasets.FederatedDataset``. The hub is probed with a
@@ -17,6 +17,12 @@ they came from. Sources are tried in this order and the first that holds the dat
 
 Nothing here imports Flower's app machinery; ``datasets`` and ``flwr_datasets`` are imported lazily
 because they cost about a second at import time.
+
+A run-config can point ``data-dir`` at any directory, so nothing read from it may run code. The CIFAR
+*binary* version (fixed-size records, no pickle) is preferred wherever it is found. The CIFAR *python*
+version is read with :class:`CifarUnpickler`, which builds only dicts, lists, bytes, numbers and plain
+numpy arrays (every other global is refused before anything is called), and the result is then checked
+key by key (:func:`read_cifar_pickle`).
 """
 
 from __future__ import annotations
@@ -24,20 +30,23 @@ from __future__ import annotations
 import contextlib
 import gzip
 import importlib.resources
+import io
 import logging
 import os
 import pickle
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "CifarUnpickler",
     "DataSourceError",
     "DatasetInfo",
     "DatasetSpec",
@@ -48,7 +57,10 @@ __all__ = [
     "SYSTEM_DIRS",
     "find_in_dir",
     "load_raw",
+    "read_cifar_binary",
+    "read_cifar_pickle",
     "read_idx",
+    "source_fingerprint",
 ]
 
 #: Seconds to wait for the Hugging Face hub before treating it as unreachable.
@@ -94,6 +106,7 @@ class DatasetSpec:
     pickle_dir: str  # name of the CIFAR python-pickle directory ("" if none)
     subdirs: tuple[str, ...]  # subdirectory names of data-dir that may hold this dataset
     hflip: bool  # horizontal flips are label-preserving (not for digits)
+    binary_dir: str = ""  # name of the CIFAR binary-version directory ("" if none)
 
 
 SPECS: dict[str, DatasetSpec] = {
@@ -136,6 +149,7 @@ SPECS: dict[str, DatasetSpec] = {
         pickle_dir="cifar-10-batches-py",
         subdirs=("cifar10", "cifar-10", "CIFAR10", "plain_text", "data"),
         hflip=True,
+        binary_dir="cifar-10-batches-bin",
     ),
     "cifar100": DatasetSpec(
         name="cifar100",
@@ -149,6 +163,7 @@ SPECS: dict[str, DatasetSpec] = {
         pickle_dir="cifar-100-python",
         subdirs=("cifar100", "cifar-100", "CIFAR100", "data"),
         hflip=True,
+        binary_dir="cifar-100-binary",
     ),
 }
 
@@ -213,36 +228,236 @@ def _load_idx(files: dict[str, Path]) -> dict[str, np.ndarray]:
     return {key: read_idx(p) for key, p in files.items()}
 
 
-# --------------------------------------------------------------------------- CIFAR pickles
+# --------------------------------------------------------------------------- CIFAR (binary and python versions)
 
 
-def _pickle_files(spec: DatasetSpec, d: Path) -> dict[str, list[Path]] | None:
-    if not spec.pickle_dir:
-        return None
+_CIFAR_PIXELS = 3 * 32 * 32  # one row: 1024 red, 1024 green, 1024 blue bytes
+_CIFAR100_COARSE = 20  # CIFAR-100's superclasses (``coarse_labels``, the first label byte)
+
+
+def _cifar_names(spec: DatasetSpec) -> tuple[list[str], list[str]]:
     if spec.name == "cifar10":
-        train = [d / f"data_batch_{i}" for i in range(1, 6)]
-        test = [d / "test_batch"]
-    else:
-        train, test = [d / "train"], [d / "test"]
-    if all(p.is_file() for p in train + test):
-        return {"train": train, "test": test}
+        return [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"]
+    return ["train"], ["test"]
+
+
+def _cifar_files(spec: DatasetSpec, d: Path, suffix: str) -> dict[str, list[Path]] | None:
+    train, test = _cifar_names(spec)
+    files = {"train": [d / (n + suffix) for n in train], "test": [d / (n + suffix) for n in test]}
+    if all(p.is_file() for paths in files.values() for p in paths):
+        return files
     return None
 
 
-def _load_pickles(spec: DatasetSpec, files: dict[str, list[Path]]) -> dict[str, np.ndarray]:
-    # The CIFAR distribution's own format; like torchvision, this unpickles files the user named.
-    label_key = b"fine_labels" if spec.name == "cifar100" else b"labels"
+def _binary_files(spec: DatasetSpec, d: Path) -> dict[str, list[Path]] | None:
+    return _cifar_files(spec, d, ".bin") if spec.binary_dir else None
+
+
+def _pickle_files(spec: DatasetSpec, d: Path) -> dict[str, list[Path]] | None:
+    return _cifar_files(spec, d, "") if spec.pickle_dir else None
+
+
+def read_cifar_binary(path: str | os.PathLike[str], dataset: str) -> tuple[np.ndarray, np.ndarray]:
+    """One batch of the CIFAR binary version: ``(rows (N, 3072) uint8, labels (N,) int64)``.
+
+    CIFAR-10 records are 1 label byte + 3072 pixel bytes; CIFAR-100 records are a coarse and a fine
+    label byte + 3072 pixel bytes (the fine label is returned).
+    """
+    path = Path(path)
+    num_classes = SPECS[dataset].info.num_classes
+    label_bytes = 2 if dataset == "cifar100" else 1
+    record = label_bytes + _CIFAR_PIXELS
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise DataSourceError(f"cannot read CIFAR binary batch {path}: {err}") from err
+    if not data or len(data) % record:
+        raise DataSourceError(
+            f"CIFAR binary batch {path}: {len(data)} bytes is not a whole number of {record}-byte {dataset} "
+            f"records ({label_bytes} label byte(s) + {_CIFAR_PIXELS} pixel bytes)"
+        )
+    rows = np.frombuffer(data, dtype=np.uint8).reshape(-1, record)
+    checks = [(label_bytes - 1, num_classes, "label")]
+    if label_bytes == 2:
+        checks.append((0, _CIFAR100_COARSE, "coarse label"))
+    for col, limit, what in checks:
+        bad = np.flatnonzero(rows[:, col] >= limit)
+        if len(bad):
+            raise DataSourceError(
+                f"CIFAR binary batch {path}: record {bad[0]} has {what} {rows[bad[0], col]}, allowed 0..{limit - 1}"
+            )
+    return np.ascontiguousarray(rows[:, label_bytes:]), rows[:, label_bytes - 1].astype(np.int64)
+
+
+def _numpy_reconstruct() -> Any:
+    try:
+        from numpy._core.multiarray import _reconstruct  # noqa: PLC0415 - numpy >= 2
+    except ImportError:  # pragma: no cover - numpy 1.x
+        from numpy.core.multiarray import _reconstruct  # noqa: PLC0415
+    return _reconstruct
+
+
+_RECONSTRUCT = _numpy_reconstruct()
+
+
+class _NdarrayName:
+    """What ``numpy.ndarray`` unpickles to: a name ``_reconstruct`` accepts, nothing that can be called."""
+
+    def __repr__(self) -> str:
+        return "numpy.ndarray"
+
+
+_NDARRAY = _NdarrayName()
+_PLAIN_DTYPE = re.compile(r"[<>|=]?(?:[iu][1248]|b1)")
+
+
+def _safe_reconstruct(subtype: object, shape: object, typecode: object) -> np.ndarray:
+    # numpy pickles every array as _reconstruct(ndarray, (0,), b"b") followed by __setstate__.
+    if subtype is not _NDARRAY or shape != (0,) or typecode not in (b"b", "b"):
+        raise pickle.UnpicklingError(f"unexpected array constructor arguments ({subtype!r}, {shape!r}, {typecode!r})")
+    return _RECONSTRUCT(np.ndarray, (0,), b"b")
+
+
+def _safe_dtype(obj: object, align: object = False, copy: object = False) -> np.dtype:
+    name = obj.decode("ascii", "replace") if isinstance(obj, bytes) else obj
+    if not isinstance(name, str) or not _PLAIN_DTYPE.fullmatch(name):
+        raise pickle.UnpicklingError(f"refuses array dtype {obj!r} (only plain integer dtypes)")
+    return np.dtype(name, align=bool(align), copy=bool(copy))
+
+
+def _latin1_bytes(obj: object, encoding: object = "latin1") -> bytes:
+    # How Python 3 writes ``bytes`` at protocol 2: _codecs.encode(str, "latin1").
+    if not isinstance(obj, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"unexpected _codecs.encode arguments ({type(obj).__name__}, {encoding!r})")
+    return obj.encode("latin-1")
+
+
+def _empty_bytes(*args: object) -> bytes:
+    # How Python 3 writes b"" at protocol 2: a call of bytes() without arguments.
+    if args:
+        raise pickle.UnpicklingError("unexpected bytes() arguments")
+    return b""
+
+
+class CifarUnpickler(pickle.Unpickler):
+    """Unpickler for the CIFAR python version: refuses every global a CIFAR batch does not need.
+
+    Python 2's cPickle wrote those files (protocol 2): a dict of byte-string keys to lists of ints,
+    lists of byte strings and ``uint8`` numpy arrays. Arrays need ``numpy.core.multiarray._reconstruct``
+    (``numpy._core`` when written by numpy 2), ``numpy.ndarray`` and ``numpy.dtype``; a Python 3
+    protocol-2 pickle of bytes also needs ``_codecs.encode`` (and ``bytes`` for ``b""``). Each of these resolves to a guarded
+    stand-in that accepts only the arguments numpy and pickle themselves write (no object arrays);
+    every other global raises ``UnpicklingError`` before anything is called. Persistent ids are refused
+    by ``pickle.Unpickler`` itself.
+    """
+
+    _ALLOWED: ClassVar[dict[tuple[str, str], Any]] = {
+        ("numpy.core.multiarray", "_reconstruct"): _safe_reconstruct,
+        ("numpy._core.multiarray", "_reconstruct"): _safe_reconstruct,
+        ("numpy", "ndarray"): _NDARRAY,
+        ("numpy", "dtype"): _safe_dtype,
+        ("_codecs", "encode"): _latin1_bytes,
+        ("__builtin__", "bytes"): _empty_bytes,
+        ("builtins", "bytes"): _empty_bytes,
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._ALLOWED[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(
+                f"refuses global {module}.{name} (a CIFAR batch holds only numpy arrays, lists, bytes and ints)"
+            ) from None
+
+
+def _cifar_keys(dataset: str) -> tuple[bytes, frozenset[bytes]]:
+    if dataset == "cifar100":
+        return b"fine_labels", frozenset({b"data", b"fine_labels", b"coarse_labels", b"filenames", b"batch_label"})
+    return b"labels", frozenset({b"data", b"labels", b"filenames", b"batch_label"})
+
+
+def _int_labels(value: object, n: int, limit: int, what: str) -> np.ndarray:
+    """``value`` (list of ints or 1-D integer array) as int64; ``ValueError`` saying what is wrong."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu" or value.dtype.fields is not None or value.ndim != 1:
+            raise ValueError(f"{what} is an array of dtype {value.dtype} and shape {value.shape}, not a 1-D integer array")
+        y = value.astype(np.int64)
+    elif isinstance(value, list):
+        if not all(type(v) is int for v in value):
+            bad = next(v for v in value if type(v) is not int)
+            raise ValueError(f"{what} holds a {type(bad).__name__}, not only ints")
+        if any(not 0 <= v < limit for v in value):
+            bad = next(v for v in value if not 0 <= v < limit)
+            raise ValueError(f"{what} holds {bad}, allowed 0..{limit - 1}")
+        y = np.asarray(value, dtype=np.int64)
+    else:
+        raise ValueError(f"{what} is a {type(value).__name__}, not a list of ints")
+    if len(y) != n:
+        raise ValueError(f"{what} has {len(y)} entries for {n} images")
+    if len(y) and (y.min() < 0 or y.max() >= limit):
+        raise ValueError(f"{what} span {y.min()}..{y.max()}, allowed 0..{limit - 1}")
+    return y
+
+
+def _check_cifar_batch(batch: object, dataset: str) -> tuple[np.ndarray, np.ndarray]:
+    """The images and labels of one unpickled batch; ``ValueError`` (one line) if it is not one."""
+    label_key, allowed = _cifar_keys(dataset)
+    if not isinstance(batch, dict):
+        raise ValueError(f"holds a {type(batch).__name__}, not a dict")
+    if not all(isinstance(k, (bytes, str)) for k in batch):
+        raise ValueError("has keys that are not strings")
+    batch = {(k.encode("utf-8") if isinstance(k, str) else k): v for k, v in batch.items()}
+    unexpected = sorted(set(batch) - allowed)
+    if unexpected:
+        raise ValueError(f"has unexpected key(s) {unexpected}; a {dataset} batch has only {sorted(allowed)}")
+    missing = sorted({b"data", label_key} - set(batch))
+    if missing:
+        raise ValueError(f"lacks key(s) {missing}")
+    x = batch[b"data"]
+    if not isinstance(x, np.ndarray) or x.dtype != np.uint8 or x.ndim != 2 or x.shape[1] != _CIFAR_PIXELS:
+        what = f"an array of dtype {x.dtype} and shape {x.shape}" if isinstance(x, np.ndarray) else f"a {type(x).__name__}"
+        raise ValueError(f"b'data' is {what}, not a uint8 array of shape (N, {_CIFAR_PIXELS})")
+    n = len(x)
+    y = _int_labels(batch[label_key], n, SPECS[dataset].info.num_classes, repr(label_key))
+    if b"coarse_labels" in batch:
+        _int_labels(batch[b"coarse_labels"], n, _CIFAR100_COARSE, "b'coarse_labels'")
+    names = batch.get(b"filenames", [])
+    if not isinstance(names, list) or not all(isinstance(v, (bytes, str)) for v in names):
+        raise ValueError("b'filenames' is not a list of strings")
+    if b"filenames" in batch and len(names) != n:
+        raise ValueError(f"b'filenames' has {len(names)} entries for {n} images")
+    if not isinstance(batch.get(b"batch_label", b""), (bytes, str)):
+        raise ValueError("b'batch_label' is not a string")
+    return np.ascontiguousarray(x), y
+
+
+def read_cifar_pickle(path: str | os.PathLike[str], dataset: str) -> tuple[np.ndarray, np.ndarray]:
+    """One batch of the CIFAR python version, safely: ``(rows (N, 3072) uint8, labels (N,) int64)``.
+
+    Read with :class:`CifarUnpickler` (nothing but numpy arrays, lists, bytes and ints can be built),
+    then checked: a dict with only the CIFAR keys, ``uint8`` data of shape ``(N, 3072)``, ``N`` labels
+    in range. Anything else raises :class:`DataSourceError` naming the file and what is wrong.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as err:
+        raise DataSourceError(f"cannot read CIFAR batch {path}: {err}") from err
+    try:
+        batch = CifarUnpickler(io.BytesIO(data), encoding="bytes").load()
+    except Exception as err:  # noqa: BLE001 - any failure means "not a CIFAR batch"
+        raise DataSourceError(f"refused CIFAR batch {path}: {_one_line(err, 240)}") from err
+    try:
+        return _check_cifar_batch(batch, dataset)
+    except ValueError as err:
+        raise DataSourceError(f"refused CIFAR batch {path}: {' '.join(str(err).split())}") from err
+
+
+def _load_cifar(spec: DatasetSpec, files: dict[str, list[Path]], reader: Any) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for split, paths in files.items():
-        xs, ys = [], []
-        for p in paths:
-            try:
-                with open(p, "rb") as f:
-                    batch = pickle.load(f, encoding="bytes")
-                xs.append(np.asarray(batch[b"data"], dtype=np.uint8))
-                ys.append(np.asarray(batch[label_key], dtype=np.int64))
-            except Exception as err:  # noqa: BLE001 - any failure means "not a CIFAR batch"
-                raise DataSourceError(f"cannot read CIFAR batch {p}: {type(err).__name__}: {err}") from err
+        xs, ys = zip(*(reader(p, spec.name) for p in paths))
         x = np.concatenate(xs).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
         out[f"x_{split}"] = np.ascontiguousarray(x)
         out[f"y_{split}"] = np.concatenate(ys)
@@ -333,9 +548,12 @@ def expected_files(spec: DatasetSpec) -> str:
             "the IDX files train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
             "t10k-labels-idx1-ubyte (each optionally .gz)"
         )
+    if spec.binary_dir:
+        names = "data_batch_1..5.bin and test_batch.bin" if spec.name == "cifar10" else "train.bin and test.bin"
+        forms.append(f"the binary batches {names} (as in {spec.binary_dir}/)")
     if spec.pickle_dir:
         names = "data_batch_1..5 and test_batch" if spec.name == "cifar10" else "train and test"
-        forms.append(f"the python pickles {names} (as in {spec.pickle_dir}/)")
+        forms.append(f"the python batches {names} (as in {spec.pickle_dir}/)")
     forms.append("parquet files train.parquet and test.parquet (or train-*.parquet and test-*.parquet)")
     forms.append("a DatasetDict with train and test splits written by datasets' save_to_disk")
     where = ", ".join(spec.subdirs)
@@ -344,21 +562,30 @@ def expected_files(spec: DatasetSpec) -> str:
 
 def _candidate_dirs(spec: DatasetSpec, root: Path) -> list[Path]:
     dirs = [root] + [root / s for s in spec.subdirs]
-    if spec.pickle_dir:
-        dirs += [root / spec.pickle_dir] + [root / s / spec.pickle_dir for s in spec.subdirs]
+    for named in (spec.binary_dir, spec.pickle_dir):
+        if named:
+            dirs += [root / named] + [root / s / named for s in spec.subdirs]
     return [d for d in dirs if d.is_dir()]
 
 
 def find_in_dir(spec: DatasetSpec, root: str | os.PathLike[str]) -> tuple[str, Path, Any] | None:
-    """Which layout of ``spec`` ``root`` holds, without reading any data; ``None`` if none."""
-    for d in _candidate_dirs(spec, Path(root)):
+    """Which layout of ``spec`` ``root`` holds, without reading any data; ``None`` if none.
+
+    The CIFAR binary version (no unpickling at all) wins wherever under ``root`` it is found.
+    """
+    dirs = _candidate_dirs(spec, Path(root))
+    for d in dirs:
+        binary = _binary_files(spec, d)
+        if binary:
+            return "CIFAR binary batches", d, binary
+    for d in dirs:
         if spec.idx_format:
             files = _idx_files(d)
             if len(files) == 4:
                 return "IDX files", d, files
         pickles = _pickle_files(spec, d)
         if pickles:
-            return "CIFAR python pickles", d, pickles
+            return "CIFAR python batches", d, pickles
         parquet = _parquet_files(d)
         if parquet:
             return "parquet files", d, parquet
@@ -390,8 +617,10 @@ def _load_found(spec: DatasetSpec, found: tuple[str, Path, Any]) -> dict[str, np
     kind, d, files = found
     if kind == "IDX files":
         arrays = _load_idx(files)
-    elif kind == "CIFAR python pickles":
-        arrays = _load_pickles(spec, files)
+    elif kind == "CIFAR binary batches":
+        arrays = _load_cifar(spec, files, read_cifar_binary)
+    elif kind == "CIFAR python batches":
+        arrays = _load_cifar(spec, files, read_cifar_pickle)
     elif kind == "parquet files":
         arrays = _load_parquet(spec, files)
     else:
@@ -503,6 +732,45 @@ def _embedded_available() -> bool:
 # --------------------------------------------------------------------------- resolution
 
 
+def _found_paths(found: tuple[str, Path, Any]) -> list[Path]:
+    kind, d, files = found
+    if kind == "save_to_disk DatasetDict":
+        return sorted(p for p in d.rglob("*") if p.is_file())
+    out: list[Path] = []
+    for value in files.values():
+        out.extend(value if isinstance(value, list) else [value])
+    return out
+
+
+def source_fingerprint(name: str, data_dir: str = "") -> str | None:
+    """A string that changes whenever what ``load_raw(name, data_dir)`` returns may change; no data read.
+
+    It names the layout and every file :func:`load_raw` would read, with its resolved path, size and
+    modification time. ``None`` when the source cannot be known without loading it (the Hugging Face
+    hub or its cache, the embedded subset) or when no local source holds the dataset.
+    """
+    spec = SPECS[name]
+    found = None
+    if data_dir:
+        root = Path(data_dir).expanduser()
+        found = find_in_dir(spec, root) if root.is_dir() else None
+    else:
+        for sysdir in SYSTEM_DIRS.get(name, ()):
+            found = find_in_dir(spec, sysdir) if Path(sysdir).is_dir() else None
+            if found is not None:
+                break
+    if found is None:
+        return None
+    parts = [found[0]]
+    try:
+        for p in _found_paths(found):
+            st = p.stat()
+            parts.append(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}")
+    except OSError:
+        return None
+    return "|".join(parts)
+
+
 def load_raw(name: str, data_dir: str = "") -> RawData:
     """Both splits of dataset ``name`` from the first source that holds it (see the module doc).
 
@@ -544,7 +812,7 @@ def load_raw(name: str, data_dir: str = "") -> RawData:
         return raw
 
     how = "set data-dir=<directory with "
-    how += "its IDX files" if spec.idx_format else f"its {spec.pickle_dir}/ pickles"
+    how += "its IDX files" if spec.idx_format else f"its {spec.binary_dir}/ or {spec.pickle_dir}/ batches"
     how += ", train/test parquet files or a save_to_disk copy>"
     if name in ("fashion-mnist", "mnist"):
         how = f"put the IDX files in {SYSTEM_DIRS[name][0]}, or " + how
