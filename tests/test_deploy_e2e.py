@@ -204,27 +204,21 @@ def test_supernode_without_tls_cannot_connect(federation):
 # --------------------------------------------------------------------------- resume and traffic
 
 
-def _start_supernodes(fed: Federation) -> list:
-    nodes = []
-    for i in range(1, NUM_NODES + 1):
-        nodes.append(
-            fed.supernode(
-                f"supernode-{i}",
-                node_config=f"partition-id={i - 1} num-partitions={NUM_NODES} device='cpu'",
-                root_certificates=fed.certs["ca.crt"],
-                private_key=fed.keys[f"supernode-{i}"],
-            )
-        )
-    lf.wait_until(lambda: lf.online_nodes(fed.procs, CONNECTION, fed.user_env) >= NUM_NODES, 120, f"{NUM_NODES} SuperNodes online", interval=1.0)
-    return nodes
-
-
 @contextlib.contextmanager
 def supernodes(fed: Federation):
-    """The three registered SuperNodes, up for the block and stopped (whole trees) after it."""
+    """The three registered SuperNodes (node-config: partition, cpu), online for the block, stopped (whole trees) after it."""
     nodes = []
     try:
-        nodes = _start_supernodes(fed)
+        for i in range(1, NUM_NODES + 1):
+            nodes.append(
+                fed.supernode(
+                    f"supernode-{i}",
+                    node_config=f"partition-id={i - 1} num-partitions={NUM_NODES} device='cpu'",
+                    root_certificates=fed.certs["ca.crt"],
+                    private_key=fed.keys[f"supernode-{i}"],
+                )
+            )
+        lf.wait_until(lambda: lf.online_nodes(fed.procs, CONNECTION, fed.user_env) >= NUM_NODES, 120, f"{NUM_NODES} SuperNodes online", interval=1.0)
         yield nodes
     finally:
         for node in nodes:
@@ -260,30 +254,31 @@ RESUME_CONFIG = {
     "min-evaluate-nodes": 0,
 }
 KILL_AT_ROUND = 2
+# Run names of equal length: the run's directory name travels in every train message's config
+# (``pollen.run-key``), so names of different lengths would make the downlink bytes differ.
+INTACT, KILLED = "intact", "killed"
+TIMING_KEYS = {"round_seconds", "elapsed_seconds"}
 
 
 def test_resume_after_serverapp_killed_equals_uninterrupted_run(federation):
     """SIGKILL the ``flwr-serverapp`` process after round 2's checkpoint, resume with ``resume=<run dir>``.
 
-    The resumed run must end with the same model (every array, bit for bit) and the same accuracy
-    per round as an uninterrupted run with the same run-config, and its results hold every round once.
+    The resumed run must end with the same model (every array, bit for bit) as an uninterrupted run
+    with the same run-config, and the same results row per round (accuracy, sampling, bytes; only
+    the timings differ), every round once.
     """
     fed = federation
     procs = fed.procs
     results = fed.root / "results-resume"
     config = dict(RESUME_CONFIG, **{"results-dir": str(results)})
     with lf.dump_logs_on_error(procs), supernodes(fed):
-        # a) the uninterrupted run
-        _, out = _flwr_run(fed, "flwr-run-full", dict(config, **{"run-name": "full"}))
-        assert "[pollen] done" in out, out
-
-        # b) the same run, its ServerApp killed once a checkpoint of round >= 2 is on disk
-        crashy = results / "crashy"
-        checkpoint = crashy / "checkpoint.npz"
-        lf.wait_until(lambda: not lf.find_in_tree(fed.superlink, "flwr-serverapp"), 60, "the uninterrupted run's flwr-serverapp to exit")
-        run_id, out = _flwr_run(fed, "flwr-run-crashy", dict(config, **{"run-name": "crashy"}), stream=False)
+        # a) a run whose ServerApp is killed once a checkpoint of round >= 2 is on disk
+        killed = results / KILLED
+        checkpoint = killed / "checkpoint.npz"
+        lf.wait_until(lambda: not lf.find_in_tree(fed.superlink, "flwr-serverapp"), 60, "the ServerApps of earlier runs to exit")
+        run_id, _ = _flwr_run(fed, "flwr-run-killed", dict(config, **{"run-name": KILLED}), stream=False)
         lf.wait_until(lambda: lf.find_in_tree(fed.superlink, "flwr-serverapp"), 120, "the SuperLink to start flwr-serverapp")
-        lf.wait_until(lambda: _checkpoint_round(checkpoint) >= KILL_AT_ROUND, 240, f"a checkpoint of round >= {KILL_AT_ROUND}", interval=0.1)
+        lf.wait_until(lambda: _checkpoint_round(checkpoint) >= KILL_AT_ROUND, 300, f"a checkpoint of round >= {KILL_AT_ROUND}", interval=0.1)
         serverapps = lf.find_in_tree(fed.superlink, "flwr-serverapp")
         assert len(serverapps) == 1, [lf.cmdline(pid) for pid in serverapps]
         os.kill(serverapps[0], signal.SIGKILL)
@@ -291,44 +286,54 @@ def test_resume_after_serverapp_killed_equals_uninterrupted_run(federation):
         lf.wait_until(lambda: not lf.find_in_tree(fed.superlink, "flwr-serverapp"), 30, "the killed flwr-serverapp to be gone")
         saved_round = _checkpoint_round(checkpoint)
         assert KILL_AT_ROUND <= saved_round < RESUME_CONFIG["num-server-rounds"], saved_round
-        assert not (crashy / "final_model.npz").exists()
+        assert not (killed / "final_model.npz").exists()
+
+        # b) the uninterrupted run, meanwhile (Flower notices the dead ServerApp only after its
+        # heartbeat is overdue, 2 x 30 s in 1.39)
+        _, out = _flwr_run(fed, "flwr-run-intact", dict(config, **{"run-name": INTACT}))
+        assert "[pollen] done" in out, out
         status = lf.wait_until(
             lambda: (s := lf.run_status(procs, CONNECTION, fed.user_env, run_id=run_id))["status"] != "running" and s,
             150,
             f"run {run_id} to leave 'running' after its ServerApp was killed",
             interval=2.0,
         )
-        print(f"\n[resume] killed flwr-serverapp after the round-{saved_round} checkpoint; "
-              f"run {run_id} became {status['status']!r} ({status.get('status-details')!r}) after {time.monotonic() - killed_at:.0f}s")
+        print(
+            f"\n[resume] killed flwr-serverapp after the round-{saved_round} checkpoint; run {run_id} is "
+            f"{status['status']!r} ({status.get('status-details')!r}) {time.monotonic() - killed_at:.0f}s later"
+        )
 
-        # c) resume
-        _, out = _flwr_run(fed, "flwr-run-resume", dict(config, **{"run-name": "crashy", "resume": str(crashy)}))
+        # c) resume the killed run
+        _, out = _flwr_run(fed, "flwr-run-resume", dict(config, **{"run-name": KILLED, "resume": str(killed)}))
         assert "[pollen] done" in out, out
-        assert f"Resuming after round {saved_round}" in out, out
+        assert f"Resuming after round {saved_round} of" in out, out
 
     # d) the same model, bit for bit, and the same results
-    want = np.load(results / "full" / "final_model.npz")
-    got = np.load(crashy / "final_model.npz")
+    want = np.load(results / INTACT / "final_model.npz")
+    got = np.load(killed / "final_model.npz")
     assert sorted(got.files) == sorted(want.files)
     for name in want.files:
         assert got[name].dtype == want[name].dtype, (name, got[name].dtype, want[name].dtype)
         assert got[name].shape == want[name].shape, (name, got[name].shape, want[name].shape)
         assert np.array_equal(got[name], want[name]), f"{name}: max |diff| {np.max(np.abs(got[name].astype(np.float64) - want[name]))}"
-    full = lf.load_metrics(results, "full")["rows"]
-    resumed = lf.load_metrics(results, "crashy")["rows"]
+    full = lf.load_metrics(results, INTACT)["rows"]
+    resumed = lf.load_metrics(results, KILLED)["rows"]
     assert [row["round"] for row in full] == [0, 1, 2, 3, 4]
     assert [row["round"] for row in resumed] == [0, 1, 2, 3, 4]
     assert [row["accuracy"] for row in resumed] == [row["accuracy"] for row in full]
-    for before, after in zip(full[1:], resumed[1:]):
-        assert (after["sampled"], after["replies"], after["failures"]) == (before["sampled"], before["replies"], before["failures"]) == (2, 2, 0), (before, after)
-        assert after["cum_uplink_bytes"] == before["cum_uplink_bytes"] and after["cum_downlink_bytes"] == before["cum_downlink_bytes"], (before, after)
+    assert all((row["sampled"], row["replies"], row["failures"]) == (2, 2, 0) for row in full[1:]), full
+    for before, after in zip(full, resumed):
+        differ = sorted(key for key in set(before) | set(after) if key not in TIMING_KEYS and before.get(key) != after.get(key))
+        assert not differ, {key: (before.get(key), after.get(key)) for key in differ}
 
 
 TRAFFIC_CONFIG = dict(RUN_CONFIG, **{"run-name": "traffic"})
 #: Largest relative difference between the SuperLink's byte counters and what Flower's own
 #: serialisation predicts from pollen's record bytes plus the framing of each message (below).
-#: Measured: inbound within 0.1 %, outbound within 1 % (a trained model has fewer identical
-#: arrays than the freshly initialised one the prediction frames, hence more distinct objects).
+#: Measured (two runs): inbound 0.999 and 0.987 of the prediction, outbound 0.991 and 0.991. What
+#: the prediction cannot know exactly: metadata details (task ids, group id, node ids), objects the
+#: SuperLink already holds from another reply and does not ask for again (the update header and the
+#: batch counters are equal across replies; timing decides), arrays that happen to be equal.
 FRAMING_TOLERANCE = 0.03
 
 
@@ -345,9 +350,18 @@ def _wire_sizes(msg) -> dict[str, int]:
     """
     from flwr.app.message.message import remove_content_from_message
     from flwr.common.serde import message_to_proto
-    from flwr.proto.fleet_pb2 import PullMessagesRequest, PullMessagesResponse, PushMessagesRequest, PushMessagesResponse, Reconnect
+    from flwr.proto.fleet_pb2 import (
+        PullMessagesRequest,
+        PullMessagesResponse,
+        PushMessagesRequest,
+        PushMessagesResponse,
+        Reconnect,
+    )
     from flwr.proto.node_pb2 import Node
-    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+    from flwr.supercore.inflatable.inflatable_object import (
+        get_all_nested_objects,
+        get_object_tree,
+    )
 
     objects = get_all_nested_objects(msg)  # distinct objects only: identical arrays travel once
     tree = get_object_tree(msg)
@@ -370,7 +384,7 @@ def _wire_sizes(msg) -> dict[str, int]:
 
 def _framed_messages(run_id: int) -> dict[str, dict[str, int]]:
     """Wire sizes of messages shaped like this run's: identify query and reply, train message and sign reply."""
-    from flwr.app import ArrayRecord, ConfigRecord, Message, Metadata, MetricRecord, RecordDict
+    from flwr.app import ConfigRecord, Message, Metadata, MetricRecord, RecordDict
 
     from pollen import protocol
     from pollen.compression import make_codec
@@ -381,8 +395,11 @@ def _framed_messages(run_id: int) -> dict[str, dict[str, int]]:
 
     cfg = AppConfig.from_run_config({**defaults_from_pyproject(str(lf.REPO_ROOT / "pyproject.toml")), **TRAFFIC_CONFIG})
     rng = np.random.default_rng(0)
-    model = {name: (value + rng.standard_normal(value.shape).astype(value.dtype) if value.dtype.kind == "f" else value)
-             for name, value in ((n, t.numpy()) for n, t in build_model(cfg).state_dict().items())}  # a trained model: no two float arrays equal
+    model = {}
+    for name, tensor in build_model(cfg).state_dict().items():
+        value = tensor.numpy()
+        # as after training: no two float arrays equal (equal arrays travel once); the counters stay equal
+        model[name] = value + rng.standard_normal(value.shape).astype(value.dtype) if value.dtype.kind == "f" else value
     layout = ModelLayout.from_arrays(model)
     server, node = 0, 2**63 - 12345  # node ids are random 64-bit integers
 
@@ -410,7 +427,6 @@ def _framed_messages(run_id: int) -> dict[str, dict[str, int]]:
     content[protocol.METRICS_RECORD] = MetricRecord({"train-loss": 2.0, "num-examples": 160})
     content[protocol.CLIENT_INFO_RECORD] = ConfigRecord({"client-id": "partition-0"})
     trained = reply(train, content)
-    assert isinstance(trained.content[protocol.UPDATE_RECORD], ArrayRecord)
     return {name: _wire_sizes(msg) for name, msg in (("query", query), ("answer", answer), ("train", train), ("trained", trained))}
 
 
