@@ -31,6 +31,7 @@ from flwr.common import log
 
 from pollen import protocol
 from pollen.clientside import compression_mod, relay_demo  # noqa: F401 (relay_demo registers its steps)
+from pollen.clientside.faults import fault_mod
 from pollen.clientside.compression_mod import client_state_for, compress_update, wants_compression
 from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, StepOutcome, lookup, model_arrays
 from pollen.config import AppConfig
@@ -130,14 +131,14 @@ def _reply_records(work: LocalWork, outcome: StepOutcome, layout: ModelLayout | 
     return content
 
 
-@app.train(mods=[compression_mod])
+@app.train(mods=[fault_mod, compression_mod])
 def train(msg: Message, context: Context) -> Message:
     """Train the global model locally with the strategy's local step and reply with the update."""
     step = str(_config(msg).get(protocol.CFG_LOCAL_STEP, "sgd"))
     return _run(msg, context, LOCAL_STEPS, step, "local step", phase_index=0)
 
 
-@app.train("pollen_phase", mods=[compression_mod])
+@app.train("pollen_phase", mods=[fault_mod, compression_mod])
 def train_phase(msg: Message, context: Context) -> Message:
     """A later message of a multi-phase round: run the handler ``pollen.phase`` names."""
     config = _config(msg)

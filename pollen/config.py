@@ -105,6 +105,13 @@ SCHEMA: dict[str, Key] = {
     "resume": _ANY_STR,
     "stop-after-round": _NON_NEG_INT,
     "state-dir": _ANY_STR,
+    "round-timeout": _POSITIVE,
+    "min-replies": _POS_INT,
+    "outlier-rule": _choice(("reject", "clip", "off")),
+    "outlier-factor": Key(float, lambda v: v > 1, "a number > 1"),
+    "fault-fraction": Key(float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "fault-kind": _choice(("error", "garbage", "timeout", "mixed")),
+    "fault-delay": _NON_NEGATIVE,
 }
 
 #: Keys that may differ between a checkpoint and the run that resumes it (the rest must be equal).
@@ -113,6 +120,7 @@ RESUME_MAY_DIFFER = (
     "stop-after-round",
     "num-server-rounds",
     "node-wait-seconds",
+    "round-timeout",
     "device",
     "eval-batch-size",
     "results-dir",

@@ -205,6 +205,7 @@ def main(grid: Grid, context: Context) -> None:
             grid=grid,
             initial_arrays=initial,
             num_rounds=cfg["num-server-rounds"],
+            timeout=cfg["round-timeout"],
             train_config=ConfigRecord(train_config),
             evaluate_fn=reporter,
             checkpoint=checkpoint,

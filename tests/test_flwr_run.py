@@ -111,3 +111,17 @@ def test_resume_in_simulation_equals_the_uninterrupted_run(flower: LocalFlower, 
     assert sorted(want.files) == sorted(got.files)
     for name in want.files:
         assert want[name].tobytes() == got[name].tobytes(), name
+
+
+def test_a_third_of_clients_failing_every_round_does_not_stop_the_run(flower: LocalFlower, results_dir: Path) -> None:
+    """fault-fraction: seeded clients raise or send NaN models each round; every round completes."""
+    metrics = _run(
+        flower, results_dir, "faults",
+        strategy="fedams", **{"num-server-rounds": 3, "fraction-train": 1.0, "fault-fraction": 0.3, "fault-kind": "mixed"},
+    )
+    rows = metrics["rows"][1:]
+    assert [row["round"] for row in rows] == [1, 2, 3]
+    assert sum(row["failures"] for row in rows) >= 1
+    for row in rows:
+        assert row["replies"] + row["failures"] == row["sampled"] == 4 and row["replies"] >= 1
+    assert rows[-1]["accuracy"] > metrics["rows"][0]["accuracy"]

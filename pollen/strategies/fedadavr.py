@@ -27,7 +27,7 @@ import numpy as np
 from pollen.layout import ModelLayout
 from pollen.optim import ServerOptimizer, make_server_optimizer
 from pollen.strategies.base import AdaptiveStrategy, ClientUpdate
-from pollen.strategies.registry import register, sampling_kwargs
+from pollen.strategies.registry import register, sampling_kwargs, screening_kwargs
 from pollen.vr import UpdateTable, VARIANTS, get_variant, vr_aggregate
 from pollen.vr.aggregate import check_weighting
 
@@ -206,6 +206,8 @@ def _fedadavr_builder(variant: str):  # noqa: ANN202
             table_path=cfg["table-path"] or None,
             num_clients=cfg["num-clients"] or None,
             seed=cfg["seed"],
+            min_replies=cfg["min-replies"],
+            **screening_kwargs(cfg),
         )
 
     return build

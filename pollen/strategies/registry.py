@@ -73,6 +73,18 @@ def sampling_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def screening_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The outlier screen's settings (every strategy, Flower's own included)."""
+    return {"outlier_rule": cfg["outlier-rule"], "outlier_factor": cfg["outlier-factor"]}
+
+
 def adaptive_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Sampling plus what every pollen ``AdaptiveStrategy`` takes from the run-config."""
-    return {**sampling_kwargs(cfg), "aggregation": cfg["aggregation"], "seed": cfg["seed"], "identify_clients": True}
+    return {
+        **sampling_kwargs(cfg),
+        **screening_kwargs(cfg),
+        "aggregation": cfg["aggregation"],
+        "seed": cfg["seed"],
+        "identify_clients": True,
+        "min_replies": cfg["min-replies"],
+    }

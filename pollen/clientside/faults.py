@@ -1,0 +1,70 @@
+"""Injected client faults for simulation: test your settings against clients that fail, stall or lie.
+
+``fault_mod`` is a Flower mod. With run-config ``fault-fraction`` = f > 0, each train message of a
+round fails for a seeded, repeatable choice of about f of the clients (drawn per round and client id
+from ``seed``), in the way ``fault-kind`` says:
+
+- ``error``: the ClientApp raises; Flower sends the server an error reply;
+- ``garbage``: the reply carries a model full of NaN (the server must reject it);
+- ``timeout``: the client sleeps ``fault-delay`` seconds before answering (set it above the round's
+  ``round-timeout`` to make it miss the round);
+- ``mixed``: one of the three, drawn per fault.
+
+Off (f = 0) it passes every message through untouched. Real deployments do not need it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+from flwr.app import Context, Message
+from flwr.clientapp.typing import ClientAppCallable
+
+from pollen import protocol
+from pollen.wire import arrays_to_record, record_to_arrays
+
+FAULT_KINDS = ("error", "garbage", "timeout", "mixed")
+
+
+class InjectedFault(RuntimeError):
+    """The fault ``fault_mod`` raises for ``fault-kind=error``."""
+
+
+def fault_for(seed: int, server_round: int, client_id: str, fraction: float, kind: str) -> str | None:
+    """The fault this client suffers in this round, or ``None`` (seeded, the same on every run)."""
+    if fraction <= 0:
+        return None
+    digest = int.from_bytes(hashlib.sha256(client_id.encode()).digest()[:8], "little")
+    rng = np.random.default_rng([seed, server_round, digest])
+    if rng.random() >= fraction:
+        return None
+    return str(rng.choice(FAULT_KINDS[:3])) if kind == "mixed" else kind
+
+
+def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Flower mod: inject the configured fault into train messages, else pass through."""
+    run = context.run_config
+    fraction = float(run.get("fault-fraction", 0.0) or 0.0)
+    if fraction <= 0 or msg.metadata.message_type.split(".")[0] != "train":
+        return call_next(msg, context)
+    config = msg.content.config_records.get(protocol.CONFIG_RECORD)
+    server_round = int(config.get(protocol.CFG_SERVER_ROUND, 0)) if config is not None else 0
+    node = context.node_config
+    client_id = str(node.get("client-id") or f"partition-{int(node.get('partition-id', 0))}")
+    fault = fault_for(int(run.get("seed", 0)), server_round, client_id, fraction, str(run.get("fault-kind", "error")))
+    if fault is None:
+        return call_next(msg, context)
+    if fault == "error":
+        raise InjectedFault(f"injected fault in round {server_round} ({client_id})")
+    if fault == "timeout":
+        time.sleep(float(run.get("fault-delay", 0.0)))
+        return call_next(msg, context)
+    reply = call_next(msg, context)
+    if reply.has_error() or protocol.ARRAYS_RECORD not in reply.content.array_records:
+        return reply
+    arrays = record_to_arrays(reply.content.array_records[protocol.ARRAYS_RECORD])
+    garbage = {k: np.full(v.shape, np.nan, v.dtype) if v.dtype.kind == "f" else v for k, v in arrays.items()}
+    reply.content[protocol.ARRAYS_RECORD] = arrays_to_record(garbage)
+    return reply
