@@ -396,3 +396,48 @@ def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, mon
     monkeypatch.setattr(os, "replace", real_replace)
     assert RunCheckpoint(tmp_path, resume=True).validate("FedAMS") == 1
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_table_on_disk_survives_a_crash_between_its_rows_and_the_checkpoint(tmp_path):
+    """FedAdaVR with table-path: rows of round 3 are written, the process dies before checkpoint 3."""
+    x0 = model_record(tiny_model(1))
+
+    def make(path):  # noqa: ANN001, ANN202
+        return FedAdaVR(table_precision="int8", table_path=str(path), server_lr=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5)
+
+    full = make(tmp_path / "full.table").start(
+        grid=FakeGrid(NODES, keyed_client, client_ids=IDS), initial_arrays=x0, num_rounds=4, checkpoint=RunCheckpoint(tmp_path / "full")
+    )
+
+    crashing = RunCheckpoint(tmp_path / "crash")
+    real_save = crashing.save
+
+    def save_then_die(server_round, *args):  # noqa: ANN001, ANN202
+        if server_round == 3:
+            raise KeyboardInterrupt("killed after round 3's table rows, before its checkpoint")
+        real_save(server_round, *args)
+
+    crashing.save = save_then_die
+    with pytest.raises(KeyboardInterrupt):
+        make(tmp_path / "crash.table").start(grid=FakeGrid(NODES, keyed_client, client_ids=IDS), initial_arrays=x0, num_rounds=4, checkpoint=crashing)
+    resumed = make(tmp_path / "crash.table").start(
+        grid=FakeGrid(NODES, keyed_client, client_ids=IDS), initial_arrays=x0, num_rounds=4, checkpoint=RunCheckpoint(tmp_path / "crash", resume=True)
+    )
+    want, got = named_arrays(full.arrays), named_arrays(resumed.arrays)
+    for key in want:
+        assert want[key].tobytes() == got[key].tobytes(), key
+
+
+def test_a_stale_or_foreign_table_file_is_refused(tmp_path):
+    from pollen.vr.journal import TableFileError
+
+    x0 = model_record(tiny_model(1))
+    grid = FakeGrid(NODES, keyed_client, client_ids=IDS)
+    table = tmp_path / "table.bin"
+    FedAdaVR(table_path=str(table), fraction_evaluate=0.0, seed=5).start(grid=grid, initial_arrays=x0, num_rounds=1, checkpoint=RunCheckpoint(tmp_path / "a"))
+    # another run writes its own table at the same path: the first run's checkpoint must not use it
+    FedAdaVR(table_path=str(table), fraction_evaluate=0.0, seed=6).start(grid=grid, initial_arrays=x0, num_rounds=3, checkpoint=RunCheckpoint(tmp_path / "b"))
+    with pytest.raises(TableFileError, match="belongs to table"):
+        FedAdaVR(table_path=str(table), fraction_evaluate=0.0, seed=5).start(
+            grid=grid, initial_arrays=x0, num_rounds=2, checkpoint=RunCheckpoint(tmp_path / "a", resume=True)
+        )

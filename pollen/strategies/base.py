@@ -690,13 +690,22 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             }
             self.layout = ModelLayout.from_arrays(named, state["buffer_keys"])
             self._key_order = tuple(state["key_order"])
-            params = np.array(state["params"], dtype=np.float32)
-            if params.shape != (self.layout.dim,):
-                raise ValueError(f"state params have shape {params.shape}, the model has ({self.layout.dim},)")
-            self.params = params
-            self.buffers = {k: np.array(v) for k, v in state["buffers"].items()}
+            params = np.asarray(state["params"])
+            if params.shape != (self.layout.dim,) or params.dtype != np.float32 or not all_finite(params):
+                raise ValueError(f"state params must be {self.layout.dim} finite float32 values, got {params.shape} {params.dtype}")
+            buffers = {k: np.array(v) for k, v in state["buffers"].items()}
+            if sorted(buffers) != sorted(self.layout.buffer_keys) or any(
+                buffers[spec.name].shape != spec.shape for spec in self.layout.buffers
+            ):
+                raise ValueError("state buffers do not match the model's buffers")
+            opt_state = OptimizerState.from_dict(state["optimizer"])
+            for name, slot in opt_state.slots.items():
+                if slot.shape != (self.layout.dim,) or not all_finite(slot):
+                    raise ValueError(f"state optimiser slot '{name}' is not {self.layout.dim} finite values")
+            self.params = np.array(params)
+            self.buffers = buffers
             self.optimizer = self.build_optimizer(self.layout)
-            self.opt_state = OptimizerState.from_dict(state["optimizer"])
+            self.opt_state = opt_state
 
 
 class RunningMean:

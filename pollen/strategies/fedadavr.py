@@ -29,6 +29,7 @@ from pollen.optim import ServerOptimizer, make_server_optimizer
 from pollen.strategies.base import AdaptiveStrategy, ClientUpdate
 from pollen.strategies.registry import register, sampling_kwargs, screening_kwargs
 from pollen.vr import UpdateTable, VARIANTS, get_variant, vr_aggregate
+from pollen.vr.journal import TableJournal
 from pollen.vr.aggregate import check_weighting
 
 OPTIMIZERS = ("adagrad", "adam", "adabelief", "yogi", "lamb", "sgd")
@@ -106,6 +107,8 @@ class FedAdaVR(AdaptiveStrategy):
         self.num_clients = num_clients
         self.lamb_layerwise = lamb_layerwise
         self.table: UpdateTable | None = None
+        self.journal: TableJournal | None = None
+        self.table_generation = 0
         # Build once now so bad optimiser settings fail at construction, not in round 1.
         make_server_optimizer(self.optimizer_name, **self._optimizer_kwargs(None))
 
@@ -131,6 +134,9 @@ class FedAdaVR(AdaptiveStrategy):
         if self.variant.uses_table and self.table is None:
             sizes = [stop - start for start, stop in layout.segments]
             self.table = UpdateTable(layout.dim, sizes, self.table_precision, path=self.table_path)
+            if self.table_path is not None:
+                self.journal = TableJournal(self.table_path)
+                self.journal.commit(self.table, 0)
 
     def extra_summary(self) -> dict[str, Any]:
         return {
@@ -171,19 +177,39 @@ class FedAdaVR(AdaptiveStrategy):
             return
         if updates:
             ys = {u.client_key: u.delta / np.float32(self.client_lr) for u in updates}
+            if self.journal is not None:  # a table on disk: keep the rows it overwrites until the checkpoint
+                self.journal.begin(self.table, server_round, list(ys))
             self.table.replace_many(ys, self._weights(updates))
+            if self.journal is not None:
+                self.journal.commit(self.table, server_round)
+            self.table_generation = server_round
         self.accounting.round(server_round).server_state_bytes = self.table.memory_bytes()
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self.table is not None:
             state["table"] = self.table.state_dict(include_data=self.table_path is None)
+            state["table_generation"] = self.table_generation
+            if self.journal is not None:
+                state["table_id"] = self.journal.table_id
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if "table" in state:
+            self.table_generation = int(state.get("table_generation", 0))
+            on_disk = "data" not in state["table"]
+            if on_disk and self.table_path is None:
+                raise ValueError("the state's table lives in a file; pass table_path= (run-config table-path) to resume it")
+            if on_disk:  # the file must be this state's, at this state's round (or one ahead with its undo log)
+                self.journal = TableJournal(self.table_path, table_id=str(state.get("table_id", "")))
+                self.journal._read()  # refuse a file without a journal before attaching it
             self.table = UpdateTable.from_state_dict(state["table"], path=self.table_path)
+            if on_disk:
+                self.journal.recover(self.table, self.table_generation)
+            elif self.table_path is not None:
+                self.journal = TableJournal(self.table_path)
+                self.journal.commit(self.table, self.table_generation)
 
 
 def _fedadavr_builder(variant: str):  # noqa: ANN202

@@ -234,6 +234,22 @@ class UpdateTable:
         for (k, v), w in zip(items, ws):
             self.replace(k, v, w)
 
+    def row_indices(self, keys: Sequence[ClientKey]) -> list[int]:
+        """Row numbers of the keys that already have a row (in the order given)."""
+        return [self._index[k] for k in map(client_key, keys) if k in self._index]
+
+    def read_rows(self, rows: Sequence[int]) -> np.ndarray:
+        """A copy of the encoded storage of ``rows`` (for an undo log)."""
+        return np.array(self._data[list(rows)]) if rows else np.zeros((0, self._width), dtype=self._dtype)
+
+    def write_rows(self, rows: Sequence[int], data: np.ndarray) -> None:
+        """Put encoded rows back (undo); ``data`` must have the table's row width and storage dtype."""
+        data = np.asarray(data)
+        if data.shape != (len(rows), self._width) or data.dtype != self._dtype:
+            raise ValueError(f"rows of shape {data.shape} / {data.dtype} do not fit ({len(rows)}, {self._width}) / {self._dtype}")
+        if rows:
+            self._data[list(rows)] = data
+
     def recompute_running_sum(self) -> np.ndarray:
         """The O(N d) recomputation of ``sum_j w_j D(y_j)`` from the stored rows (float64; table unchanged)."""
         total = np.zeros(self._dim, dtype=np.float64)

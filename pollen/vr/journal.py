@@ -1,0 +1,114 @@
+"""Keeping a memory-mapped stored-update table consistent with the run's last checkpoint.
+
+A table on disk (``table-path``) is too big to copy into every checkpoint, so the checkpoint keeps
+only its bookkeeping (keys, weights, running sum) and re-attaches the file. The file is written in
+place during a round, so a crash between writing rows and writing the checkpoint would leave it one
+round ahead. :class:`TableJournal` prevents that with two small files beside the table:
+
+- ``<table>.journal.json``: the table's id (a random hex string made with the table) and its
+  generation, the last round whose rows it holds, marked ``dirty`` while that round is being written;
+- ``<table>.undo.npz``: before a round's rows are replaced, the encoded rows they overwrite.
+
+On resume, :meth:`TableJournal.recover` compares the file's id and generation with the checkpoint's:
+equal, the file is used; one round ahead with its undo log, the old rows are written back; anything
+else (another run's table, a stale file) is refused with one line. Writes are atomic (temporary
+file, fsync, rename); nothing here unpickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from pollen.vr.table import UpdateTable
+
+
+class TableFileError(ValueError):
+    """A table file that does not belong to the state being restored (one line saying why)."""
+
+
+class TableJournal:
+    """Generation marker and undo log of one memory-mapped table file."""
+
+    def __init__(self, table_path: str | os.PathLike[str], table_id: str | None = None) -> None:
+        self.table_path = Path(table_path)
+        self.journal_path = Path(f"{self.table_path}.journal.json")
+        self.undo_path = Path(f"{self.table_path}.undo.npz")
+        self.table_id = table_id or secrets.token_hex(8)
+
+    # ------------------------------------------------------------------ while running
+    def begin(self, table: UpdateTable, generation: int, keys: Sequence[str]) -> None:
+        """Before round ``generation`` replaces the rows of ``keys``: save them, mark the file dirty."""
+        rows = table.row_indices(keys)
+        _atomic_npz(self.undo_path, generation=np.array(generation, np.int64), rows=np.array(rows, np.int64), data=table.read_rows(rows))
+        self._write(generation, dirty=True)
+
+    def commit(self, table: UpdateTable, generation: int) -> None:
+        """Round ``generation``'s rows are in the file: flush it and mark it clean."""
+        table.flush()
+        self._write(generation, dirty=False)
+
+    # ------------------------------------------------------------------ on resume
+    def recover(self, table: UpdateTable, generation: int) -> None:
+        """Bring the attached file back to ``generation`` (the checkpoint's) or refuse it."""
+        marker = self._read()
+        if marker["table_id"] != self.table_id:
+            raise TableFileError(
+                f"table file {self.table_path} belongs to table {marker['table_id']}, the checkpoint to {self.table_id}"
+            )
+        found = int(marker["generation"])
+        if found == generation and not marker["dirty"]:
+            return
+        if found == generation + 1 and self.undo_path.is_file():
+            with np.load(self.undo_path, allow_pickle=False) as undo:
+                if int(undo["generation"]) == found:
+                    table.write_rows([int(r) for r in undo["rows"]], undo["data"])
+                    self.commit(table, generation)
+                    return
+        raise TableFileError(
+            f"table file {self.table_path} holds round {found}{' (half written)' if marker['dirty'] else ''}, "
+            f"the checkpoint round {generation}; allowed: the file of this checkpoint or one round ahead with its undo log"
+        )
+
+    # ------------------------------------------------------------------ files
+    def _write(self, generation: int, *, dirty: bool) -> None:
+        text = json.dumps({"table_id": self.table_id, "generation": int(generation), "dirty": bool(dirty)})
+        _atomic_bytes(self.journal_path, text.encode())
+
+    def _read(self) -> dict:
+        try:
+            marker = json.loads(self.journal_path.read_text())
+            if not isinstance(marker, dict) or not isinstance(marker.get("table_id"), str):
+                raise ValueError("not a journal")
+            int(marker["generation"])
+            marker["dirty"] = bool(marker.get("dirty", False))
+            return marker
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise TableFileError(f"table file {self.table_path} has no usable journal ({err}); it cannot be trusted") from None
+
+
+def _atomic_bytes(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _atomic_npz(path: Path, **arrays: np.ndarray) -> None:
+    import io
+
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    _atomic_bytes(path, buffer.getvalue())
