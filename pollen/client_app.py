@@ -70,7 +70,7 @@ class LocalTask:
         self.data_cfg = data_config(self.cfg, num_partitions=num_partitions, data_dir=data_dir)
         self.batch_size = self.cfg["batch-size"]
         self.loaders = lambda batch_size: load_partition(self.data_cfg, self.partition_id, batch_size)
-        self.model = build_model(self.cfg)
+        self.model = _model_for(self.cfg)
         self.client_id = client_id(context)
 
     def load_global(self, msg: Message) -> None:
@@ -78,6 +78,30 @@ class LocalTask:
 
     def seed(self, server_round: int, phase_index: int = 0) -> int:
         return self.cfg["seed"] * 1_000_003 + server_round * 1_009 + self.partition_id + phase_index * _PHASE_SEED_STRIDE
+
+
+_MODELS: dict[tuple, Any] = {}
+
+
+def _model_for(cfg: AppConfig) -> Any:
+    """This process's model for ``cfg``, built once and reused by later messages (simulation workers).
+
+    Train and evaluate messages overwrite all of it with the global model; a message without one
+    (a mid-round phase) starts from the initial values again (:func:`_reset_model`), as a freshly
+    built model would.
+    """
+    key = (cfg["model"], cfg["dataset"], cfg["norm"], cfg["seed"])
+    if key not in _MODELS:
+        _MODELS.clear()  # one model per process: a new run's model replaces the old one
+        model = build_model(cfg)
+        _MODELS[key] = (model, {k: v.clone() for k, v in model.state_dict().items()})
+    return _MODELS[key][0]
+
+
+def _reset_model(cfg: AppConfig) -> None:
+    """Put the cached model back to its initial values (a message that carries no global model)."""
+    model, initial = _MODELS[(cfg["model"], cfg["dataset"], cfg["norm"], cfg["seed"])]
+    model.load_state_dict(initial)
 
 
 def _config(msg: Message) -> ConfigRecord:
@@ -93,6 +117,8 @@ def _run(msg: Message, context: Context, handler_table: dict, handler_name: str,
     global_flat = None
     if protocol.ARRAYS_RECORD in msg.content.array_records:
         task.load_global(msg)
+    else:
+        _reset_model(task.cfg)
     state = client_state_for(context, config, first_message=phase_index == 0)
     work = LocalWork(task=task, msg=msg, config=config, state=state, server_round=server_round, seed=task.seed(server_round, phase_index))
     layout = work.layout() if wants_compression(config) else None
