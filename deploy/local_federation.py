@@ -332,6 +332,33 @@ def make_supernode_keys(out_dir: Path, *names: str, env: Mapping[str, str] | Non
     return {name: Path(out_dir) / name for name in names}
 
 
+def snapshot_app(dest: Path, app: Path = REPO_ROOT) -> Path:
+    """Copy the files ``flwr run <app>`` would package (the FAB's content) to ``dest``; returns ``dest``.
+
+    ``flwr run`` builds the FAB from the app directory at each call, so runs started one after the
+    other pick up whatever changed in between. Runs started from the snapshot all get the same FAB
+    (same hash), e.g. a run and its resumption.
+    """
+    import io
+    import warnings
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    dest = Path(dest)
+    with warnings.catch_warnings():  # pathspec's deprecation notices, once per pattern
+        warnings.simplefilter("ignore", DeprecationWarning)
+        fab_bytes = build_fab_from_disk(Path(app))
+    with zipfile.ZipFile(io.BytesIO(fab_bytes)) as fab:
+        for name in fab.namelist():
+            if name.startswith(".info/"):  # the FAB's manifest and signatures, written again on build
+                continue
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(fab.read(name))
+    return dest
+
+
 # --------------------------------------------------------------------------- command lines
 
 
