@@ -120,7 +120,8 @@ def numpy_to_array(value: np.ndarray) -> Array:
     if expected is None:
         return Array(np.require(value, requirements="C"))
     header = expected[0]
-    return Array(dtype=str(value.dtype), shape=tuple(value.shape), stype="numpy.ndarray", data=header + np.ascontiguousarray(value).tobytes())
+    data = b"".join((header, np.ascontiguousarray(value).data))  # one copy, straight into the bytes
+    return Array(dtype=str(value.dtype), shape=tuple(value.shape), stype="numpy.ndarray", data=data)
 
 
 def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:

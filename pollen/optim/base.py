@@ -109,6 +109,7 @@ class ServerOptimizer(abc.ABC):
         state: OptimizerState,
         delta: np.ndarray,
         params: np.ndarray | None = None,
+        out: np.ndarray | None = None,
     ) -> tuple[OptimizerState, np.ndarray]:
         """Take one server step.
 
@@ -121,6 +122,9 @@ class ServerOptimizer(abc.ABC):
             Aggregated client update ``x_local - x_global`` (downhill), flat ``float32``.
         params : np.ndarray, optional
             Current global parameters ``x`` (flat ``float32``); only LAMB needs them.
+        out : np.ndarray, optional
+            A float32 vector of the same length to write the step into (no allocation); it must
+            not be ``delta`` or ``params`` (it is used as scratch while the step is computed).
 
         Returns
         -------
@@ -143,7 +147,10 @@ class ServerOptimizer(abc.ABC):
         self._check_dim(delta.shape[0])
         state.step += 1
         t = state.step
-        out = np.empty_like(delta)
+        if out is None:
+            out = np.empty_like(delta)
+        elif out.shape != delta.shape or out.dtype != np.float32:
+            raise ValueError(f"{self.name}: out has shape {out.shape} / {out.dtype}, expected {delta.shape} / float32")
         n, b = delta.shape[0], self.block_size
         for lo in range(0, n, b):
             hi = min(lo + b, n)

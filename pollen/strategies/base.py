@@ -565,7 +565,10 @@ class AdaptiveStrategy(RoundLoop, Strategy):
 
     def apply_server_step(self, server_round: int, delta: np.ndarray) -> None:
         """``x <- x + step`` with the optimiser's step for the aggregated delta."""
-        self.opt_state, step = self.optimizer.update(self.opt_state, delta, self.params)
+        scratch = self._scratch_vector() if self.layout is not None else None
+        if scratch is delta:
+            scratch = None
+        self.opt_state, step = self.optimizer.update(self.opt_state, delta, self.params, out=scratch)
         self.params += step
 
     def aggregate_weights(self, updates: list[ClientUpdate]) -> np.ndarray:
