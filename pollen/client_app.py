@@ -114,7 +114,7 @@ def _run(msg: Message, context: Context, handler_table: dict, handler_name: str,
     config = _config(msg)
     handler = lookup(handler_table, handler_name, what)
     server_round = int(config.get(protocol.CFG_SERVER_ROUND, 0))
-    global_flat = None
+    global_arrays = None
     if protocol.ARRAYS_RECORD in msg.content.array_records:
         task.load_global(msg)
     else:
@@ -123,15 +123,17 @@ def _run(msg: Message, context: Context, handler_table: dict, handler_name: str,
     work = LocalWork(task=task, msg=msg, config=config, state=state, server_round=server_round, seed=task.seed(server_round, phase_index))
     layout = work.layout() if wants_compression(config) else None
     if layout is not None and protocol.ARRAYS_RECORD in msg.content.array_records:
-        global_flat = layout.flatten(record_to_arrays(msg.content.array_records[protocol.ARRAYS_RECORD]))
+        global_arrays = record_to_arrays(msg.content.array_records[protocol.ARRAYS_RECORD])  # views, no copy
     outcome = handler(work)
-    content = _reply_records(work, outcome, layout, global_flat)
+    content = _reply_records(work, outcome, layout, global_arrays)
     state.commit()
     log(INFO, "[pollen] %s trained %d steps on %s", task.client_id, int(outcome.metrics.get("num-steps", 0)), task.device)
     return Message(content=content, reply_to=msg)
 
 
-def _reply_records(work: LocalWork, outcome: StepOutcome, layout: ModelLayout | None, global_flat: np.ndarray | None) -> RecordDict:
+def _reply_records(
+    work: LocalWork, outcome: StepOutcome, layout: ModelLayout | None, global_arrays: dict[str, np.ndarray] | None
+) -> RecordDict:
     """The reply: the model (full or compressed from the flat update), extras, flags, metrics, client info."""
     content = RecordDict()
     if outcome.upload_model:
@@ -139,11 +141,13 @@ def _reply_records(work: LocalWork, outcome: StepOutcome, layout: ModelLayout | 
             content[protocol.ARRAYS_RECORD] = ArrayRecord(work.task.model.state_dict())
         else:
             local = model_arrays(work.task.model)
-            reference = global_flat if global_flat is not None else outcome.reference
-            if reference is None:
+            if global_arrays is not None:  # x_local - x_global, tensor by tensor, one pass
+                delta = layout.difference(local, global_arrays)
+            elif outcome.reference is not None:
+                delta = layout.flatten(local)
+                delta -= outcome.reference
+            else:
                 raise ValueError("a compressed upload needs the global model or the step's reference vector")
-            delta = layout.flatten(local)
-            delta -= reference
             buffers = {key: local[key] for key in layout.buffer_keys}
             content.update(compress_update(delta, work.config, work.state, segments=layout.segments, buffers=buffers))
     for name, vector in outcome.extras.items():

@@ -66,8 +66,10 @@ from logging import WARNING
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context
+from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.common import log
+
+from pollen.wire import numpy_to_array
 
 __all__ = [
     "META_KEY",
@@ -296,7 +298,7 @@ def _read_context(context: Context) -> StateSnapshot | None:
 
 def _write_context(context: Context, snapshot: StateSnapshot) -> None:
     # np.require keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d).
-    record = ArrayRecord({name: Array(np.require(a, requirements="C")) for name, a in snapshot.arrays.items()})
+    record = ArrayRecord({name: numpy_to_array(a) for name, a in snapshot.arrays.items()})
     context.state[STATE_KEY] = record
     context.state[META_KEY] = ConfigRecord({ROUND_FIELD: snapshot.round})
 
