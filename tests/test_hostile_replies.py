@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from pollen import protocol
 from pollen.clientside import compression_mod
-from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, MeteredFedAdam, MeteredFedAvg, RelayAverage
+from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, MeteredFedAdam, MeteredFedAvg
 from tests.flower_fakes import FakeGrid, config_of, full_model_reply, global_arrays_of, model_record, reply, split_trainable, tiny_model
 
 pytestmark = pytest.mark.flower_compat
