@@ -46,14 +46,14 @@ import json
 import math
 import os
 import re
-import secrets
 import struct
 import zipfile
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+
+from pollen.atomic import atomic_file
 
 __all__ = ["FORMAT", "CheckpointError", "describe_difference", "load_checkpoint", "save_checkpoint"]
 
@@ -106,51 +106,10 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Mapping[str, Any]) -> in
         If writing fails; the temporary file is removed and the previous file at ``path`` is untouched.
     """
     meta, arrays = _encode_tree(tree)
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}"
-    replaced = False
-    try:
-        size = _write_npz(tmp, meta, arrays)
-        os.replace(tmp, final)
-        replaced = True
-    finally:
-        if not replaced:
-            _remove_quietly(tmp)
-    _fsync_directory(final.parent)
-    return size
-
-
-def _write_npz(tmp: Path, meta: bytes, arrays: dict[str, np.ndarray]) -> int:
-    """Create ``tmp`` (must not exist), write the npz, flush and fsync it; return its size."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    fd = os.open(tmp, flags, 0o666)
-    with os.fdopen(fd, "wb") as f:
-        np.savez(f, **{_META: np.frombuffer(meta, dtype=np.uint8)}, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-        return os.fstat(f.fileno()).st_size
-
-
-def _remove_quietly(file: Path) -> None:
-    try:
-        os.unlink(file)
-    except OSError:
-        pass
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable; best-effort (some platforms cannot open or fsync a directory)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    with atomic_file(path) as handle:
+        np.savez(handle, **{_META: np.frombuffer(meta, dtype=np.uint8)}, **arrays)
+        handle.flush()
+        return os.fstat(handle.fileno()).st_size
 
 
 def _encode_tree(tree: Mapping[str, Any]) -> tuple[bytes, dict[str, np.ndarray]]:

@@ -12,14 +12,25 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-def _strategy_names() -> tuple[str, ...]:
-    """The names the strategy modules register (``pollen.strategies.registry``)."""
-    from pollen.strategies import strategy_names
-
-    return strategy_names()
-
-
-STRATEGIES = _strategy_names()
+#: The names the strategy modules register (``pollen.strategies.strategy_names()``), in registration
+#: order. Spelled out rather than read from the registry so that validating a run-config, which every
+#: ClientApp message does in a fresh ``flwr-clientapp`` process, does not import the server-side
+#: strategies; ``tests/test_sampling_registry.py`` checks the two are equal.
+STRATEGIES = (
+    "fedavg",
+    "fedadam",
+    "fedyogi",
+    "fedadagrad",
+    "fedadavr",
+    "mifa",
+    "fedvarp",
+    "fedadavr-novr",
+    "fedadavr-noopt",
+    "fedams",
+    "fedamsgrad",
+    "fedcams",
+    "relay-demo",
+)
 SERVER_OPTIMIZERS = ("adagrad", "adam", "adabelief", "yogi", "lamb", "sgd")
 TABLE_PRECISIONS = ("fp32", "fp16", "int8", "int4")
 VR_WEIGHTINGS = ("sampled-normalised", "horvitz-thompson", "literal")

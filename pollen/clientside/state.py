@@ -55,11 +55,9 @@ is replaced atomically (temporary file in the same directory, ``fsync``,
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from logging import WARNING
@@ -69,6 +67,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.common import log
 
+from pollen.atomic import atomic_file
 from pollen.wire import numpy_to_array
 
 __all__ = [
@@ -440,30 +439,7 @@ def _write_file(path: Path, snapshots: Mapping[str, StateSnapshot]) -> None:
         entries[slot + _ROUND_SUFFIX] = np.array(snapshot.round, dtype=np.int64)
         for name, array in snapshot.arrays.items():
             entries[f"{slot}/{name}"] = array
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, **entries)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_directory(path.parent)
+    with atomic_file(path) as handle:
+        np.savez(handle, **entries)
 
 
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable where the platform allows it (best effort)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -14,14 +14,12 @@ load, check out or match its key is rebuilt, never used.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
 import logging
 import numbers
 import os
-import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -29,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from pollen.atomic import atomic_file
 from pollen.task import partitions as _partitions_module
 from pollen.task import sources as _sources_module
 from pollen.task.partitions import (
@@ -387,29 +386,11 @@ def _write_cached(path: Path, key: str, arrays: dict[str, np.ndarray]) -> None:
     Processes that build the same partition at once each write a whole file and the last rename wins;
     a reader sees the old file or the new one, never a part. A failure costs a warning, not the run.
     """
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide the file from other users' nodes
-            np.savez(f, key=np.array(key), **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
-        with contextlib.suppress(OSError):  # make the rename itself durable where the OS allows
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+        with atomic_file(path, mode=0o644) as handle:  # readable by other users' nodes on the machine
+            np.savez(handle, key=np.array(key), **arrays)
     except OSError as err:
         _flwr_log.warning("[pollen] cannot write partition cache %s (%s); continuing without it", path, err)
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 # --------------------------------------------------------------------------- public loaders

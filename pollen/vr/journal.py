@@ -20,12 +20,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from pollen.atomic import atomic_file, write_bytes_atomically
 from pollen.vr.table import UpdateTable
 
 
@@ -79,7 +79,7 @@ class TableJournal:
     # ------------------------------------------------------------------ files
     def _write(self, generation: int, *, dirty: bool) -> None:
         text = json.dumps({"table_id": self.table_id, "generation": int(generation), "dirty": bool(dirty)})
-        _atomic_bytes(self.journal_path, text.encode())
+        write_bytes_atomically(self.journal_path, text.encode())
 
     def _read(self) -> dict:
         try:
@@ -93,22 +93,6 @@ class TableJournal:
             raise TableFileError(f"table file {self.table_path} has no usable journal ({err}); it cannot be trusted") from None
 
 
-def _atomic_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _atomic_npz(path: Path, **arrays: np.ndarray) -> None:
-    import io
-
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    _atomic_bytes(path, buffer.getvalue())
+    with atomic_file(path) as handle:
+        np.savez(handle, **arrays)
