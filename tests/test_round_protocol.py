@@ -441,3 +441,28 @@ def test_a_stale_or_foreign_table_file_is_refused(tmp_path):
         FedAdaVR(table_path=str(table), fraction_evaluate=0.0, seed=5).start(
             grid=grid, initial_arrays=x0, num_rounds=2, checkpoint=RunCheckpoint(tmp_path / "a", resume=True)
         )
+
+
+def test_streaming_and_kept_paths_give_the_same_bits_and_a_bounded_reduction_error():
+    """The mean is now ``sum_i w_i delta_i`` then one multiplication by ``1/sum w`` (so a rejected reply
+    never touches the sum); before, each delta was scaled by ``1/M`` first. The two orders differ by
+    float32 rounding only: bounded here against a float64 mean. The streaming path (round >= 2, replies
+    summed as read) and the path that keeps every delta (round 1) give identical bits."""
+    from pollen.strategies.base import RunningMean
+    from pollen.strategies.replies import ClientUpdate
+    from pollen.strategies.screening import UpdateScreen
+
+    rng = np.random.default_rng(0)
+    deltas = [rng.standard_normal(10_000).astype(np.float32) * s for s in (1e-3, 1.0, 5.0, 0.2)]
+    for weighted in (False, True):
+        weights = [3.0, 7.0, 1.0, 13.0] if weighted else [1.0] * 4
+        streaming = RunningMean(10_000, UpdateScreen(), float("inf"), weighted=weighted)
+        for d, w in zip(deltas, weights):
+            streaming(ClientUpdate("c", 1, d.copy(), {}, w, None))
+        kept = FedAMS(aggregation="weighted" if weighted else "mean")
+        kept.layout = type("L", (), {"dim": 10_000})()
+        kept_mean = kept.aggregate_deltas(1, [ClientUpdate("c", 1, d, {}, w, None) for d, w in zip(deltas, weights)])
+        got = streaming.mean()
+        assert got.tobytes() == kept_mean.tobytes()
+        exact = sum(np.float64(w) * d.astype(np.float64) for d, w in zip(deltas, weights)) / sum(weights)
+        assert np.max(np.abs(got - exact)) <= 4 * np.finfo(np.float32).eps * np.max(np.abs(exact)) * len(deltas)
