@@ -30,7 +30,7 @@ from flwr.clientapp import ClientApp
 from flwr.common import log
 
 from pollen import protocol
-from pollen.clientside import compression_mod, relay_demo  # noqa: F401 (relay_demo registers its steps)
+from pollen.clientside import adaptive_local, compression_mod, relay_demo  # noqa: F401 (they register steps)
 from pollen.clientside.faults import fault_mod
 from pollen.clientside.compression_mod import client_state_for, compress_update, wants_compression
 from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, StepOutcome, lookup, model_arrays

@@ -29,6 +29,10 @@ STRATEGIES = (
     "fedams",
     "fedamsgrad",
     "fedcams",
+    "fed-lamb",
+    "mime-lamb",
+    "fed-ams",
+    "mime",
     "relay-demo",
 )
 SERVER_OPTIMIZERS = ("adagrad", "adam", "adabelief", "yogi", "lamb", "sgd")
@@ -117,6 +121,8 @@ SCHEMA: dict[str, Key] = {
     "stop-after-round": _NON_NEG_INT,
     "state-dir": _ANY_STR,
     "round-timeout": _POSITIVE,
+    "sync-every": _POS_INT,
+    "sync-phase": _choice(("first", "last")),
     "min-replies": _POS_INT,
     "outlier-rule": _choice(("reject", "clip", "off")),
     "outlier-factor": Key(float, lambda v: v > 1, "a number > 1"),

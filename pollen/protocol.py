@@ -50,6 +50,15 @@ CFG_PHASE = "pollen.phase"
 CFG_PHASE_INDEX = "pollen.phase-index"
 CFG_LOCAL_STEP = "pollen.local-step"
 CFG_RUN_KEY = "pollen.run-key"
+# The Fed-LAMB family's train config (pollen.strategies.fedlamb <-> pollen.clientside.adaptive_local).
+CFG_VHAT_VERSION = "pollen.v-hat-version"
+CFG_SYNC = "pollen.sync"
+CFG_STAT = "pollen.stat"
+CFG_TRUST_RATIO = "pollen.trust-ratio"
+CFG_BETA1 = "pollen.beta1"
+CFG_BETA2 = "pollen.beta2"
+CFG_EPS = "pollen.eps"
+ADAPTIVE_LOCAL_STEP = "adaptive-local"
 
 # Keys of UPDATE_META_RECORD.
 META_CODEC = "codec"

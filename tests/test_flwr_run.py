@@ -125,3 +125,14 @@ def test_a_third_of_clients_failing_every_round_does_not_stop_the_run(flower: Lo
     for row in rows:
         assert row["replies"] + row["failures"] == row["sampled"] == 4 and row["replies"] >= 1
     assert rows[-1]["accuracy"] > metrics["rows"][0]["accuracy"]
+
+
+def test_fed_lamb_and_mime_lamb_move_their_moments_on_the_wire(flower: LocalFlower, results_dir: Path) -> None:
+    """Fed-LAMB uploads v next to the model and gets v_hat; Mime-LAMB uploads a full-batch gradient."""
+    for name, extra in (("fed-lamb", "pollen.x.v"), ("mime-lamb", "pollen.x.grad")):
+        metrics = _run(flower, results_dir, name, strategy=name, **{"local-lr": 0.01, "beta2": 0.999, "eps": 1e-8})
+        last = metrics["rows"][-1]
+        assert last["failures"] == 0 and last["replies"] == 2, last
+        assert last["uplink_by_record"][extra] >= 2 * 4 * 29_034
+        assert last["downlink_by_record"]["pollen.x.v_hat"] >= 4 * 29_034
+        assert last["accuracy"] > metrics["rows"][0]["accuracy"]

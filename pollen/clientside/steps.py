@@ -117,8 +117,11 @@ def load_flat(model: Any, layout: ModelLayout, vector: np.ndarray) -> None:
             state[name].copy_(torch.from_numpy(value))
 
 
-def run_sgd(work: LocalWork, steps: int | None, *, seed: int | None = None) -> Any:
-    """``pollen.task.train.train`` with the message's settings; ``steps`` overrides K/E when given."""
+def run_sgd(work: LocalWork, steps: int | None, *, seed: int | None = None, optimizer: Any = None) -> Any:
+    """``pollen.task.train.train`` with the message's settings; ``steps`` overrides K/E when given.
+
+    ``optimizer`` (built over the model's parameters) replaces plain SGD.
+    """
     from pollen.task.train import train
 
     configured = int(work.setting("local-steps"))
@@ -134,6 +137,7 @@ def run_sgd(work: LocalWork, steps: int | None, *, seed: int | None = None) -> A
         weight_decay=float(work.setting("weight-decay")),
         device=work.task.device,
         seed=work.seed if seed is None else seed,
+        optimizer=optimizer,
     )
 
 

@@ -12,6 +12,7 @@ from pollen.strategies.checkpointing import RunCheckpoint
 from pollen.strategies.fedadavr import FedAdaVR
 from pollen.strategies.fedams import FedAMS
 from pollen.strategies.fedcams import FedCAMS
+from pollen.strategies.fedlamb import FedLAMB
 from pollen.strategies.registry import build_strategy, implementations, register, strategy_names
 from pollen.strategies.relay_demo import RelayAverage
 from pollen.strategies.replies import ClientUpdate, Extra, ReplyRejected, ReplySpec
@@ -27,6 +28,7 @@ __all__ = [
     "FedAMS",
     "FedAdaVR",
     "FedCAMS",
+    "FedLAMB",
     "MeteredFedAdagrad",
     "MeteredFedAdam",
     "MeteredFedAvg",

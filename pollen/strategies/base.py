@@ -411,7 +411,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         """
         assert self.layout is not None and self.params is not None
         stats = self.accounting.round(server_round)
-        spec = self.reply_spec if spec is None else spec
+        spec = self.reply_spec_for(server_round) if spec is None else spec
         prefix = "" if phase == TRAIN_PHASE else f"{phase}/"
         replies = self._from_asked(server_round, phase, list(replies), stats)
         updates: list[ClientUpdate] = []
@@ -444,6 +444,10 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             if node not in answered:
                 self._reject(stats, node, f"no reply before the timeout ({phase})")
         return updates
+
+    def reply_spec_for(self, server_round: int) -> ReplySpec:
+        """Hook: what a final reply of ``server_round`` carries (default: :attr:`reply_spec`)."""
+        return self.reply_spec
 
     def needs_weights(self) -> bool:
         """Whether a reply must carry a positive ``num-examples`` (weighted aggregation needs it)."""

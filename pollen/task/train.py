@@ -60,12 +60,15 @@ def train(
     weight_decay: float = 0.0,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> TrainResult:
-    """Train ``model`` in place with SGD on ``loader``.
+    """Train ``model`` in place with SGD (or the given ``optimizer``) on ``loader``.
 
     Give exactly one of ``local_steps`` (K optimiser steps, cycling through the loader as often as
     needed) or ``local_epochs`` (E full passes). The shuffle order and any batch augmentation depend
-    only on ``seed``: the global RNG state of the caller is left as it was.
+    only on ``seed``: the global RNG state of the caller is left as it was. An ``optimizer`` built by
+    the caller over ``model``'s parameters (e.g. :class:`pollen.clientside.lamb.LocalLAMB`) replaces
+    the SGD one; ``lr``, ``momentum`` and ``weight_decay`` then belong to it.
     """
     if (local_steps is None) == (local_epochs is None):
         raise ValueError("give exactly one of local_steps (K) or local_epochs (E)")
@@ -78,7 +81,7 @@ def train(
     device = torch.device(device)
     model.to(device)
     model.train()
-    optimiser = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    optimiser = optimizer or torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     criterion = nn.CrossEntropyLoss()
     loader = _seeded(loader, seed)
 

@@ -1,0 +1,248 @@
+"""Fed-LAMB, Mime-LAMB and their baselines Fed-AMS and Mime (spec ``papers/fedlamb.md`` §4.2-4.5).
+
+Clients run layer-wise adaptive local steps (:class:`pollen.clientside.lamb.LocalLAMB`) whose
+denominator is a *global* second moment ``v_hat`` that the server keeps and broadcasts:
+
+- ``fed-lamb``: clients upload their model and, on sync rounds, their local ``v`` (extra ``v``);
+  the server averages the models (unweighted, buffers too) and sets
+  ``v_hat <- max(v_hat, mean_i v_i)`` (Algorithm 1 lines 16, 19-20);
+- ``mime-lamb``: on sync rounds clients upload the full-batch gradient of their data at the
+  broadcast model (extra ``grad``); the server keeps ``v <- beta2 v + (1 - beta2) mean(G)^2`` and
+  ``v_hat <- max(v_hat, v)`` (lines 17, 21-23);
+- ``fed-ams`` / ``mime``: the same with the plain AMSGrad local step (no trust ratio), each differing
+  from its LAMB variant in exactly that one component (§4.5).
+
+``v_hat`` starts at ``eps`` and only grows; it is sent to a client only when that client does not hold
+the current version (a per-client downlink), and a client that lost it (a failed reply) gets it again.
+Sync rounds are every ``sync_every`` (Z) rounds: ``r = 1, 1+Z, ...`` (``sync_phase="first"``, the
+spec's recommended reading, §9 C2) or ``r = Z, 2Z, ...`` (``"last"``). Client momentum ``m_i`` stays
+with the client across rounds (client state). Sign convention: the server's step is the mean of
+``x_i - x`` with rate 1, i.e. ``x <- mean_i x_i``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import RecordDict
+
+from pollen import protocol
+from pollen.optim import SGD
+from pollen.protocol import (
+    ADAPTIVE_LOCAL_STEP as LOCAL_STEP,
+)
+from pollen.protocol import (
+    CFG_BETA1,
+    CFG_BETA2,
+    CFG_EPS,
+    CFG_STAT,
+    CFG_SYNC,
+    CFG_TRUST_RATIO,
+    CFG_VHAT_VERSION,
+)
+from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
+from pollen.strategies.registry import adaptive_kwargs, register
+from pollen.strategies.replies import ClientUpdate, Extra, ReplySpec
+from pollen.wire import arrays_to_record
+
+SYNC_PHASES = ("first", "last")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one method of the family uploads and which local step it runs."""
+
+    name: str
+    stat: str  # "v" (Fed-*) or "grad" (Mime*)
+    trust_ratio: bool  # LAMB (True) or AMSGrad (False) local step
+
+
+VARIANTS = {
+    "fed-lamb": Variant("fed-lamb", "v", True),
+    "mime-lamb": Variant("mime-lamb", "grad", True),
+    "fed-ams": Variant("fed-ams", "v", False),
+    "mime": Variant("mime", "grad", False),
+}
+
+
+class FedLAMB(AdaptiveStrategy):
+    """Locally adaptive training with a server-synchronised second moment ``v_hat``.
+
+    Parameters
+    ----------
+    variant : str (default: "fed-lamb")
+        ``fed-lamb``, ``mime-lamb``, ``fed-ams`` or ``mime`` (see the module docstring).
+    beta_1, beta_2 : float (default: 0.9, 0.999)
+        Moment coefficients of the local step (and of Mime's server EMA), in [0, 1).
+    eps : float (default: 1e-8)
+        ``v_hat``'s initial value and floor, > 0.
+    weight_decay : float (default: 0.0)
+        The local step's decoupled weight decay lambda, >= 0 (clients take it from run-config
+        ``weight-decay``; kept here for the summary).
+    sync_every : int (default: 1)
+        Z: ``v_hat`` is synchronised every Z rounds (uploads of ``v``/``grad`` only then).
+    sync_phase : str (default: "first")
+        Which rounds sync: ``"first"`` (r = 1, 1+Z, ...) or ``"last"`` (r = Z, 2Z, ...).
+    **kwargs
+        Sampling and record options of :class:`AdaptiveStrategy`.
+    """
+
+    streaming = False  # the extras of every reply are needed after the step
+
+    def __init__(
+        self,
+        *,
+        variant: str = "fed-lamb",
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        sync_every: int = 1,
+        sync_phase: str = "first",
+        **kwargs: Any,
+    ) -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"variant={variant!r} is unknown; allowed: {', '.join(VARIANTS)}")
+        for name, value in (("beta_1", beta_1), ("beta_2", beta_2)):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name}={value!r} is out of range; allowed: a number in [0, 1)")
+        if not eps > 0:
+            raise ValueError(f"eps={eps!r} is out of range; allowed: a number > 0")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay={weight_decay!r} is out of range; allowed: a number >= 0")
+        if not (isinstance(sync_every, int) and sync_every >= 1):
+            raise ValueError(f"sync_every={sync_every!r} is out of range; allowed: an integer >= 1")
+        if sync_phase not in SYNC_PHASES:
+            raise ValueError(f"sync_phase={sync_phase!r} is unknown; allowed: {', '.join(SYNC_PHASES)}")
+        kwargs.setdefault("identify_clients", True)
+        super().__init__(optimizer=SGD(eta=1.0), **kwargs)
+        self.variant = VARIANTS[variant]
+        self.beta_1, self.beta_2, self.eps, self.weight_decay = float(beta_1), float(beta_2), float(eps), float(weight_decay)
+        self.sync_every, self.sync_phase = sync_every, sync_phase
+        self.v_hat: np.ndarray | None = None
+        self.v: np.ndarray | None = None  # Mime's server EMA of the squared mean gradient
+        self.v_hat_version = 0
+        self.client_versions: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ rounds
+    def is_sync_round(self, server_round: int) -> bool:
+        """Whether ``server_round`` synchronises ``v_hat`` (Z = 1: every round)."""
+        if self.sync_phase == "first":
+            return (server_round - 1) % self.sync_every == 0
+        return server_round % self.sync_every == 0
+
+    def reply_spec_for(self, server_round: int) -> ReplySpec:
+        if self.is_sync_round(server_round):
+            return ReplySpec(extras=(Extra(self.variant.stat, size="model", nonnegative=self.variant.stat == "v"),))
+        return ReplySpec()
+
+    def on_layout(self, layout: Any) -> None:
+        if self.v_hat is None:
+            self.v_hat = np.full(layout.dim, self.eps, dtype=np.float32)
+            self.v = np.zeros(layout.dim, dtype=np.float32)
+            self.v_hat_version = 1
+
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        return {
+            protocol.CFG_LOCAL_STEP: LOCAL_STEP,
+            CFG_VHAT_VERSION: self.v_hat_version,
+            CFG_SYNC: self.is_sync_round(server_round),
+            CFG_STAT: self.variant.stat,
+            CFG_TRUST_RATIO: self.variant.trust_ratio,
+            CFG_BETA1: self.beta_1,
+            CFG_BETA2: self.beta_2,
+            CFG_EPS: self.eps,
+        }
+
+    def node_content(self, server_round: int, node: int, shared: RecordDict) -> RecordDict:
+        """The model and config; ``v_hat`` too when this client does not hold its current version."""
+        if self.client_versions.get(self.sampler.key(node)) == self.v_hat_version:
+            return shared
+        content = RecordDict(dict(shared.items()))
+        content[protocol.extra_record("v_hat")] = self._v_hat_record()
+        return content
+
+    def _v_hat_record(self) -> Any:
+        cached = getattr(self, "_v_hat_cache", None)
+        if cached is None or cached[0] != self.v_hat_version:  # built once per version, shared by messages
+            self._v_hat_cache = (self.v_hat_version, arrays_to_record({protocol.EXTRA_ARRAY: self.v_hat}))
+        return self._v_hat_cache[1]
+
+    def after_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        """Record who holds ``v_hat`` now; on sync rounds update it from the uploaded statistics."""
+        replied = {u.client_key for u in updates}
+        for node in self._asked_train_nodes(server_round):
+            key = self.sampler.key(node)
+            if key in replied:
+                self.client_versions[key] = self.v_hat_version
+            else:  # a failed client may have lost its state: send v_hat again next time
+                self.client_versions.pop(key, None)
+        stats = [u.extras[self.variant.stat] for u in updates if self.variant.stat in u.extras]
+        if not (self.is_sync_round(server_round) and stats):
+            return
+        mean = np.mean(np.stack(stats), axis=0, dtype=np.float64).astype(np.float32)
+        if self.variant.stat == "v":  # Fed-LAMB line 20
+            candidate = mean
+        else:  # Mime-LAMB lines 22-23
+            self.v = (self.beta_2 * self.v + (1.0 - self.beta_2) * np.square(mean)).astype(np.float32)
+            candidate = self.v
+        new_v_hat = np.maximum(self.v_hat, candidate)
+        if not np.array_equal(new_v_hat, self.v_hat):
+            self.v_hat = new_v_hat
+            self.v_hat_version += 1
+        self.accounting.round(server_round).train_metrics["v-hat-version"] = float(self.v_hat_version)
+
+    def _asked_train_nodes(self, server_round: int) -> list[int]:
+        return list(self._asked.get((server_round, TRAIN_PHASE), []))
+
+    def extra_summary(self) -> dict[str, Any]:
+        return {
+            "variant": f"{self.variant.name} (uploads {self.variant.stat}, "
+            f"{'LAMB' if self.variant.trust_ratio else 'AMSGrad'} local step)",
+            "v_hat": f"eps={self.eps:g}, synchronised every {self.sync_every} round(s) ({self.sync_phase})",
+        }
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.v_hat is not None:
+            state.update(v_hat=self.v_hat.copy(), v=self.v.copy(), v_hat_version=self.v_hat_version)
+        state["client_versions"] = dict(self.client_versions)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "v_hat" in state:
+            v_hat, v = np.asarray(state["v_hat"], dtype=np.float32), np.asarray(state["v"], dtype=np.float32)
+            if v_hat.shape != (self.layout.dim,) or v.shape != v_hat.shape or not (v_hat >= self.eps).all():
+                raise ValueError("state v_hat / v do not fit the model (or v_hat < eps)")
+            self.v_hat, self.v, self.v_hat_version = v_hat.copy(), v.copy(), int(state["v_hat_version"])
+        self.client_versions = {str(k): int(v) for k, v in state.get("client_versions", {}).items()}
+
+
+def _fedlamb_builder(variant: str):  # noqa: ANN202
+    def build(cfg: Mapping[str, Any]) -> FedLAMB:
+        return FedLAMB(
+            **adaptive_kwargs(cfg),
+            variant=variant,
+            beta_1=cfg["beta1"],
+            beta_2=cfg["beta2"],
+            eps=cfg["eps"],
+            weight_decay=cfg["weight-decay"],
+            sync_every=cfg["sync-every"],
+            sync_phase=cfg["sync-phase"],
+        )
+
+    return build
+
+
+for _variant, _what in (
+    ("fed-lamb", "pollen.strategies.FedLAMB (LAMB local steps, v_hat = max(v_hat, mean v_i))"),
+    ("mime-lamb", "pollen.strategies.FedLAMB(variant='mime-lamb') (full-batch gradients make v_hat)"),
+    ("fed-ams", "pollen.strategies.FedLAMB(variant='fed-ams') (local AMSGrad with the shared v_hat)"),
+    ("mime", "pollen.strategies.FedLAMB(variant='mime') (Mime with AMSGrad)"),
+):
+    register(_variant, _what)(_fedlamb_builder(_variant))
