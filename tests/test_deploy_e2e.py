@@ -152,6 +152,7 @@ def test_federated_run_over_tls_with_node_auth(federation):
             assert status["status"] == "finished:completed", status
 
             metrics = lf.load_metrics(results, "e2e")
+            check_traffic(fed, match.group(1), metrics["rows"])
             rows = {row["round"]: row for row in metrics["rows"]}
             assert sorted(rows) == [0, 1, 2]
             assert metrics["summary"]["final_accuracy"] is not None
@@ -336,7 +337,6 @@ def test_resume_after_serverapp_killed_equals_uninterrupted_run(federation):
         assert not differ, {key: (before.get(key), after.get(key)) for key in differ}
 
 
-TRAFFIC_CONFIG = dict(RUN_CONFIG, **{"run-name": "traffic"})
 #: Largest relative difference between the SuperLink's byte counters and what Flower's own
 #: serialisation predicts from pollen's record bytes plus the framing of each message (below).
 #: Measured (two runs): inbound 0.999 and 0.987 of the prediction, outbound 0.991 and 0.991. What
@@ -402,7 +402,7 @@ def _framed_messages(run_id: int) -> dict[str, dict[str, int]]:
     from pollen.layout import ModelLayout
     from pollen.wire import arrays_to_record, payload_to_records
 
-    cfg = AppConfig.from_run_config({**defaults_from_pyproject(str(lf.REPO_ROOT / "pyproject.toml")), **TRAFFIC_CONFIG})
+    cfg = AppConfig.from_run_config({**defaults_from_pyproject(str(lf.REPO_ROOT / "pyproject.toml")), **RUN_CONFIG})
     rng = np.random.default_rng(0)
     model = {}
     for name, tensor in build_model(cfg).state_dict().items():
@@ -439,22 +439,17 @@ def _framed_messages(run_id: int) -> dict[str, dict[str, int]]:
     return {name: _wire_sizes(msg) for name, msg in (("query", query), ("answer", answer), ("train", train), ("trained", trained))}
 
 
-def test_pollen_bytes_agree_with_superlink_traffic(federation):
+def check_traffic(fed: Federation, run_id: str, rows: list[dict]) -> None:
     """pollen's cumulative uplink/downlink bytes vs the SuperLink's inbound/outbound bytes of the run.
 
     pollen counts the bytes of the records (what a strategy controls: arrays and keys); the SuperLink
     counts what crosses its Fleet API, records plus Flower's per-object framing (see ``_wire_sizes``).
-    The test checks that the SuperLink's numbers are pollen's plus exactly that framing, per message,
-    with the framing computed by Flower's own serialisation of messages shaped like the run's; and the
-    identify queries pollen sends before round 1 (not in its totals).
+    Checks that the SuperLink's numbers are pollen's plus exactly that framing, per message, with the
+    framing computed by Flower's own serialisation of messages shaped like the run's; and the
+    identify queries pollen sends before round 1 (not in its totals). Called by the first e2e test on
+    its own run (one run less in CI).
     """
-    fed = federation
-    results = fed.root / "results-traffic"
-    with lf.dump_logs_on_error(fed.procs), supernodes(fed):
-        run_id, out = _flwr_run(fed, "flwr-run-traffic", dict(TRAFFIC_CONFIG, **{"results-dir": str(results)}))
-        assert "[pollen] done" in out, out
-        traffic = lf.run_traffic(fed.procs, CONNECTION, fed.user_env, run_id)
-    rows = lf.load_metrics(results, "traffic")["rows"]
+    traffic = lf.run_traffic(fed.procs, CONNECTION, fed.user_env, run_id)
     assert all(row["failures"] == 0 and row["replies"] == row["messages_sent"] for row in rows[1:]), rows
     trains = sum(row["messages_sent"] for row in rows[1:])
     queries = NUM_NODES  # one identify query per node, before round 1
