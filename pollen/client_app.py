@@ -62,7 +62,7 @@ class LocalTask:
         from pollen.task.data import load_partition
         from pollen.task.device import resolve_device
 
-        self.cfg = AppConfig.from_run_config(context.run_config)
+        self.cfg = AppConfig.from_run_config(context.run_config, check_strategy=False)
         self.partition_id = int(node_setting(context, "partition-id", 0))
         num_partitions = int(node_setting(context, "num-partitions", 1))
         data_dir = str(node_setting(context, "data-dir", self.cfg["data-dir"]))

@@ -12,29 +12,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-#: The names the strategy modules register (``pollen.strategies.strategy_names()``), in registration
-#: order. Spelled out rather than read from the registry so that validating a run-config, which every
-#: ClientApp message does in a fresh ``flwr-clientapp`` process, does not import the server-side
-#: strategies; ``tests/test_sampling_registry.py`` checks the two are equal.
-STRATEGIES = (
-    "fedavg",
-    "fedadam",
-    "fedyogi",
-    "fedadagrad",
-    "fedadavr",
-    "mifa",
-    "fedvarp",
-    "fedadavr-novr",
-    "fedadavr-noopt",
-    "fedams",
-    "fedamsgrad",
-    "fedcams",
-    "fed-lamb",
-    "mime-lamb",
-    "fed-ams",
-    "mime",
-    "relay-demo",
-)
+def strategy_names() -> tuple[str, ...]:
+    """The names the strategy modules register (``pollen.strategies.registry``), in registration order.
+
+    Read from the registry, not copied here, and only when a run-config is checked on the server:
+    a ClientApp (a fresh ``flwr-clientapp`` process per message in deployment) validates its
+    run-config without the strategy check, so it never imports the server-side strategies.
+    """
+    from pollen.strategies import strategy_names as registered
+
+    return registered()
+
+
 SERVER_OPTIMIZERS = ("adagrad", "adam", "adabelief", "yogi", "lamb", "sgd")
 TABLE_PRECISIONS = ("fp32", "fp16", "int8", "int4")
 VR_WEIGHTINGS = ("sampled-normalised", "horvitz-thompson", "literal")
@@ -58,7 +47,12 @@ class Key:
 
     type: type
     check: Callable[[Any], bool] = lambda value: True
-    allowed: str = ""
+    allowed: str | Callable[[], str] = ""
+
+    @property
+    def words(self) -> str:
+        """What is allowed, in words (computed on demand where it names registered things)."""
+        return self.allowed() if callable(self.allowed) else self.allowed
 
 
 def _choice(options: tuple[str, ...]) -> Key:
@@ -77,7 +71,7 @@ SCHEMA: dict[str, Key] = {
     "results-dir": Key(str, lambda v: bool(v), "a non-empty path"),
     "seed": _NON_NEG_INT,
     "num-server-rounds": _POS_INT,
-    "strategy": _choice(STRATEGIES),
+    "strategy": Key(str, lambda v: v in strategy_names(), lambda: "one of " + ", ".join(strategy_names())),
     "fraction-train": Key(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "fraction-evaluate": Key(float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "min-train-nodes": _POS_INT,
@@ -150,15 +144,15 @@ def _coerce(key: str, value: Any, spec: Key) -> Any:
     if spec.type is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"run-config '{key}' = {value!r} is not a boolean; allowed: {spec.allowed}")
+        raise ConfigError(f"run-config '{key}' = {value!r} is not a boolean; allowed: {spec.words}")
     if spec.type in (int, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"run-config '{key}' = {value!r} is not a number; allowed: {spec.allowed}")
+            raise ConfigError(f"run-config '{key}' = {value!r} is not a number; allowed: {spec.words}")
         if spec.type is int and float(value) != int(value):
-            raise ConfigError(f"run-config '{key}' = {value!r} is not an integer; allowed: {spec.allowed}")
+            raise ConfigError(f"run-config '{key}' = {value!r} is not an integer; allowed: {spec.words}")
         return spec.type(value)
     if not isinstance(value, str):
-        raise ConfigError(f"run-config '{key}' = {value!r} is not a string; allowed: {spec.allowed or 'text'}")
+        raise ConfigError(f"run-config '{key}' = {value!r} is not a string; allowed: {spec.words or 'text'}")
     return value
 
 
@@ -169,8 +163,12 @@ class AppConfig:
     values: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_run_config(cls, run_config: Mapping[str, Any]) -> AppConfig:
-        """Check every key; unknown keys and bad values raise ``ConfigError``."""
+    def from_run_config(cls, run_config: Mapping[str, Any], *, check_strategy: bool = True) -> AppConfig:
+        """Check every key; unknown keys and bad values raise ``ConfigError``.
+
+        ``check_strategy=False`` skips only the strategy name (checked by the ServerApp before
+        round 1), so a ClientApp does not import the server-side strategy registry.
+        """
         unknown = sorted(set(run_config) - set(SCHEMA))
         if unknown:
             raise ConfigError(
@@ -182,8 +180,11 @@ class AppConfig:
         values = {}
         for key, spec in SCHEMA.items():
             value = _coerce(key, run_config[key], spec)
-            if not spec.check(value):
-                raise ConfigError(f"run-config '{key}' = {value!r} is out of range; allowed: {spec.allowed}")
+            if key == "strategy":
+                if check_strategy and not spec.check(value):
+                    raise ConfigError(f"run-config '{key}' = {value!r} is out of range; allowed: {spec.words}")
+            elif not spec.check(value):
+                raise ConfigError(f"run-config '{key}' = {value!r} is out of range; allowed: {spec.words}")
             values[key] = value
         if values["min-evaluate-nodes"] == 0 and values["fraction-evaluate"] > 0:
             raise ConfigError("run-config 'min-evaluate-nodes' = 0 with 'fraction-evaluate' > 0; allowed: >= 1")

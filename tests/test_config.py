@@ -14,7 +14,7 @@ from pollen.config import (
     MODELS,
     PARTITIONERS,
     SCHEMA,
-    STRATEGIES,
+    strategy_names,
     AppConfig,
     ConfigError,
     defaults_from_pyproject,
@@ -34,7 +34,7 @@ def defaults() -> dict:
 def test_defaults_from_pyproject_pass(defaults):
     assert set(defaults) == set(SCHEMA)
     cfg = AppConfig.from_run_config(defaults)
-    assert cfg["strategy"] in STRATEGIES
+    assert cfg["strategy"] in strategy_names()
     assert isinstance(cfg["server-lr"], float) and isinstance(cfg["seed"], int)
     assert isinstance(cfg["error-feedback"], bool)
     assert cfg.as_dict() == {k: cfg[k] for k in SCHEMA}
@@ -55,7 +55,7 @@ def _error(defaults: dict, **changes: object) -> str:
 @pytest.mark.parametrize(
     ("key", "value", "allowed"),
     [
-        ("strategy", "fedprox", STRATEGIES),
+        ("strategy", "fedprox", strategy_names()),
         ("dataset", "imagenet", DATASETS),
         ("model", "vit", MODELS),
         ("partitioner", "label-skew", PARTITIONERS),
@@ -119,7 +119,7 @@ def test_missing_key_is_rejected(defaults):
 
 
 # --------------------------------------------------------------------------- build_strategy
-@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("name", strategy_names())
 def test_build_strategy_builds_every_name(defaults, name):
     from flwr.serverapp.strategy import Strategy
 
@@ -175,11 +175,11 @@ def test_library_and_strategies_import_without_torch():
     pull torch in: it also runs in environments that only have Flower and numpy."""
     code = (
         "import sys\n"
-        "from pollen.config import AppConfig, STRATEGIES, defaults_from_pyproject\n"
+        "from pollen.config import AppConfig, strategy_names, defaults_from_pyproject\n"
         "from pollen.experiment import build_strategy\n"
         "import pollen.strategies, pollen.clientside, pollen.wire, pollen.compression, pollen.optim\n"
         f"d = defaults_from_pyproject({str(ROOT / 'pyproject.toml')!r})\n"
-        "for name in STRATEGIES:\n"
+        "for name in strategy_names():\n"
         "    try:\n"
         "        build_strategy(AppConfig.from_run_config({**d, 'strategy': name}))\n"
         "    except TypeError:\n"

@@ -6,7 +6,8 @@ import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from pollen import protocol
-from pollen.config import SCHEMA, STRATEGIES, AppConfig, ConfigError, defaults_from_pyproject
+from pollen.config import SCHEMA, AppConfig, ConfigError, defaults_from_pyproject
+from pollen.config import strategy_names as config_strategy_names
 from pollen.strategies import ClientSampler, build_strategy, implementations, strategy_names
 from tests.flower_fakes import FakeGrid
 
@@ -56,9 +57,9 @@ def test_sampler_state_round_trip_continues_the_same_draws():
 
 
 def test_the_run_config_allows_exactly_the_registered_strategies():
-    assert STRATEGIES == strategy_names()
+    assert config_strategy_names() == strategy_names()
     assert set(implementations()) == set(strategy_names())
-    assert {"fedams", "fedcams", "fedadavr", "fedavg", "relay-demo"} <= set(STRATEGIES)
+    assert {"fedams", "fedcams", "fedadavr", "fedavg", "relay-demo", "fed-lamb"} <= set(strategy_names())
     defaults = defaults_from_pyproject("pyproject.toml")
     with pytest.raises(ConfigError, match="'strategy' = 'fedfoo' is out of range; allowed: one of fedavg"):
         AppConfig.from_run_config({**defaults, "strategy": "fedfoo"})
@@ -70,3 +71,16 @@ def test_every_registered_name_builds_from_the_defaults(name):
     strategy = build_strategy(cfg)
     assert hasattr(strategy, "start") and hasattr(strategy, "state_dict") and hasattr(strategy, "load_state_dict")
     assert set(SCHEMA) == set(defaults_from_pyproject("pyproject.toml"))
+
+
+def test_a_client_checks_its_run_config_without_importing_the_strategies():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pollen.config import AppConfig, defaults_from_pyproject; "
+        "AppConfig.from_run_config(defaults_from_pyproject('pyproject.toml'), check_strategy=False); "
+        "print('pollen.strategies' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
