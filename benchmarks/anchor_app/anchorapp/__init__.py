@@ -1,0 +1,1 @@
+"""anchorapp: a minimal Flower App used as the anchor of pollen's deployment benchmark."""
