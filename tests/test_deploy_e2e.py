@@ -120,57 +120,41 @@ def federation(tmp_path_factory):
 def test_federated_run_over_tls_with_node_auth(federation):
     fed = federation
     procs = fed.procs
-    nodes = []
-    with lf.dump_logs_on_error(procs):
-        try:
-            for i in range(1, NUM_NODES + 1):
-                nodes.append(
-                    fed.supernode(
-                        f"supernode-{i}",
-                        node_config=f"partition-id={i - 1} num-partitions={NUM_NODES} device='cpu'",
-                        root_certificates=fed.certs["ca.crt"],
-                        private_key=fed.keys[f"supernode-{i}"],
-                    )
-                )
-            lf.wait_until(lambda: lf.online_nodes(procs, CONNECTION, fed.user_env) >= NUM_NODES, 120, f"{NUM_NODES} SuperNodes online", interval=1.0)
+    with lf.dump_logs_on_error(procs), supernodes(fed) as nodes:
+        results = fed.root / "results"
+        config = dict(RUN_CONFIG, **{"results-dir": str(results)})
+        code, out = procs.run(
+            "flwr-run",
+            [lf.exe("flwr"), "run", ".", CONNECTION, "--stream", "--run-config", lf.run_config_arg(config)],
+            timeout=FLWR_RUN_TIMEOUT_S,
+            env=fed.user_env,
+            cwd=lf.REPO_ROOT,
+        )
+        assert code == 0, out
+        match = re.search(r"Successfully started run (\d+)", out)
+        assert match, out
+        assert "[pollen] done" in out, out
 
-            results = fed.root / "results"
-            config = dict(RUN_CONFIG, **{"results-dir": str(results)})
-            code, out = procs.run(
-                "flwr-run",
-                [lf.exe("flwr"), "run", ".", CONNECTION, "--stream", "--run-config", lf.run_config_arg(config)],
-                timeout=FLWR_RUN_TIMEOUT_S,
-                env=fed.user_env,
-                cwd=lf.REPO_ROOT,
-            )
-            assert code == 0, out
-            match = re.search(r"Successfully started run (\d+)", out)
-            assert match, out
-            assert "[pollen] done" in out, out
+        status = lf.run_status(procs, CONNECTION, fed.user_env, run_id=match.group(1))
+        assert status["status"] == "finished:completed", status
 
-            status = lf.run_status(procs, CONNECTION, fed.user_env, run_id=match.group(1))
-            assert status["status"] == "finished:completed", status
+        metrics = lf.load_metrics(results, "e2e")
+        check_traffic(fed, match.group(1), metrics["rows"])
+        rows = {row["round"]: row for row in metrics["rows"]}
+        assert sorted(rows) == [0, 1, 2]
+        assert metrics["summary"]["final_accuracy"] is not None
+        for rnd in (1, 2):
+            row = rows[rnd]
+            assert row["replies"] == NUM_NODES and row["failures"] == 0, row
+            per_reply = row["uplink_update_bytes"] / row["replies"]
+            fp32_per_reply = row["uplink_fp32_bytes"] / row["replies"]
+            # scaled sign: ceil(d/8) bytes of bits + one float (+ record framing) vs 4d bytes
+            assert fp32_per_reply / per_reply > 25, row
+            assert row["uplink_bytes"] >= row["uplink_update_bytes"], row
 
-            metrics = lf.load_metrics(results, "e2e")
-            check_traffic(fed, match.group(1), metrics["rows"])
-            rows = {row["round"]: row for row in metrics["rows"]}
-            assert sorted(rows) == [0, 1, 2]
-            assert metrics["summary"]["final_accuracy"] is not None
-            for rnd in (1, 2):
-                row = rows[rnd]
-                assert row["replies"] == NUM_NODES and row["failures"] == 0, row
-                per_reply = row["uplink_update_bytes"] / row["replies"]
-                fp32_per_reply = row["uplink_fp32_bytes"] / row["replies"]
-                # scaled sign: ceil(d/8) bytes of bits + one float (+ record framing) vs 4d bytes
-                assert fp32_per_reply / per_reply > 25, row
-                assert row["uplink_bytes"] >= row["uplink_update_bytes"], row
-
-            # Each SuperNode's own node-config reached its ClientApp: partition and device.
-            for i, node in enumerate(nodes):
-                assert f"[pollen] partition-{i} trained 5 steps on cpu" in node.output(), node.output()
-        finally:
-            for node in nodes:
-                procs.stop(node)
+        # Each SuperNode's own node-config reached its ClientApp: partition and device.
+        for i, node in enumerate(nodes):
+            assert f"[pollen] partition-{i} trained 5 steps on cpu" in node.output(), node.output()
 
 
 def test_supernode_with_unregistered_key_is_refused(federation):
