@@ -1,4 +1,4 @@
-"""The Fed-LAMB family's server (spec fedlamb.md §4.2-4.4) on a fake grid: v_hat, its broadcast, sync rounds.
+"""The Fed-LAMB family's server (spec fedlamb.md §4.2-4.5) on a fake grid: v_hat, its broadcast, sync rounds.
 
 The fake clients return ``x + a_i`` and, on sync rounds, a known statistic (``v_i`` or a gradient);
 the server's ``v_hat`` is checked against the spec's equations: Fed-LAMB ``max(v_hat, mean v_i)``
@@ -34,13 +34,15 @@ def client(seen: list, kind: str, bad: dict | None = None):  # noqa: ANN001, ANN
     def run(msg):  # noqa: ANN001, ANN202
         node, config = msg.metadata.dst_node_id, config_of(msg)
         rnd = int(config[protocol.CFG_SERVER_ROUND])
-        seen.append((rnd, node, protocol.extra_record("v_hat") in msg.content.array_records, bool(config[protocol.CFG_SYNC])))
+        sync = bool(config.get(protocol.CFG_SYNC, False))
+        seen.append((rnd, node, protocol.extra_record("v_hat") in msg.content.array_records, sync))
         local = dict(global_arrays_of(msg))
         step = (np.random.default_rng([node, rnd]).standard_normal(D) * 0.01).astype(np.float32)
         for name, part in split_trainable(step, local, TRAINABLE).items():
             local[name] = local[name] + part
-        records = dict(full_model_reply(msg, local).content.items())
-        if config[protocol.CFG_SYNC]:
+        evals = 10 + (5 if sync and kind == "grad" else 0)  # Mime's full pass adds its batches
+        records = dict(full_model_reply(msg, local, **{"grad-evals": evals}).content.items())
+        if sync:
             records[protocol.extra_record(kind)] = arrays_to_record({protocol.EXTRA_ARRAY: stat(node, rnd, kind)})
         if bad and (rnd, node) in bad:
             records[protocol.extra_record(kind)] = arrays_to_record({protocol.EXTRA_ARRAY: bad[(rnd, node)]})
@@ -144,3 +146,58 @@ def test_bad_settings_are_refused():
     for kwargs, word in ((dict(variant="lamb"), "variant"), (dict(sync_every=0), "sync_every"), (dict(eps=0), "eps"), (dict(sync_phase="mid"), "sync_phase")):
         with pytest.raises(ValueError, match=word):
             FedLAMB(**kwargs)
+
+
+def client_steps(grid: FakeGrid, rounds: int) -> list[np.ndarray]:
+    """The mean client step of each round, as the fake clients took it (float32 sums, float64 mean)."""
+    return [
+        np.mean([np.random.default_rng([n, r]).standard_normal(D).astype(np.float32) * np.float32(0.01) for n in nodes], axis=0)
+        for r, nodes in zip(range(1, rounds + 1), sampled(grid))
+    ]
+
+
+def test_adp_fed_is_algorithm_2_server_adam_without_bias_correction():
+    eta, beta1, beta2, eps = 0.05, 0.9, 0.99, 1e-8
+    strategy, grid, seen = run("adp-fed", 3, server_lr=eta, beta_1=beta1, beta_2=beta2, eps=eps)
+    x = np.concatenate([tiny_model()[n].reshape(-1) for n in TRAINABLE]).astype(np.float64)
+    m, v = np.zeros(D), np.full(D, eps)
+    for delta in client_steps(grid, 3):  # lines 13-15, v_0 = eps, nothing added to sqrt(v)
+        m = beta1 * m + (1 - beta1) * delta
+        v = beta2 * v + (1 - beta2) * delta**2
+        x = x + eta * m / np.sqrt(v)
+    np.testing.assert_allclose(strategy.params, x, rtol=1e-5, atol=1e-6)
+    assert not any(got or sync for _, _, got, sync in seen)  # no v_hat, no statistic
+    assert strategy.v_hat is None
+
+
+def test_fed_sgd_averages_the_models_and_asks_for_plain_sgd():
+    strategy, grid, seen = run("fed-sgd", 2)
+    x0 = np.concatenate([tiny_model()[n].reshape(-1) for n in TRAINABLE]).astype(np.float64)
+    np.testing.assert_allclose(strategy.params, x0 + np.sum(client_steps(grid, 2), axis=0), atol=1e-6)
+    config = config_of(grid.train_messages()[0])
+    assert config[protocol.CFG_LOCAL_STEP] == "sgd" and config["momentum"] == 0.0
+    for rnd in (1, 2):
+        records = {**strategy.accounting.rounds[rnd].uplink_records, **strategy.accounting.rounds[rnd].downlink_records}
+        assert not [name for name in records if name.startswith(protocol.extra_record(""))]
+
+
+@pytest.mark.parametrize("variant", ["fed-lamb", "mime-lamb"])
+def test_skip_sync_z3_over_30_rounds_uploads_in_10_and_averages_four_thirds_tensors(variant):
+    kind = "v" if variant == "fed-lamb" else "grad"
+    strategy, _, seen = run(variant, 30, sync_every=3)
+    sync_rounds = sorted({rnd for rnd, _, _, sync in seen if sync})
+    assert len(sync_rounds) == 10
+    changed = [r for r in range(2, 31) if strategy.accounting.rounds[r].train_metrics["v-hat-version"]
+               != strategy.accounting.rounds[r - 1].train_metrics["v-hat-version"]]
+    assert set(changed) <= set(sync_rounds)
+    one_copy = arrays_to_record({protocol.EXTRA_ARRAY: np.zeros(D, np.float32)}).count_bytes()
+    rounds = strategy.accounting.rounds.values()
+    replies = sum(r.replies for r in rounds)
+    stat_uploads = sum(r.uplink_records.get(protocol.extra_record(kind), 0) for r in rounds) / one_copy
+    assert (replies + stat_uploads) / replies == pytest.approx(1 + 1 / 3)
+
+
+def test_gradient_evaluations_per_round_are_summed_over_the_applied_replies():
+    strategy, _, _ = run("mime-lamb", 3, sync_every=2)
+    evals = [strategy.accounting.rounds[r].grad_evals for r in (1, 2, 3)]
+    assert evals == [2 * 15, 2 * 10, 2 * 15]  # sync rounds 1 and 3 carry the full pass

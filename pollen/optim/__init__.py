@@ -20,6 +20,7 @@ from typing import Any
 from .adabelief import AdaBelief
 from .adagrad import Adagrad
 from .adam import Adam
+from .adpfed import AdpFedAdam
 from .amsgrad import EPS_MODES, AMSGrad
 from .base import OptimizerState, ServerOptimizer
 from .lamb import Lamb, segments_from_sizes
@@ -31,6 +32,7 @@ __all__ = [
     "EPS_MODES",
     "AMSGrad",
     "AdaBelief",
+    "AdpFedAdam",
     "Adagrad",
     "Adam",
     "Lamb",

@@ -137,7 +137,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     reply_spec: ClassVar[ReplySpec] = ReplySpec()
     #: The aggregate is the (weighted) mean of the deltas: replies are summed as they are read, none
     #: is kept (``aggregate_deltas`` is not called). Methods that need each delta set this False.
-    streaming: ClassVar[bool] = True
+    streaming: bool = True
 
     def __init__(
         self,
@@ -495,6 +495,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             weights = [u.num_examples for u in applied]
             metrics = aggregate_metrics([u.metrics for u in applied if u.metrics is not None], weights)
             stats.train_metrics = dict(metrics or {})
+            stats.count_grad_evals([u.metrics for u in applied])
             self._last_returned = self.global_arrays()
             result = (self._last_returned, metrics)
         stats.train_seconds = time.perf_counter() - self._train_started.get(server_round, time.perf_counter())

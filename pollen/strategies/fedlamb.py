@@ -1,4 +1,4 @@
-"""Fed-LAMB, Mime-LAMB and their baselines Fed-AMS and Mime (spec ``papers/fedlamb.md`` §4.2-4.5).
+"""Fed-LAMB, Mime-LAMB and their baselines Fed-AMS, Mime, Adp-Fed and Fed-SGD (spec ``papers/fedlamb.md`` §4.2-4.5).
 
 Clients run layer-wise adaptive local steps (:class:`pollen.clientside.lamb.LocalLAMB`) whose
 denominator is a *global* second moment ``v_hat`` that the server keeps and broadcasts:
@@ -10,7 +10,10 @@ denominator is a *global* second moment ``v_hat`` that the server keeps and broa
   broadcast model (extra ``grad``); the server keeps ``v <- beta2 v + (1 - beta2) mean(G)^2`` and
   ``v_hat <- max(v_hat, v)`` (lines 17, 21-23);
 - ``fed-ams`` / ``mime``: the same with the plain AMSGrad local step (no trust ratio), each differing
-  from its LAMB variant in exactly that one component (§4.5).
+  from its LAMB variant in exactly that one component (§4.5);
+- ``fed-sgd``: plain local SGD (no momentum), ``x <- mean_i x_i`` (§4.5 a);
+- ``adp-fed``: plain local SGD and the server Adam of Algorithm 2 on ``mean_i (x_i - x)``
+  (:class:`~pollen.optim.adpfed.AdpFedAdam`: ``v_0 = eps``, no bias correction; §4.5 d).
 
 ``v_hat`` starts at ``eps`` and only grows; it is sent to a client only when that client does not hold
 the current version (a per-client downlink), and a client that lost it (a failed reply) gets it again.
@@ -30,7 +33,7 @@ import numpy as np
 from flwr.app import RecordDict
 
 from pollen import protocol
-from pollen.optim import SGD
+from pollen.optim import SGD, AdpFedAdam
 from pollen.protocol import (
     ADAPTIVE_LOCAL_STEP as LOCAL_STEP,
 )
@@ -53,11 +56,22 @@ SYNC_PHASES = ("first", "last")
 
 @dataclass(frozen=True)
 class Variant:
-    """What one method of the family uploads and which local step it runs."""
+    """What one method of the family uploads, which local step it runs and how the server steps."""
 
     name: str
-    stat: str  # "v" (Fed-*) or "grad" (Mime*)
-    trust_ratio: bool  # LAMB (True) or AMSGrad (False) local step
+    stat: str | None  # "v" (Fed-*), "grad" (Mime*) or None (no shared second moment)
+    trust_ratio: bool  # LAMB (True) or AMSGrad (False) local step; unused by plain SGD
+    server_adam: bool = False  # Adp-Fed: server Adam on the mean delta instead of x <- mean x_i
+
+    @property
+    def local_step(self) -> str:
+        return LOCAL_STEP if self.stat is not None else "sgd"
+
+    @property
+    def local_rule(self) -> str:
+        if self.stat is None:
+            return "SGD"
+        return "LAMB" if self.trust_ratio else "AMSGrad"
 
 
 VARIANTS = {
@@ -65,6 +79,8 @@ VARIANTS = {
     "mime-lamb": Variant("mime-lamb", "grad", True),
     "fed-ams": Variant("fed-ams", "v", False),
     "mime": Variant("mime", "grad", False),
+    "adp-fed": Variant("adp-fed", None, False, server_adam=True),
+    "fed-sgd": Variant("fed-sgd", None, False),
 }
 
 
@@ -74,11 +90,15 @@ class FedLAMB(AdaptiveStrategy):
     Parameters
     ----------
     variant : str (default: "fed-lamb")
-        ``fed-lamb``, ``mime-lamb``, ``fed-ams`` or ``mime`` (see the module docstring).
+        ``fed-lamb``, ``mime-lamb``, ``fed-ams``, ``mime``, ``adp-fed`` or ``fed-sgd`` (see the
+        module docstring).
     beta_1, beta_2 : float (default: 0.9, 0.999)
-        Moment coefficients of the local step (and of Mime's server EMA), in [0, 1).
+        Moment coefficients of the local step (and of Mime's server EMA and Adp-Fed's server Adam),
+        in [0, 1).
     eps : float (default: 1e-8)
-        ``v_hat``'s initial value and floor, > 0.
+        ``v_hat``'s initial value and floor, > 0 (Adp-Fed: the server's ``v_0``).
+    server_lr : float (default: 0.01)
+        Adp-Fed's server learning rate eta_g (> 0); the other variants average models (rate 1).
     weight_decay : float (default: 0.0)
         The local step's decoupled weight decay lambda, >= 0 (clients take it from run-config
         ``weight-decay``; kept here for the summary).
@@ -102,6 +122,7 @@ class FedLAMB(AdaptiveStrategy):
         weight_decay: float = 0.0,
         sync_every: int = 1,
         sync_phase: str = "first",
+        server_lr: float = 0.01,
         **kwargs: Any,
     ) -> None:
         if variant not in VARIANTS:
@@ -118,8 +139,14 @@ class FedLAMB(AdaptiveStrategy):
         if sync_phase not in SYNC_PHASES:
             raise ValueError(f"sync_phase={sync_phase!r} is unknown; allowed: {', '.join(SYNC_PHASES)}")
         kwargs.setdefault("identify_clients", True)
-        super().__init__(optimizer=SGD(eta=1.0), **kwargs)
-        self.variant = VARIANTS[variant]
+        chosen = VARIANTS[variant]
+        if chosen.server_adam:
+            optimizer = AdpFedAdam(eta=server_lr, beta1=beta_1, beta2=beta_2, v0=eps)
+        else:
+            optimizer = SGD(eta=1.0)
+        super().__init__(optimizer=optimizer, **kwargs)
+        self.variant = chosen
+        self.streaming = chosen.stat is None  # no extras to keep: replies are summed as they are read
         self.beta_1, self.beta_2, self.eps, self.weight_decay = float(beta_1), float(beta_2), float(eps), float(weight_decay)
         self.sync_every, self.sync_phase = sync_every, sync_phase
         self.v_hat: np.ndarray | None = None
@@ -129,7 +156,9 @@ class FedLAMB(AdaptiveStrategy):
 
     # ------------------------------------------------------------------ rounds
     def is_sync_round(self, server_round: int) -> bool:
-        """Whether ``server_round`` synchronises ``v_hat`` (Z = 1: every round)."""
+        """Whether ``server_round`` synchronises ``v_hat`` (Z = 1: every round; never without ``v_hat``)."""
+        if self.variant.stat is None:
+            return False
         if self.sync_phase == "first":
             return (server_round - 1) % self.sync_every == 0
         return server_round % self.sync_every == 0
@@ -140,12 +169,14 @@ class FedLAMB(AdaptiveStrategy):
         return ReplySpec()
 
     def on_layout(self, layout: Any) -> None:
-        if self.v_hat is None:
+        if self.v_hat is None and self.variant.stat is not None:
             self.v_hat = np.full(layout.dim, self.eps, dtype=np.float32)
             self.v = np.zeros(layout.dim, dtype=np.float32)
             self.v_hat_version = 1
 
     def train_config(self, server_round: int) -> dict[str, Any]:
+        if self.variant.stat is None:  # Fed-SGD / Adp-Fed: plain local SGD, no momentum (§4.5 a, d)
+            return {protocol.CFG_LOCAL_STEP: self.variant.local_step, "momentum": 0.0}
         return {
             protocol.CFG_LOCAL_STEP: LOCAL_STEP,
             CFG_VHAT_VERSION: self.v_hat_version,
@@ -159,7 +190,7 @@ class FedLAMB(AdaptiveStrategy):
 
     def node_content(self, server_round: int, node: int, shared: RecordDict) -> RecordDict:
         """The model and config; ``v_hat`` too when this client does not hold its current version."""
-        if self.client_versions.get(self.sampler.key(node)) == self.v_hat_version:
+        if self.variant.stat is None or self.client_versions.get(self.sampler.key(node)) == self.v_hat_version:
             return shared
         content = RecordDict(dict(shared.items()))
         content[protocol.extra_record("v_hat")] = self._v_hat_record()
@@ -173,6 +204,8 @@ class FedLAMB(AdaptiveStrategy):
 
     def after_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
         """Record who holds ``v_hat`` now; on sync rounds update it from the uploaded statistics."""
+        if self.variant.stat is None:
+            return
         replied = {u.client_key for u in updates}
         for node in self._asked_train_nodes(server_round):
             key = self.sampler.key(node)
@@ -181,8 +214,12 @@ class FedLAMB(AdaptiveStrategy):
             else:  # a failed client may have lost its state: send v_hat again next time
                 self.client_versions.pop(key, None)
         stats = [u.extras[self.variant.stat] for u in updates if self.variant.stat in u.extras]
-        if not (self.is_sync_round(server_round) and stats):
-            return
+        if self.is_sync_round(server_round) and stats:
+            self._update_v_hat(stats)
+        self.accounting.round(server_round).train_metrics["v-hat-version"] = float(self.v_hat_version)
+
+    def _update_v_hat(self, stats: list[np.ndarray]) -> None:
+        """Fed-*: ``v_hat <- max(v_hat, mean v_i)``; Mime*: EMA of ``mean(G)^2``, then the running max."""
         mean = np.mean(np.stack(stats), axis=0, dtype=np.float64).astype(np.float32)
         if self.variant.stat == "v":  # Fed-LAMB line 20
             candidate = mean
@@ -193,15 +230,16 @@ class FedLAMB(AdaptiveStrategy):
         if not np.array_equal(new_v_hat, self.v_hat):
             self.v_hat = new_v_hat
             self.v_hat_version += 1
-        self.accounting.round(server_round).train_metrics["v-hat-version"] = float(self.v_hat_version)
 
     def _asked_train_nodes(self, server_round: int) -> list[int]:
         return list(self._asked.get((server_round, TRAIN_PHASE), []))
 
     def extra_summary(self) -> dict[str, Any]:
+        if self.variant.stat is None:
+            server = "server Adam (v_0 = eps, no bias correction)" if self.variant.server_adam else "x <- mean x_i"
+            return {"variant": f"{self.variant.name} (local SGD, {server})"}
         return {
-            "variant": f"{self.variant.name} (uploads {self.variant.stat}, "
-            f"{'LAMB' if self.variant.trust_ratio else 'AMSGrad'} local step)",
+            "variant": f"{self.variant.name} (uploads {self.variant.stat}, {self.variant.local_rule} local step)",
             "v_hat": f"eps={self.eps:g}, synchronised every {self.sync_every} round(s) ({self.sync_phase})",
         }
 
@@ -234,6 +272,7 @@ def _fedlamb_builder(variant: str):  # noqa: ANN202
             weight_decay=cfg["weight-decay"],
             sync_every=cfg["sync-every"],
             sync_phase=cfg["sync-phase"],
+            server_lr=cfg["server-lr"],
         )
 
     return build
@@ -244,5 +283,7 @@ for _variant, _what in (
     ("mime-lamb", "pollen.strategies.FedLAMB(variant='mime-lamb') (full-batch gradients make v_hat)"),
     ("fed-ams", "pollen.strategies.FedLAMB(variant='fed-ams') (local AMSGrad with the shared v_hat)"),
     ("mime", "pollen.strategies.FedLAMB(variant='mime') (Mime with AMSGrad)"),
+    ("adp-fed", "pollen.strategies.FedLAMB(variant='adp-fed') (local SGD, server Adam of Algorithm 2)"),
+    ("fed-sgd", "pollen.strategies.FedLAMB(variant='fed-sgd') (local SGD, x <- mean x_i)"),
 ):
     register(_variant, _what)(_fedlamb_builder(_variant))
