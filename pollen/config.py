@@ -12,6 +12,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pollen.schedule import SCHEDULES, parse_decay_rounds
+
+
 def strategy_names() -> tuple[str, ...]:
     """The names the strategy modules register (``pollen.strategies.registry``), in registration order.
 
@@ -35,6 +38,14 @@ COMPRESSORS = ("sign", "topk", "fp16", "none")
 GRANULARITIES = ("model", "tensor")
 AGGREGATIONS = ("mean", "weighted")
 EPS_MODES = ("max", "add")
+
+
+def _decay_rounds_ok(text: str) -> bool:
+    try:
+        parse_decay_rounds(text)
+    except ValueError:
+        return False
+    return True
 
 
 class ConfigError(ValueError):
@@ -103,6 +114,9 @@ SCHEMA: dict[str, Key] = {
     "model": _choice(MODELS),
     "norm": _choice(NORMS),
     "local-lr": _POSITIVE,
+    "lr-schedule": _choice(SCHEDULES),
+    "lr-decay-rounds": Key(str, _decay_rounds_ok, "strictly increasing comma-separated rounds >= 2, e.g. \"30,70\" (or empty)"),
+    "lr-decay-factor": Key(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "local-epochs": _POS_INT,
     "local-steps": _NON_NEG_INT,
     "batch-size": _POS_INT,
@@ -186,6 +200,8 @@ class AppConfig:
             elif not spec.check(value):
                 raise ConfigError(f"run-config '{key}' = {value!r} is out of range; allowed: {spec.words}")
             values[key] = value
+        if values["lr-schedule"] == "step" and not values["lr-decay-rounds"].strip():
+            raise ConfigError("run-config 'lr-schedule' = 'step' needs 'lr-decay-rounds', e.g. \"30,70\"; it is empty")
         if values["min-evaluate-nodes"] == 0 and values["fraction-evaluate"] > 0:
             raise ConfigError("run-config 'min-evaluate-nodes' = 0 with 'fraction-evaluate' > 0; allowed: >= 1")
         return cls(values)

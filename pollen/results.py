@@ -37,6 +37,7 @@ COLUMNS = (
     "downlink_bytes",
     "messages_sent",
     "exchange_messages",
+    "grad_evals",
     "uplink_by_record",
     "downlink_by_record",
     "server_state_bytes",

@@ -102,6 +102,9 @@ class RoundReporter:
             human_bytes(row["cum_downlink_bytes"]),
             row["round_seconds"],
         )
+        by_kind = _records_in_words(row.get("uplink_by_record"), row.get("downlink_by_record"))
+        if by_kind:
+            log(INFO, "[pollen]   round %d by record: %s; %d gradient evaluations", server_round, by_kind, row.get("grad_evals", 0))
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     def _row(self, server_round: int, accuracy: float | None, loss: float | None, now: float) -> dict[str, Any]:
@@ -129,6 +132,7 @@ class RoundReporter:
                 downlink_by_record=dict(stats.downlink_records),
                 messages_sent=stats.messages_sent,
                 exchange_messages=stats.exchange_messages,
+                grad_evals=stats.grad_evals,
                 compression_ratio=stats.compression_ratio,
                 downlink_bytes=stats.downlink_bytes + stats.eval_downlink_bytes,
                 server_state_bytes=getattr(stats, "server_state_bytes", 0),
@@ -137,6 +141,20 @@ class RoundReporter:
                 fed_loss=stats.evaluate_metrics.get("loss", ""),
             )
         return row
+
+
+def _records_in_words(uplink: dict[str, int] | None, downlink: dict[str, int] | None) -> str:
+    """``up model 1.2 MB, v 1.2 MB | down ...`` when a round carried more than the model and metrics."""
+    plain = {protocol.ARRAYS_RECORD, protocol.CONFIG_RECORD, protocol.METRICS_RECORD}
+    if not uplink or set(uplink) | set(downlink or {}) <= plain:
+        return ""
+
+    def words(records: dict[str, int]) -> str:
+        shown = {name.removeprefix(protocol.extra_record("")): size for name, size in records.items()
+                 if name not in (protocol.CONFIG_RECORD, protocol.METRICS_RECORD)}
+        return ", ".join(f"{name} {human_bytes(size)}" for name, size in shown.items())
+
+    return f"up {words(uplink)} | down {words(downlink or {})}"
 
 
 def prepare(cfg: AppConfig, grid: Grid) -> tuple[Any, Any, int]:

@@ -27,6 +27,7 @@ from flwr.app import ConfigRecord, Message
 from pollen import protocol
 from pollen.clientside.state import ClientState
 from pollen.layout import ModelLayout
+from pollen.schedule import schedule_factor
 
 TRAIN_KEYS = ("local-lr", "local-epochs", "local-steps", "batch-size", "momentum", "weight-decay")
 
@@ -43,8 +44,15 @@ class LocalWork:
     seed: int
 
     def setting(self, key: str) -> Any:
-        """A local-training setting: the message's config wins over the run-config."""
-        return self.config[key] if key in self.config else self.task.cfg[key]
+        """A local-training setting: the message's config wins over the run-config.
+
+        ``local-lr`` is the base rate; the run-config's ``lr-schedule`` scales it for this round
+        (:mod:`pollen.schedule`).
+        """
+        value = self.config[key] if key in self.config else self.task.cfg[key]
+        if key == "local-lr":
+            return float(value) * schedule_factor(self.task.cfg, self.server_round)
+        return value
 
     def layout(self) -> ModelLayout:
         """The model's layout (trainable tensors and buffers) as the server flattens it."""

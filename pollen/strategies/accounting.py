@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+#: The metric a client reports for its gradient evaluations in one message.
+GRAD_EVALS = "grad-evals"
+
 #: Failure reasons are kept short in the results (a reason, not a traceback).
 MAX_REASON_LENGTH = 200
 
@@ -19,6 +22,8 @@ class RoundStats:
     ``uplink_records`` / ``downlink_records`` split the training traffic by record name (model,
     compressed update, each extra, flags); records of a mid-round exchange are named
     ``<phase>/<record>``. ``messages_sent`` counts every training message, all phases.
+    ``grad_evals`` sums the gradient evaluations (mini-batch forward/backward passes) the applied
+    replies report (``grad-evals``, else ``num-steps``): a full local pass shows up here.
     """
 
     server_round: int
@@ -38,8 +43,18 @@ class RoundStats:
     downlink_records: dict[str, int] = field(default_factory=dict)
     train_seconds: float = 0.0
     server_state_bytes: int = 0
+    grad_evals: int = 0
     train_metrics: dict[str, float] = field(default_factory=dict)
     evaluate_metrics: dict[str, float] = field(default_factory=dict)
+
+    def count_grad_evals(self, metrics: list) -> None:  # noqa: ANN001 - MetricRecord or dict
+        """Add the gradient evaluations the replies' metrics report (``grad-evals``, else ``num-steps``)."""
+        for record in metrics:
+            if record is None:
+                continue
+            value = record.get(GRAD_EVALS, record.get("num-steps", 0))
+            if isinstance(value, (int, float)) and value >= 0:
+                self.grad_evals += int(value)
 
     def fail(self, reason: str) -> None:
         self.failures += 1

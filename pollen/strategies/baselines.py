@@ -103,6 +103,8 @@ class Metered(RoundLoop):
             log(WARNING, "aggregate_train: Flower's aggregation failed (%s); the model is unchanged", err)
             result = (None, None)
         stats.train_metrics = dict(result[1] or {})
+        if result[0] is not None:
+            stats.count_grad_evals([reply.content.metric_records.get(protocol.METRICS_RECORD) for reply in usable])
         stats.train_seconds = time.perf_counter() - self._started.get(server_round, time.perf_counter())
         return result
 

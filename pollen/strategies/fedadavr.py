@@ -19,13 +19,14 @@ SuperNode reconnects; clients that cannot say fall back to ``node-<id>``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from pollen.layout import ModelLayout
 from pollen.optim import ServerOptimizer, make_server_optimizer
+from pollen.schedule import schedule_factor
 from pollen.strategies.base import AdaptiveStrategy, ClientUpdate
 from pollen.strategies.registry import register, sampling_kwargs, screening_kwargs
 from pollen.vr import UpdateTable, VARIANTS, get_variant, vr_aggregate
@@ -53,6 +54,9 @@ class FedAdaVR(AdaptiveStrategy):
         Server learning rate eta_s.
     client_lr : float (default: 0.01)
         The clients' learning rate eta_c; the table stores ``update / eta_c``.
+    client_lr_factor : Callable[[int], float] | None (default: None)
+        The clients' schedule (run-config ``lr-schedule``): round ``r`` uses
+        ``client_lr * client_lr_factor(r)``, so the table stays in gradient units when it decays.
     beta_1, beta_2, eps : float
         Optimiser settings (paper: 0.9, 0.999, 1e-8, eps outside the sqrt).
     vr_weighting : str | None
@@ -85,6 +89,7 @@ class FedAdaVR(AdaptiveStrategy):
         table_path: str | None = None,
         num_clients: int | None = None,
         lamb_layerwise: bool = True,
+        client_lr_factor: Callable[[int], float] | None = None,
         **kwargs: Any,
     ) -> None:
         spec = get_variant(variant)
@@ -98,6 +103,7 @@ class FedAdaVR(AdaptiveStrategy):
         if not client_lr > 0:
             raise ValueError(f"client_lr={client_lr!r} is out of range; allowed: a number > 0")
         self.client_lr = float(client_lr)
+        self.client_lr_factor = client_lr_factor
         self.beta_1, self.beta_2, self.eps = beta_1, beta_2, eps
         self.vr_weighting = check_weighting(vr_weighting or spec.weighting)
         self.table_precision = table_precision or spec.precision
@@ -157,9 +163,14 @@ class FedAdaVR(AdaptiveStrategy):
             return None
         return {u.client_key: float(u.num_examples) for u in updates}
 
+    def client_lr_at(self, server_round: int) -> float:
+        """The clients' learning rate in ``server_round`` (their schedule applied)."""
+        factor = self.client_lr_factor(server_round) if self.client_lr_factor is not None else 1.0
+        return self.client_lr * factor
+
     def aggregate_deltas(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
         """The variance-reduced delta ``eta_c * r`` from the sampled updates and the old table."""
-        ys = {u.client_key: u.delta / np.float32(self.client_lr) for u in updates}
+        ys = {u.client_key: u.delta / np.float32(self.client_lr_at(server_round)) for u in updates}
         known = self.table.known_clients if self.table is not None else 0
         num_clients = max(self.num_clients or 0, len(self.sampler.known_clients), known, len(ys))
         return vr_aggregate(
@@ -168,7 +179,7 @@ class FedAdaVR(AdaptiveStrategy):
             num_clients=num_clients,
             weights=self._weights(updates),
             weighting=self.vr_weighting,
-            client_lr=self.client_lr,
+            client_lr=self.client_lr_at(server_round),
         )
 
     def after_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
@@ -176,7 +187,7 @@ class FedAdaVR(AdaptiveStrategy):
         if self.table is None:
             return
         if updates:
-            ys = {u.client_key: u.delta / np.float32(self.client_lr) for u in updates}
+            ys = {u.client_key: u.delta / np.float32(self.client_lr_at(server_round)) for u in updates}
             if self.journal is not None:  # a table on disk: keep the rows it overwrites until the checkpoint
                 self.journal.begin(self.table, server_round, list(ys))
             self.table.replace_many(ys, self._weights(updates))
@@ -224,6 +235,7 @@ def _fedadavr_builder(variant: str):  # noqa: ANN202
             server_optimizer=cfg["server-optimizer"] if adaptive else None,
             server_lr=cfg["server-lr"],
             client_lr=cfg["local-lr"],
+            client_lr_factor=lambda server_round: schedule_factor(cfg, server_round),
             beta_1=cfg["beta1"],
             beta_2=cfg["beta2"],
             eps=cfg["eps"],
