@@ -37,7 +37,7 @@ NORMS = ("bn", "gn")
 COMPRESSORS = ("sign", "topk", "fp16", "none")
 GRANULARITIES = ("model", "tensor")
 AGGREGATIONS = ("mean", "weighted")
-EPS_MODES = ("max", "add")
+EPS_MODES = ("paper", "max", "add", "inside")  # paper: each method's own placement
 
 
 def _decay_rounds_ok(text: str) -> bool:

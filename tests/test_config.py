@@ -168,6 +168,11 @@ def test_eps_mode_add_makes_fedams_option_2(defaults):
     assert build_strategy(cfg).option == 2
     cfg = AppConfig.from_run_config({**defaults, "strategy": "fedams", "eps-mode": "max"})
     assert build_strategy(cfg).option == 1
+    cfg = AppConfig.from_run_config({**defaults, "strategy": "fedams", "eps-mode": "paper"})
+    assert build_strategy(cfg).option == 1
+    cfg = AppConfig.from_run_config({**defaults, "strategy": "fedams", "eps-mode": "inside"})
+    with pytest.raises(ValueError, match="'inside' is HA-Fed's form.*allow paper, max or add"):
+        build_strategy(cfg)
 
 
 def test_library_and_strategies_import_without_torch():

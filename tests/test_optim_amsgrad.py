@@ -266,7 +266,7 @@ def test_factory_builds_amsgrad_with_options():
 @pytest.mark.parametrize(
     "kw, key",
     [
-        (dict(eps_mode="inside"), "eps_mode"),
+        (dict(eps_mode="outside"), "eps_mode"),
         (dict(eps_mode="max", eps=0.0), "eps"),
         (dict(eps=-1e-3, eps_mode="add"), "eps"),
         (dict(max_stabilisation="yes"), "max_stabilisation"),
@@ -277,3 +277,23 @@ def test_factory_builds_amsgrad_with_options():
 def test_bad_amsgrad_values_name_the_key(kw, key):
     with pytest.raises(ValueError, match=key):
         AMSGrad(**kw)
+
+
+def test_inside_mode_is_ha_feds_fedamsgrad_eps_under_the_sqrt():
+    """HA-Fed eq. (3.2): v_hat = max(v_hat, v) from 0, x += eta * m / sqrt(v_hat + eps), no bias correction."""
+    eta, b1, b2, eps = 0.01, 0.9, 0.99, 1e-8
+    opt = AMSGrad(eta=eta, beta1=b1, beta2=b2, eps=eps, eps_mode="inside")
+    state = opt.init(4)
+    assert not state.slots["v_hat"].any()
+    m = v = v_hat = np.zeros(4)
+    rng = np.random.default_rng(5)
+    for _ in range(4):
+        delta = (rng.standard_normal(4) * 1e-3).astype(np.float32)
+        state, step = opt.update(state, delta)
+        m = b1 * m + (1 - b1) * delta
+        v = b2 * v + (1 - b2) * delta.astype(np.float64) ** 2
+        v_hat = np.maximum(v_hat, v)
+        np.testing.assert_allclose(step, eta * m / np.sqrt(v_hat + eps), rtol=1e-5)
+    zero = AMSGrad(eta=1.0, eps=0.0, eps_mode="inside")
+    _, step = zero.update(zero.init(2), np.zeros(2, np.float32))
+    assert np.array_equal(step, np.zeros(2, np.float32))  # 0/0 is a zero step, not nan

@@ -11,6 +11,8 @@ FedCAMS spec §3.5, Algorithm 1 lines 14-17, ``m_0 = v_0 = 0``::
         v_hat_t = max(v_hat_{t-1}, v_t, eps);  x_{t+1} = x_t + eta * m_t / sqrt(v_hat_t)          # line 16
     Option 2 (eps_mode="add", "FedAMSGrad"):
         v_hat_t = max(v_hat_{t-1}, v_t);       x_{t+1} = x_t + eta * m_t / (sqrt(v_hat_t) + eps)  # line 17
+    HA-Fed's form (eps_mode="inside", HA-Fed spec eq. 3.2 and Algorithm 1 line 18):
+        v_hat_t = max(v_hat_{t-1}, v_t);       x_{t+1} = x_t + eta * m_t / sqrt(v_hat_t + eps)
 
 ``v_hat_0`` is not set by the paper; spec §8 A.1: ``v_hat_0 = eps`` for Option 1 (any value in
 ``[0, eps]`` gives the same iterates; the code's ``max_init``) and ``v_hat_0 = 0`` for Option 2.
@@ -48,7 +50,7 @@ from .base import (
 
 __all__ = ["AMSGrad", "EPS_MODES"]
 
-EPS_MODES = ("max", "add")
+EPS_MODES = ("max", "add", "inside")
 
 
 class AMSGrad(ServerOptimizer):
@@ -64,9 +66,10 @@ class AMSGrad(ServerOptimizer):
         Second-moment decay, ``0 <= beta2 < 1``.
     eps : float, default 1e-3
         Option 1: floor inside the max (``> 0``; the denominator is at least ``sqrt(eps)``).
-        Option 2: added outside the sqrt (``>= 0``).
-    eps_mode : {"max", "add"}, default "max"
-        Where ε goes: "max" = Option 1 (FedAMS), "add" = Option 2 (FedAMSGrad).
+        Option 2: added outside the sqrt (``>= 0``). "inside": added to ``v_hat`` under the sqrt (``>= 0``).
+    eps_mode : {"max", "add", "inside"}, default "max"
+        Where ε goes: "max" = Option 1 (FedAMS), "add" = Option 2 (FedAMSGrad), "inside" =
+        ``sqrt(v_hat + eps)`` (HA-Fed's FedAMSGrad, ``v_hat_0 = 0``).
     bias_correction : bool, default False
         The official code's Adam-style correction (spec §3.9).
     max_stabilisation : bool, default True
@@ -119,6 +122,13 @@ class AMSGrad(ServerOptimizer):
             v_hat = np.maximum(v, self.eps, out=out)        # v_hat = max(v, eps)   (no running max)
         else:
             v_hat = v                                       # v_hat = v             (= FedAdam)
+        if self.eps_mode == "inside":                       # eta * m / sqrt(v_hat + eps)
+            np.add(v_hat, self.eps, out=out)
+            adaptive_step(
+                m, out, out, eta=self.eta, eps=0.0, t=t, beta1=self.beta1, beta2=self.beta2,
+                bias_correction=self.bias_correction, denominator_positive=self.eps > 0,
+            )
+            return
         # Option 1: eta * m / sqrt(v_hat);  Option 2: eta * m / (sqrt(v_hat) + eps)
         adaptive_step(
             m, v_hat, out, eta=self.eta, eps=0.0 if option1 else self.eps, t=t,

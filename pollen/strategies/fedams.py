@@ -77,6 +77,8 @@ class FedAMS(AdaptiveStrategy):
 
 def fedams_kwargs(cfg: Mapping[str, Any], option: int | None = None) -> dict[str, Any]:
     """FedAMS's arguments from the run-config (``option`` from ``eps-mode`` unless given)."""
+    if option is None and cfg["eps-mode"] == "inside":
+        raise ValueError("run-config 'eps-mode' = 'inside' is HA-Fed's form; FedAMS and FedCAMS allow paper, max or add")
     return dict(
         **adaptive_kwargs(cfg),
         eta=cfg["server-lr"],
@@ -88,7 +90,7 @@ def fedams_kwargs(cfg: Mapping[str, Any], option: int | None = None) -> dict[str
     )
 
 
-@register("fedams", "pollen.strategies.FedAMS (Option 1 unless eps-mode=add)")
+@register("fedams", "pollen.strategies.FedAMS (Option 1 unless eps-mode=add)")  # paper = max = Option 1
 def _build_fedams(cfg: Mapping[str, Any]) -> FedAMS:
     return FedAMS(**fedams_kwargs(cfg))
 
