@@ -156,6 +156,29 @@ def test_federated_run_over_tls_with_node_auth(federation):
         for i, node in enumerate(nodes):
             assert f"[pollen] partition-{i} trained 5 steps on cpu" in node.output(), node.output()
 
+        # The same SuperNodes then run one Fed-LAMB round: v up, v_hat down, beside the model.
+        run_fed_lamb_round(fed, results)
+
+
+def run_fed_lamb_round(fed, results):
+    config = dict(RUN_CONFIG, **{"results-dir": str(results), "strategy": "fed-lamb", "num-server-rounds": 1,
+                                 "run-name": "e2e-fed-lamb", "eps": 1e-8, "beta2": 0.999})
+    del config["compressor"]
+    code, out = fed.procs.run(
+        "flwr-run-fed-lamb",
+        [lf.exe("flwr"), "run", ".", CONNECTION, "--stream", "--run-config", lf.run_config_arg(config)],
+        timeout=FLWR_RUN_TIMEOUT_S,
+        env=fed.user_env,
+        cwd=lf.REPO_ROOT,
+    )
+    assert code == 0 and "[pollen] done" in out, out
+    row = lf.load_metrics(results, "e2e-fed-lamb")["rows"][-1]
+    d = 29_034  # the CNN's trainable values
+    assert row["round"] == 1 and row["replies"] == NUM_NODES and row["failures"] == 0, row
+    assert row["uplink_by_record"]["pollen.x.v"] >= NUM_NODES * 4 * d, row
+    assert row["downlink_by_record"]["pollen.x.v_hat"] >= NUM_NODES * 4 * d, row
+    assert row["grad_evals"] == NUM_NODES * 5, row
+
 
 def test_supernode_with_unregistered_key_is_refused(federation):
     fed = federation
