@@ -52,6 +52,7 @@ def run_inprocess(overrides: dict[str, Any], num_nodes: int, threads: int = 1) -
         list(contexts),
         lambda msg: client_module.app(msg, contexts[msg.metadata.dst_node_id]),
         client_ids={node: f"partition-{node - 1}" for node in contexts},
+        cluster_ids={node: str((node - 1) // size) for node in contexts} if (size := int(run_config.get("cluster-size", 0))) else None,
     )
     server_context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
     server_module.main(grid, server_context)

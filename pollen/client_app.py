@@ -30,7 +30,7 @@ from flwr.clientapp import ClientApp
 from flwr.common import log
 
 from pollen import protocol
-from pollen.clientside import adaptive_local, compression_mod, relay_demo  # noqa: F401 (they register steps)
+from pollen.clientside import adaptive_local, compression_mod, gossip, relay_demo  # noqa: F401 (they register steps)
 from pollen.clientside.faults import fault_mod
 from pollen.clientside.compression_mod import client_state_for, compress_update, wants_compression
 from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, StepOutcome, lookup, model_arrays
@@ -191,9 +191,16 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 @app.query("pollen_identify")
 def identify(msg: Message, context: Context) -> Message:
-    """Tell the server this node's stable client id (and its cluster id, when node-config sets one)."""
+    """Tell the server this node's stable client id and cluster id.
+
+    The cluster is node-config ``cluster-id`` when set (deployment), else ``partition-id // cluster-size``
+    when run-config ``cluster-size`` > 0 (simulation, HA-Fed spec §9: client i in cluster i // n).
+    """
     identity = ConfigRecord({protocol.IDENTITY_CLIENT_ID: client_id(context)})
     cluster = node_setting(context, "cluster-id", "")
+    size = int(context.run_config.get("cluster-size", 0) or 0)
+    if cluster == "" and size > 0:  # simulation: client i is in cluster i // n
+        cluster = int(node_setting(context, "partition-id", 0)) // size
     if cluster != "":
         identity[protocol.IDENTITY_CLUSTER_ID] = str(cluster)
     return Message(content=RecordDict({protocol.IDENTITY_RECORD: identity}), reply_to=msg)

@@ -14,6 +14,9 @@ from typing import Any
 
 from pollen.schedule import SCHEDULES, parse_decay_rounds
 
+#: HA-Fed's cluster topologies (``pollen.gossip.TOPOLOGIES``; repeated so a ClientApp needs no import).
+TOPOLOGIES = ("ring", "full", "bipartite", "circulant", "identity", "interpolated")
+
 
 def strategy_names() -> tuple[str, ...]:
     """The names the strategy modules register (``pollen.strategies.registry``), in registration order.
@@ -130,6 +133,14 @@ SCHEMA: dict[str, Key] = {
     "state-dir": _ANY_STR,
     "round-timeout": _POSITIVE,
     "sync-every": _POS_INT,
+    "cluster-size": _NON_NEG_INT,
+    "topology": _choice(TOPOLOGIES),
+    "gossip-every": _POS_INT,
+    "active-prob": Key(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "gossip-lambda": Key(float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "gossip-offsets": Key(str, lambda v: all(p.strip().isdigit() for p in v.split(",")) if v.strip() else True,
+                          "comma-separated positive integers, e.g. \"1,3\" (or empty)"),
+    "uploaders-per-cluster": _POS_INT,
     "sync-phase": _choice(("first", "last")),
     "min-replies": _POS_INT,
     "outlier-rule": _choice(("reject", "clip", "off")),

@@ -38,6 +38,8 @@ COLUMNS = (
     "messages_sent",
     "exchange_messages",
     "grad_evals",
+    "relayed_bytes",
+    "peer_bytes",
     "uplink_by_record",
     "downlink_by_record",
     "server_state_bytes",

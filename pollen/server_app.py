@@ -24,6 +24,7 @@ from pollen.config import RESUME_MAY_DIFFER, AppConfig, ConfigError
 from pollen.experiment import build_model, build_strategy, client_train_config, data_config
 from pollen.results import RunRecorder, human_bytes
 from pollen.strategies import RunCheckpoint, RunInterrupted
+from pollen.strategies.rounds import SetupError
 
 app = ServerApp()
 
@@ -133,6 +134,8 @@ class RoundReporter:
                 messages_sent=stats.messages_sent,
                 exchange_messages=stats.exchange_messages,
                 grad_evals=stats.grad_evals,
+                relayed_bytes=stats.relayed_bytes,
+                peer_bytes=stats.peer_bytes,
                 compression_ratio=stats.compression_ratio,
                 downlink_bytes=stats.downlink_bytes + stats.eval_downlink_bytes,
                 server_state_bytes=getattr(stats, "server_state_bytes", 0),
@@ -228,6 +231,9 @@ def main(grid: Grid, context: Context) -> None:
             evaluate_fn=reporter,
             checkpoint=checkpoint,
         )
+    except SetupError as err:
+        log(ERROR, "[pollen] stopped before round 1: %s", err)
+        raise ConfigError(str(err)) from None
     except RunInterrupted as stop:
         log(
             INFO,

@@ -67,6 +67,8 @@ class FakeGrid(Grid):
         Answers to pollen's identify query (``query.pollen_identify``). Without it the
         query gets an error reply, as from a ClientApp that does not know the query,
         and the strategy falls back to ``node-<id>``.
+    cluster_ids : mapping node -> str, optional
+        The cluster id each node reports with its client id (HA-Fed).
     """
 
     def __init__(
@@ -75,10 +77,12 @@ class FakeGrid(Grid):
         client_fn: ClientFn,
         *,
         client_ids: Mapping[int, str] | None = None,
+        cluster_ids: Mapping[int, str] | None = None,
     ) -> None:
         self.node_ids = list(node_ids)
         self.client_fn = client_fn
         self.client_ids = dict(client_ids or {})
+        self.cluster_ids = dict(cluster_ids or {})
         self.sent: list[Message] = []  # every message pushed, in order
         self.calls: list[list[Message]] = []  # one list per send_and_receive call
         self.replies: list[Message] = []  # every reply handed back, in order
@@ -136,6 +140,8 @@ class FakeGrid(Grid):
         node = msg.metadata.dst_node_id
         if node in self.client_ids:
             record = ConfigRecord({protocol.IDENTITY_CLIENT_ID: self.client_ids[node]})
+            if node in self.cluster_ids:
+                record[protocol.IDENTITY_CLUSTER_ID] = self.cluster_ids[node]
             return Message(RecordDict({protocol.IDENTITY_RECORD: record}), reply_to=msg)
         return Message(Error(code=0, reason=f"unknown message type {msg.metadata.message_type}"), reply_to=msg)
 

@@ -132,7 +132,7 @@ def test_build_strategy_builds_every_name(defaults, name):
         MeteredFedYogi,
     )
 
-    changes = {"strategy": name, "server-lr": 0.25, "fraction-train": 0.4, "eps": 0.002, "seed": 13}
+    changes = {"strategy": name, "server-lr": 0.25, "fraction-train": 0.4, "eps": 0.002, "seed": 13, "local-steps": 4}
     cfg = AppConfig.from_run_config({**defaults, **changes})
     strategy = build_strategy(cfg)
     expected = {
@@ -163,6 +163,13 @@ def test_build_strategy_builds_every_name(defaults, name):
         assert strategy.error_feedback == cfg["error-feedback"]
 
 
+def test_hafed_counts_local_iterations(defaults):
+    cfg = AppConfig.from_run_config({**defaults, "strategy": "hafed", "local-steps": 0})
+    assert build_strategy(cfg).local_steps == 48  # the paper's tau when local-steps keeps its default
+    cfg = AppConfig.from_run_config({**defaults, "strategy": "hafed", "local-steps": 12, "gossip-every": 4})
+    assert len(build_strategy(cfg).segments) == 3
+
+
 def test_eps_mode_add_makes_fedams_option_2(defaults):
     cfg = AppConfig.from_run_config({**defaults, "strategy": "fedams", "eps-mode": "add"})
     assert build_strategy(cfg).option == 2
@@ -186,7 +193,7 @@ def test_library_and_strategies_import_without_torch():
         f"d = defaults_from_pyproject({str(ROOT / 'pyproject.toml')!r})\n"
         "for name in strategy_names():\n"
         "    try:\n"
-        "        build_strategy(AppConfig.from_run_config({**d, 'strategy': name}))\n"
+        "        build_strategy(AppConfig.from_run_config({**d, 'strategy': name, 'local-steps': 4}))\n"
         "    except TypeError:\n"
         "        pass  # a wrong argument is test_build_strategy_builds_every_name's business\n"
         "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"

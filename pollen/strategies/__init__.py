@@ -13,6 +13,7 @@ from pollen.strategies.fedadavr import FedAdaVR
 from pollen.strategies.fedams import FedAMS
 from pollen.strategies.fedcams import FedCAMS
 from pollen.strategies.fedlamb import FedLAMB
+from pollen.strategies.hafed import HAFed
 from pollen.strategies.registry import build_strategy, implementations, register, strategy_names
 from pollen.strategies.relay_demo import RelayAverage
 from pollen.strategies.replies import ClientUpdate, Extra, ReplyRejected, ReplySpec
@@ -29,6 +30,7 @@ __all__ = [
     "FedAdaVR",
     "FedCAMS",
     "FedLAMB",
+    "HAFed",
     "MeteredFedAdagrad",
     "MeteredFedAdam",
     "MeteredFedAvg",

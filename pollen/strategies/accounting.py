@@ -24,6 +24,9 @@ class RoundStats:
     ``<phase>/<record>``. ``messages_sent`` counts every training message, all phases.
     ``grad_evals`` sums the gradient evaluations (mini-batch forward/backward passes) the applied
     replies report (``grad-evals``, else ``num-steps``): a full local pass shows up here.
+    ``relayed_bytes`` is the share of the round's traffic that only relays peer-to-peer exchanges
+    through the SuperLink (HA-Fed's gossip) and ``peer_bytes`` what those exchanges would cost on
+    a peer network.
     """
 
     server_round: int
@@ -44,6 +47,8 @@ class RoundStats:
     train_seconds: float = 0.0
     server_state_bytes: int = 0
     grad_evals: int = 0
+    relayed_bytes: int = 0
+    peer_bytes: int = 0
     train_metrics: dict[str, float] = field(default_factory=dict)
     evaluate_metrics: dict[str, float] = field(default_factory=dict)
 

@@ -470,6 +470,17 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         else:
             running = None
             updates = self._screen_updates(server_round, self.collect(server_round, replies, phase=phase), stats)
+        return self.apply_updates(server_round, updates, running)
+
+    def apply_updates(
+        self, server_round: int, updates: list[ClientUpdate], running: RunningMean | None = None
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Aggregate already-read (and screened) updates and take the round's server step.
+
+        ``aggregate_train`` calls it with the replies it read; a method whose round ends with
+        updates the server assembled itself (HA-Fed's mixed models) calls it directly.
+        """
+        stats = self.accounting.round(server_round)
         stats.replies = len(updates)
         for update in updates:
             if update_bytes := _update_bytes(update.record_bytes, self.arrayrecord_key):

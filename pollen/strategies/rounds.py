@@ -35,6 +35,10 @@ from pollen.strategies.checkpointing import RunCheckpoint
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 
 
+class SetupError(ValueError):
+    """A setting that cannot work with the nodes that are connected; raised before round 1."""
+
+
 class RunInterrupted(RuntimeError):
     """The loop stopped on purpose after a checkpointed round (``RunCheckpoint.stop_after_round``)."""
 
@@ -46,6 +50,12 @@ class RunInterrupted(RuntimeError):
 
 class RoundLoop:
     """Mixin for a Flower ``Strategy``: the ``start`` loop with mid-round exchanges and checkpoints."""
+
+    def check_setup(self, grid: Grid) -> None:
+        """Hook: check what needs the connected nodes (e.g. a cluster layout); raise ``SetupError``.
+
+        Called by :meth:`start` before the first round it runs (fresh or resumed).
+        """
 
     def mid_round(self, server_round: int, grid: Grid, replies: list[Message], timeout: float) -> list[Message]:
         """Hook: further exchanges inside a training round; returns the replies to aggregate."""
@@ -87,6 +97,8 @@ class RoundLoop:
             if res is not None:
                 result.evaluate_metrics_serverapp[0] = res
 
+        if first_round <= num_rounds:
+            self.check_setup(grid)
         for server_round in range(first_round, num_rounds + 1):
             log(INFO, "")
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)

@@ -1,0 +1,364 @@
+"""HA-Fed: clients in clusters gossip during local training; server AMSGrad (spec ``papers/hafed.md``).
+
+Round t (Algorithms 1 and 2, §3.2-3.4):
+
+1. every client of every cluster receives ``x_t`` (the train message) and runs the first segment
+   of its ``tau`` local SGD iterations (a segment ends with a gossip step: after every
+   ``gossip_every`` iterations and always after the last one; §3.6 for ``gossip_every > 1``);
+2. **gossip, relayed**: Flower's transport is a star, so peers never talk to each other. Each
+   client uploads its half-step model ``x_i^{1/2}``; the server mixes every cluster,
+   ``x_i <- sum_j (W_k)_ij x_j^{1/2}``, and sends each client its own mixed model in a
+   ``hafed-gossip`` message (:meth:`exchange`), which starts the next segment. One model up and
+   one down per client and gossip step: the cheapest a star allows (forwarding the neighbours'
+   models instead would cost a ring two models down per step);
+3. after the last segment's mixing the server holds every client's ``x^i_{t,tau}``; the ``m``
+   uploaders per cluster (sampled without replacement, stratified; all clients trained) give
+   ``Delta_t = mean_i (x^i_{t,tau} - x_t)`` (uniform, §8 A6);
+4. server AMSGrad: ``m, v`` as Adam, ``v_hat = max(v_hat, v)``, ``x += eta m / sqrt(v_hat + eps)``
+   (eps inside the sqrt, no bias correction: eq. 3.2; ``eps_mode`` switches the placement).
+
+**A client that misses a gossip step** (no reply, an error, a rejected reply) does not stop the
+round: for that step its cluster mixes with :func:`pollen.gossip.without_absent` (the weight the
+others gave it moves onto their own diagonal, so ``W`` stays doubly stochastic and the cluster mean
+is kept); the server keeps its last model for it and sends it that model again with the next step,
+so a transient failure costs it one step. An uploader that misses the last step does not upload.
+
+**Baselines on the same path**: ``topology="identity"`` (no gossip) trains only the uploaders,
+in one message per round (mixing with ``I`` changes nothing): with ``clustered=True`` this is
+FedAMSGrad with stratified sampling (spec's control), with ``clustered=False`` FedAMSGrad with
+``fraction_train`` of all clients uniformly (the paper's 8 of 32).
+
+Accounting per round (results, round log): bytes that crossed the SuperLink each way (``uplink`` /
+``downlink``, by record and phase), ``relayed_bytes`` (the gossip's share of them: every
+``hafed-gossip`` message and reply and the first segment's uploads), ``peer_bytes`` (what the same
+gossip would have cost on a peer network: one model per directed edge of ``W`` per step, plus the
+intra-cluster relay of ``x_t`` to non-uploaders, §3.4), gossip messages and gradient evaluations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from logging import INFO
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+
+from pollen import protocol
+from pollen.clientside.gossip import (
+    CFG_ACTIVE,
+    CFG_EVERY,
+    CFG_SEGMENT,
+    CFG_TAU,
+    GOSSIP_LOCAL_STEP,
+    GOSSIP_PHASE,
+    segment_bounds,
+)
+from pollen.gossip import TOPOLOGIES, gossip_step, mixing_matrix, spectral_gap_rho, without_absent
+from pollen.optim import AMSGrad
+from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
+from pollen.strategies.registry import adaptive_kwargs, register
+from pollen.strategies.replies import ClientUpdate, ReplySpec
+from pollen.strategies.rounds import SetupError
+from pollen.wire import arrays_to_record
+
+#: The paper's local iterations per round (§9), used when run-config ``local-steps`` is 0.
+PAPER_TAU = 48
+
+#: Topologies that need at least three clients per cluster to mean anything.
+NEEDS_NEIGHBOURS = ("ring", "bipartite", "circulant", "interpolated")
+
+
+@dataclass
+class Cluster:
+    """One cluster of a round: its nodes in a fixed order and its mixing matrix."""
+
+    name: str
+    nodes: list[int]
+    w: np.ndarray
+
+
+class HAFed(AdaptiveStrategy):
+    """HA-Fed with relayed gossip and server AMSGrad, and its FedAMSGrad baselines.
+
+    Parameters
+    ----------
+    eta : float (default: 0.01)
+        Server learning rate (the spec's Fashion-MNIST value).
+    beta_1, beta_2, eps : float (default: 0.9, 0.99, 1e-8)
+        AMSGrad settings (§9).
+    eps_mode : str (default: "inside")
+        ``inside`` (paper: ``sqrt(v_hat + eps)``), ``add`` (``sqrt(v_hat) + eps``, the related
+        code) or ``max`` (FedAMS's floor).
+    bias_correction : bool (default: False)
+        The related code's Adam correction (§8 B2).
+    local_steps : int (default: 48)
+        tau, local iterations per round (>= 1).
+    gossip_every : int (default: 1)
+        G: a gossip step after every G iterations and after the last (``tau >= G``).
+    active_prob : float (default: 1.0)
+        p_c: each client is active in each iteration with this probability (§3.6), in (0, 1].
+    topology : str (default: "ring")
+        Each cluster's mixing matrix (:data:`pollen.gossip.TOPOLOGIES`).
+    lam : float | None
+        ``interpolated`` only: ``W = lam W_ring + (1 - lam) 11^T/n``.
+    offsets : tuple[int, ...] | None
+        ``circulant`` only, e.g. ``(1, 3)``.
+    uploaders_per_cluster : int (default: 2)
+        m, uploaders per cluster and round (stratified, without replacement).
+    clustered : bool (default: True)
+        False: no clusters (FedAMSGrad with ``fraction_train`` uniformly; needs ``topology="identity"``).
+    **kwargs
+        Sampling and record options of :class:`AdaptiveStrategy`.
+    """
+
+    streaming = False  # the round's updates are the server's own mixed models
+
+    def __init__(
+        self,
+        *,
+        eta: float = 0.01,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        eps: float = 1e-8,
+        eps_mode: str = "inside",
+        bias_correction: bool = False,
+        local_steps: int = 48,
+        gossip_every: int = 1,
+        active_prob: float = 1.0,
+        topology: str = "ring",
+        lam: float | None = None,
+        offsets: tuple[int, ...] | None = None,
+        uploaders_per_cluster: int = 2,
+        clustered: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        for name, value in (("local_steps", local_steps), ("gossip_every", gossip_every), ("uploaders_per_cluster", uploaders_per_cluster)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is out of range; allowed: an integer >= 1")
+        if gossip_every > local_steps:
+            raise ValueError(
+                f"gossip_every={gossip_every} is larger than local_steps (tau) = {local_steps}; allowed: gossip_every <= tau"
+            )
+        if not 0.0 < active_prob <= 1.0:
+            raise ValueError(f"active_prob={active_prob!r} is out of range; allowed: a number in (0, 1]")
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology={topology!r} is unknown; allowed: {', '.join(TOPOLOGIES)}")
+        if not clustered and topology != "identity":
+            raise ValueError(f"clustered=False has no clusters to gossip in; allowed: topology='identity' (got {topology!r})")
+        kwargs.setdefault("identify_clients", True)
+        optimizer = AMSGrad(eta=eta, beta1=beta_1, beta2=beta_2, eps=eps, eps_mode=eps_mode, bias_correction=bias_correction)
+        super().__init__(optimizer=optimizer, **kwargs)
+        self.local_steps, self.gossip_every, self.active_prob = local_steps, gossip_every, float(active_prob)
+        self.topology, self.lam, self.offsets = topology, lam, tuple(offsets) if offsets else None
+        self.uploaders_per_cluster, self.clustered = uploaders_per_cluster, clustered
+        self.segments = segment_bounds(local_steps, gossip_every) if topology != "identity" else [(0, local_steps)]
+        self._clusters: list[Cluster] = []
+        self._uploaders: dict[int, list[int]] = {}
+        self._final: dict[int, list[ClientUpdate]] = {}
+        self._grad_evals: dict[int, int] = {}
+        if topology == "interpolated":
+            mixing_matrix(topology, 4, lam=lam)  # a bad lambda fails here, not in round 1
+        elif topology == "circulant" and not self.offsets:
+            raise ValueError("topology='circulant' needs offsets, e.g. (1, 3)")
+
+    # ------------------------------------------------------------------ set-up
+    def check_setup(self, grid: Grid) -> None:
+        """Group the connected nodes into clusters and build their ``W``; one line if the layout cannot work."""
+        if not self.clustered:
+            return
+        try:
+            groups = self.sampler.clusters(grid)
+        except ValueError as err:
+            raise SetupError(f"HA-Fed needs a cluster id from every node (node-config cluster-id or run-config cluster-size): {err}") from None
+        sizes = {name: len(nodes) for name, nodes in groups.items()}
+        if len(set(sizes.values())) != 1:
+            raise SetupError(f"HA-Fed needs clusters of equal size; got sizes {sizes}")
+        n = next(iter(sizes.values()))
+        if n == 1 and self.topology in NEEDS_NEIGHBOURS:
+            raise SetupError(f"a cluster of one client has no neighbours for topology {self.topology!r}; allowed: clusters of >= 3 or topology identity/full")
+        if self.uploaders_per_cluster > n:
+            raise SetupError(f"uploaders per cluster m={self.uploaders_per_cluster} exceeds the cluster size n={n}; allowed: 1 <= m <= n")
+        try:
+            w = mixing_matrix(self.topology, n, lam=self.lam, offsets=self.offsets)
+        except ValueError as err:
+            raise SetupError(f"topology {self.topology!r} cannot be built for clusters of {n}: {err}") from None
+        self._clusters = [Cluster(name, nodes, w) for name, nodes in groups.items()]
+        log(INFO, "HA-Fed: %d clusters of %d, topology %s, rho = %.5f, m = %d uploaders each, %d gossip steps per round",
+            len(groups), n, self.topology, spectral_gap_rho(w), self.uploaders_per_cluster,
+            len(self.segments) if self.topology != "identity" else 0)
+
+    # ------------------------------------------------------------------ round
+    def sample_train(self, server_round: int, grid: Grid) -> list[int]:
+        """Everyone trains when clusters gossip; only the uploaders without gossip (W = I)."""
+        if not self.clustered:
+            uploaders = self.sampler.sample(grid, self.fraction_train, self.min_train_nodes)
+            self._uploaders[server_round] = uploaders
+            return uploaders
+        if not self._clusters:
+            self.check_setup(grid)
+        picked = self.sampler.sample_per_cluster({c.name: c.nodes for c in self._clusters}, self.uploaders_per_cluster)
+        self._uploaders[server_round] = sorted(node for nodes in picked.values() for node in nodes)
+        if self.topology == "identity":
+            return self._uploaders[server_round]
+        return sorted(node for cluster in self._clusters for node in cluster.nodes)
+
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        tau = self.local_steps
+        return {
+            protocol.CFG_LOCAL_STEP: GOSSIP_LOCAL_STEP,
+            CFG_TAU: tau,
+            CFG_EVERY: self.gossip_every if self.topology != "identity" else tau,
+            CFG_ACTIVE: self.active_prob,
+            CFG_SEGMENT: 0,
+        }
+
+    def mid_round(self, server_round: int, grid: Grid, replies: list[Message], timeout: float) -> list[Message]:
+        """Relay every gossip step; keep the uploaders' final mixed models for :meth:`aggregate_train`."""
+        stats = self.accounting.round(server_round)
+        trained = list(self._asked.get((server_round, TRAIN_PHASE), []))
+        uploaders = set(self._uploaders.get(server_round, []))
+        down_per_start = stats.downlink_bytes / len(trained) if trained else 0.0
+        current = {node: self._start_of_round(node) for node in trained}  # the server's copy of each model
+        clusters = self._round_clusters(trained)
+        grad_evals, present = 0, set()
+        for index in range(len(self.segments)):
+            if index > 0:
+                contents = self._gossip_contents(server_round, current, index)
+                replies = self.exchange(server_round, grid, contents, phase=GOSSIP_PHASE, timeout=timeout)
+            updates = self.collect(server_round, replies, phase=TRAIN_PHASE if index == 0 else GOSSIP_PHASE, spec=ReplySpec())
+            grad_evals += sum(int((u.metrics or {}).get("grad-evals", 0)) for u in updates)
+            present = {u.node_id for u in updates}
+            current.update({u.node_id: u for u in updates})
+            for cluster in clusters:
+                self._mix(cluster, current, present)
+        final = [current[node] for node in sorted(uploaders & present)]
+        star = len(uploaders) * down_per_start + sum(sum(u.record_bytes.values()) for u in final)
+        stats.relayed_bytes = int(round(stats.uplink_bytes + stats.downlink_bytes - star))
+        stats.peer_bytes = self._peer_bytes(clusters, len(trained) - len(uploaders))
+        self._grad_evals[server_round] = grad_evals
+        self._final[server_round] = final
+        return []
+
+    def _start_of_round(self, node: int) -> ClientUpdate:
+        """A client's model before its first reply: ``x_t`` and the global buffers."""
+        return ClientUpdate(
+            client_key=self.sampler.key(node),
+            node_id=node,
+            delta=np.zeros(self.layout.dim, dtype=np.float32),
+            buffers={name: value.copy() for name, value in self.buffers.items()},
+            num_examples=1.0,
+            metrics=None,
+        )
+
+    def aggregate_train(self, server_round: int, replies: Any) -> tuple[ArrayRecord | None, Any]:
+        """The server step on the uploaders' mixed models (the round's replies were read in :meth:`mid_round`)."""
+        stats = self.accounting.round(server_round)
+        updates = self._screen_updates(server_round, self._final.pop(server_round, []), stats)
+        result = self.apply_updates(server_round, updates)
+        stats.grad_evals = self._grad_evals.pop(server_round, stats.grad_evals)  # every client trained
+        self._uploaders.pop(server_round, None)
+        log(INFO, "HA-Fed round %d: %d gossip steps, %d gossip messages, relayed %.2f MB (a peer network: %.2f MB), %d gradient evaluations",
+            server_round, len(self.segments) - 1 + (self.topology != "identity"), stats.exchange_messages,
+            stats.relayed_bytes / 1e6, stats.peer_bytes / 1e6, stats.grad_evals)
+        return result
+
+    def _round_clusters(self, trained: list[int]) -> list[Cluster]:
+        if self.topology == "identity" or not self.clustered:
+            return []
+        asked = set(trained)
+        return [c for c in self._clusters if set(c.nodes) <= asked]
+
+    def _mix(self, cluster: Cluster, current: dict[int, ClientUpdate], present: set[int]) -> None:
+        """``x_i <- sum_j W'_ij x_j`` in place for one cluster (``W'``: the absent-client rule)."""
+        mask = np.array([node in present for node in cluster.nodes])
+        w = without_absent(cluster.w, mask)
+        rows = [i for i, node in enumerate(cluster.nodes) if mask[i]]
+        if len(rows) < 2:
+            return
+        nodes = [cluster.nodes[i] for i in rows]
+        sub = w[np.ix_(rows, rows)]  # absent clients have zero weight in present rows
+        mixed = gossip_step(sub, np.stack([current[node].delta for node in nodes]))
+        names = list(current[nodes[0]].buffers)
+        mixed_buffers = {}
+        for name in names:
+            values = np.stack([current[node].buffers[name].astype(np.float64).reshape(-1) for node in nodes])
+            mixed_buffers[name] = sub @ values
+        for k, node in enumerate(nodes):
+            update = current[node]
+            update.delta = mixed[k]
+            for name in names:
+                old = update.buffers[name]
+                value = mixed_buffers[name][k].reshape(old.shape)
+                update.buffers[name] = (np.rint(value) if np.issubdtype(old.dtype, np.integer) else value).astype(old.dtype)
+
+    def _gossip_contents(self, server_round: int, current: dict[int, ClientUpdate], index: int) -> dict[int, RecordDict]:
+        """Each client's mixed model (trainables and buffers) as the next segment's start."""
+        contents = {}
+        config = ConfigRecord({**self.train_config(server_round), CFG_SEGMENT: index})
+        if self.layout.buffer_keys:
+            config[protocol.CFG_BUFFER_KEYS] = protocol.join_keys(self.layout.buffer_keys)
+        for node, update in current.items():
+            named = self.layout.unflatten(self.params + update.delta)
+            named.update(update.buffers)
+            arrays = arrays_to_record({key: named[key] for key in self._key_order})
+            contents[node] = RecordDict({protocol.ARRAYS_RECORD: arrays, protocol.CONFIG_RECORD: config})
+        return contents
+
+    def _peer_bytes(self, clusters: list[Cluster], relayed_starts: int) -> int:
+        """Bytes the round's gossip would cost on a peer network: a model per directed edge per step."""
+        if not clusters:
+            return 0
+        model = 4 * self.layout.dim + sum(int(b.nbytes) for b in self.buffers.values())
+        edges = sum(int(np.count_nonzero(c.w - np.diag(np.diag(c.w)))) for c in clusters)
+        return model * (edges * len(self.segments) + relayed_starts)
+
+    def extra_summary(self) -> dict[str, Any]:
+        if self.topology == "identity":
+            what = "stratified" if self.clustered else f"{self.fraction_train:g} of all clients, uniformly"
+            return {"gossip": f"none (FedAMSGrad, {what}); tau = {self.local_steps}"}
+        return {
+            "gossip": f"{self.topology} in each cluster, after every {self.gossip_every} of tau = {self.local_steps} "
+            f"iterations ({len(self.segments)} steps), active-prob {self.active_prob:g}, "
+            f"m = {self.uploaders_per_cluster} uploaders per cluster",
+        }
+
+
+
+def _hafed_builder(topology: str | None, clustered: bool):  # noqa: ANN202
+    def build(cfg: Mapping[str, Any]) -> HAFed:
+        mode = cfg["eps-mode"]
+        offsets = tuple(int(o) for o in str(cfg["gossip-offsets"]).split(",") if o.strip())
+        return HAFed(
+            **adaptive_kwargs(cfg),
+            eta=cfg["server-lr"],
+            beta_1=cfg["beta1"],
+            beta_2=cfg["beta2"],
+            eps=cfg["eps"],
+            eps_mode="inside" if mode == "paper" else mode,
+            bias_correction=cfg["bias-correction"],
+            local_steps=cfg["local-steps"] or PAPER_TAU,  # 0 (the app's "epochs" default): the paper's tau
+            gossip_every=cfg["gossip-every"],
+            active_prob=cfg["active-prob"],
+            topology=topology or cfg["topology"],
+            lam=cfg["gossip-lambda"] if (topology or cfg["topology"]) == "interpolated" else None,
+            offsets=offsets if (topology or cfg["topology"]) == "circulant" else None,
+            uploaders_per_cluster=cfg["uploaders-per-cluster"],
+            clustered=clustered,
+        )
+
+    return build
+
+
+register("hafed", "pollen.strategies.HAFed (gossip in clusters, relayed through the server; server AMSGrad)")(
+    _hafed_builder(None, True)
+)
+register("fedamsgrad-stratified", "pollen.strategies.HAFed(topology='identity') (HA-Fed without gossip: m per cluster)")(
+    _hafed_builder("identity", True)
+)
+register("fedamsgrad-uniform", "pollen.strategies.HAFed(topology='identity', clustered=False) (HA-Fed's baseline)")(
+    _hafed_builder("identity", False)
+)
