@@ -43,8 +43,8 @@ def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("results")
 
 
-def _run(flower: LocalFlower, results_dir: Path, name: str, **config) -> dict:
-    proc = flower.run({**TINY, **config, "results-dir": str(results_dir), "run-name": name})
+def _run(flower: LocalFlower, results_dir: Path, name: str, num_supernodes: int = 4, **config) -> dict:
+    proc = flower.run({**TINY, **config, "results-dir": str(results_dir), "run-name": name}, num_supernodes=num_supernodes)
     out_dir = Path(config["resume"]) if config.get("resume") else results_dir / name
     assert proc.returncode == 0 and (out_dir / "final_model.npz").is_file(), proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads((out_dir / "metrics.json").read_text())
@@ -153,3 +153,16 @@ def test_fed_lamb_family_moves_its_moments_on_the_wire(flower: LocalFlower, resu
     if extra == "pollen.x.grad":  # the full local pass shows in the gradient count
         assert last["grad_evals"] > 2 * 5
     assert last["accuracy"] > metrics["rows"][0]["accuracy"]
+
+
+def test_hafed_gossips_in_two_clusters_of_four(flower: LocalFlower, results_dir: Path) -> None:
+    """8 SuperNodes, cluster = partition // 4, a ring in each; 3 local steps, a gossip after each."""
+    metrics = _run(flower, results_dir, "hafed", num_supernodes=8, strategy="hafed", **{
+        "cluster-size": 4, "local-steps": 3, "uploaders-per-cluster": 2, "min-train-nodes": 8,
+        "local-lr": 0.05, "server-lr": 0.01, "fraction-evaluate": 0.0, "min-evaluate-nodes": 0})
+    for row in metrics["rows"][1:]:
+        assert row["replies"] == 4 and row["failures"] == 0, row  # 2 uploaders in each cluster
+        assert row["exchange_messages"] == 2 * 8  # gossip steps 1 and 2 relayed to all 8 clients
+        assert row["grad_evals"] == 3 * 8  # every client trains
+        assert row["downlink_by_record"]["hafed-gossip/arrays"] > 0 and row["relayed_bytes"] > 0 and row["peer_bytes"] > 0
+    assert metrics["rows"][-1]["accuracy"] > metrics["rows"][0]["accuracy"]
