@@ -156,8 +156,10 @@ def test_federated_run_over_tls_with_node_auth(federation):
         for i, node in enumerate(nodes):
             assert f"[pollen] partition-{i} trained 5 steps on cpu" in node.output(), node.output()
 
-        # The same SuperNodes then run one Fed-LAMB round: v up, v_hat down, beside the model.
+        # The same SuperNodes then run one Fed-LAMB round (v up, v_hat down, beside the model) and
+        # one HA-Fed round (their node-config cluster, a gossip step relayed by the server).
         run_fed_lamb_round(fed, results)
+        run_hafed_round(fed, results)
 
 
 def run_fed_lamb_round(fed, results):
@@ -178,6 +180,18 @@ def run_fed_lamb_round(fed, results):
     assert row["uplink_by_record"]["pollen.x.v"] >= NUM_NODES * 4 * d, row
     assert row["downlink_by_record"]["pollen.x.v_hat"] >= NUM_NODES * 4 * d, row
     assert row["grad_evals"] == NUM_NODES * 5, row
+
+
+def run_hafed_round(fed, results):
+    config = dict(RUN_CONFIG, **{"results-dir": str(results), "strategy": "hafed", "num-server-rounds": 1,
+                                 "run-name": "e2e-hafed", "local-steps": 2, "uploaders-per-cluster": 2})
+    del config["compressor"]
+    _, out = _flwr_run(fed, "flwr-run-hafed", config)
+    assert "[pollen] done" in out and "HA-Fed: 1 clusters of 3" in out, out
+    row = lf.load_metrics(results, "e2e-hafed")["rows"][-1]
+    assert row["replies"] == 2 and row["failures"] == 0, row  # the 2 uploaders of the one cluster
+    assert row["exchange_messages"] == NUM_NODES and row["grad_evals"] == 2 * NUM_NODES, row
+    assert row["downlink_by_record"]["hafed-gossip/arrays"] > 0 and row["relayed_bytes"] > 0, row
 
 
 def test_supernode_with_unregistered_key_is_refused(federation):
@@ -214,14 +228,14 @@ def test_supernode_without_tls_cannot_connect(federation):
 
 @contextlib.contextmanager
 def supernodes(fed: Federation):
-    """The three registered SuperNodes (node-config: partition, cpu), online for the block, stopped (whole trees) after it."""
+    """The three registered SuperNodes (node-config: partition, cpu, one HA-Fed cluster), online for the block, stopped (whole trees) after it."""
     nodes = []
     try:
         for i in range(1, NUM_NODES + 1):
             nodes.append(
                 fed.supernode(
                     f"supernode-{i}",
-                    node_config=f"partition-id={i - 1} num-partitions={NUM_NODES} device='cpu'",
+                    node_config=f"partition-id={i - 1} num-partitions={NUM_NODES} device='cpu' cluster-id='e2e'",
                     root_certificates=fed.certs["ca.crt"],
                     private_key=fed.keys[f"supernode-{i}"],
                 )

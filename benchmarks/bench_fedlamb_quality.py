@@ -1,0 +1,178 @@
+"""Issue 12: quality per round and per byte of the Fed-LAMB family on real Fashion-MNIST.
+
+Fed-LAMB, Mime-LAMB, Fed-AMS, Mime, Adp-Fed and Fed-SGD (spec ``papers/fedlamb.md`` §8.10-8.12),
+IID and non-IID (class-pure shards, 2 per client: 1-2 classes each), the CNN, 50 clients, half per
+round, batch 128, one local epoch. Each run is pollen's real ServerApp and ClientApp in one process
+(``benchmarks/inprocess.py``), so bytes are measured from the records as in a ``flwr run``.
+
+Three stages, each resumable (a finished run is read back from ``--out``, not redone):
+
+- ``grid``: every learning rate of the method's mini-grid (Table 2 of the paper, spec §8.10), IID, seed 1;
+- ``seeds``: each method's best IID rate (by final accuracy in the grid), IID and non-IID, seeds 1-3;
+- ``skip``: Fed-LAMB at that rate, non-IID, with Z in {1, 3, 5}, seeds 1-3.
+
+    python benchmarks/bench_fedlamb_quality.py --stage grid seeds skip [--rounds 8] [--out DIR]
+
+Scaled down from the paper for a 2-core CPU (an 8-round run takes about 2 minutes here):
+Fashion-MNIST only (MNIST is not on this machine), a static partition (the paper re-deals the data
+every round, §9 E1), 8 rounds (the paper: 20-50) with the test set read every 2, 2 rates per method
+chosen on IID only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from inprocess import run_inprocess
+
+CLIENTS = 50
+SETUP = {
+    "dataset": "fashion-mnist",
+    "model": "cnn",
+    "fraction-train": 0.5,
+    "min-train-nodes": 25,
+    "fraction-evaluate": 0.0,
+    "min-evaluate-nodes": 0,
+    "local-epochs": 1,
+    "local-steps": 0,
+    "batch-size": 128,
+    "val-fraction": 0.0,
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "eps": 1e-8,
+    "weight-decay": 0.0,
+    "momentum": 0.0,
+    "eval-batch-size": 2000,
+    "eval-every": 2,
+}
+#: Two rates per method from the spec's mini-grid (§8.10; the upper two, or Adp-Fed's larger local
+#: rate with both server rates): what a 2-core CPU affords.
+GRID = {
+    "fed-lamb": [{"local-lr": lr} for lr in (0.01, 0.03)],
+    "mime-lamb": [{"local-lr": lr} for lr in (0.01, 0.03)],
+    "fed-ams": [{"local-lr": lr} for lr in (3e-4, 1e-3)],
+    "mime": [{"local-lr": lr} for lr in (3e-4, 1e-3)],
+    "adp-fed": [{"local-lr": 0.1, "server-lr": s} for s in (0.001, 0.01)],
+    "fed-sgd": [{"local-lr": lr} for lr in (0.03, 0.1)],
+}
+PARTITIONS = {
+    "IID": {"partitioner": "iid"},
+    "non-IID (2 shards)": {"partitioner": "shards", "shards-per-partition": 2},
+}
+SEEDS = (1, 2, 3)
+TARGETS = (0.80, 0.85)
+
+
+def run_name(method: str, part: str, rates: dict, seed: int, z: int = 1) -> str:
+    rate = "_".join(f"{k}={v:g}" for k, v in sorted(rates.items()))
+    return f"{method}-{part.split()[0]}-{rate}-z{z}-s{seed}"
+
+
+def run_once(out: Path, rounds: int, method: str, part: str, rates: dict, seed: int, z: int = 1) -> list[dict]:
+    """One run's rows, from ``out`` when it finished before."""
+    name = run_name(method, part, rates, seed, z)
+    done = out / name / "metrics.json"
+    if done.is_file():
+        rows = json.loads(done.read_text())["rows"]
+        if rows and rows[-1]["round"] == rounds:
+            return rows
+    started = time.perf_counter()
+    overrides = {**SETUP, **PARTITIONS[part], **rates, "strategy": method, "seed": seed, "sync-every": z,
+                 "num-server-rounds": rounds, "results-dir": str(out), "run-name": name}
+    rows = run_inprocess(overrides, CLIENTS)
+    print(f"  {name}: final {rows[-1]['accuracy']:.4f} in {time.perf_counter() - started:.0f} s", flush=True)
+    return rows
+
+
+def rounds_to(rows: list[dict], target: float) -> int | None:
+    return next((r["round"] for r in rows if r["round"] > 0 and (r["accuracy"] or 0) >= target), None)  # read every 2
+
+
+def best_rates(out: Path, rounds: int) -> dict[tuple[str, str], dict]:
+    """Each method's rate with the highest final IID accuracy at seed 1 (used for both partitions)."""
+    best = {}
+    for method, grid in GRID.items():
+        finals = [(run_once(out, rounds, method, "IID", rates, 1)[-1]["accuracy"], i) for i, rates in enumerate(grid)]
+        for part in PARTITIONS:
+            best[(method, part)] = grid[max(finals)[1]]
+    return best
+
+
+def mean_sd(values: list[float]) -> str:
+    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.4f}"
+
+
+def fmt_rounds(values: list[int | None], rounds: int) -> str:
+    hits = [v for v in values if v is not None]
+    missed = len(values) - len(hits)
+    text = f"{statistics.mean(hits):.1f}" if hits else f">{rounds}"
+    return text + (f" ({missed} of {len(values)} never)" if missed and hits else "")
+
+
+def print_grid(out: Path, rounds: int) -> None:
+    print("\n| partition | method | rate(s) | final accuracy (seed 1) | best accuracy |")
+    print("|---|---|---|---|---|")
+    for part in ("IID",):
+        for method, grid in GRID.items():
+            for rates in grid:
+                rows = run_once(out, rounds, method, part, rates, 1)
+                rate = ", ".join(f"{k} {v:g}" for k, v in rates.items())
+                print(f"| {part} | {method} | {rate} | {rows[-1]['accuracy']:.4f} | {max(r['accuracy'] or 0 for r in rows):.4f} |")
+
+
+def print_seeds(out: Path, rounds: int, best: dict) -> None:
+    checkpoints = sorted({r for r in (2, 4, 6, 8, 10, 20) if r <= rounds and r % SETUP["eval-every"] == 0} | {rounds})
+    head = " | ".join(f"acc @ {r}" for r in checkpoints)
+    print(f"\n| partition | method | rate(s) | {head} | rounds to 80% | rounds to 85% | up MB/round | down MB/round | grad evals/round |")
+    print("|---|---|---|" + "---|" * len(checkpoints) + "---|---|---|---|---|")
+    for part in PARTITIONS:
+        for method in GRID:
+            rates = best[(method, part)]
+            runs = [run_once(out, rounds, method, part, rates, s) for s in SEEDS]
+            accs = " | ".join(mean_sd([run[c]["accuracy"] for run in runs]) for c in checkpoints)
+            to = [fmt_rounds([rounds_to(run, t) for run in runs], rounds) for t in TARGETS]
+            up = statistics.mean(sum(r.get("uplink_bytes") or 0 for r in run) for run in runs) / rounds / 1e6
+            down = statistics.mean(sum(r.get("downlink_bytes") or 0 for r in run) for run in runs) / rounds / 1e6
+            evals = statistics.mean(sum(r.get("grad_evals") or 0 for r in run) for run in runs) / rounds
+            rate = ", ".join(f"{k} {v:g}" for k, v in rates.items())
+            print(f"| {part} | {method} | {rate} | {accs} | {to[0]} | {to[1]} | {up:.2f} | {down:.2f} | {evals:.0f} |", flush=True)
+
+
+def print_skip(out: Path, rounds: int, best: dict) -> None:
+    part = "non-IID (2 shards)"
+    print(f"\n| method ({part}) | Z | final accuracy | statistic uploads (MB, total) | uplink MB total | v_hat downlink MB total |")
+    print("|---|---|---|---|---|---|")
+    for method, stat in (("fed-lamb", "pollen.x.v"),):
+        for z in (1, 3, 5):
+            runs = [run_once(out, rounds, method, part, best[(method, part)], s, z) for s in SEEDS]
+            stat_mb = statistics.mean(sum((r.get("uplink_by_record") or {}).get(stat, 0) for r in run) for run in runs) / 1e6
+            up = statistics.mean(sum(r.get("uplink_bytes") or 0 for r in run) for run in runs) / 1e6
+            v_hat = statistics.mean(sum((r.get("downlink_by_record") or {}).get("pollen.x.v_hat", 0) for r in run) for run in runs) / 1e6
+            print(f"| {method} | {z} | {mean_sd([run[-1]['accuracy'] for run in runs])} | {stat_mb:.1f} | {up:.1f} | {v_hat:.1f} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stage", nargs="+", choices=("grid", "seeds", "skip"), default=["grid", "seeds", "skip"])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--out", default="/tmp/pollen-fedlamb-quality")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"Fashion-MNIST, {CLIENTS} clients, half per round, CNN, 1 local epoch of batch 128, {args.rounds} rounds; "
+          f"beta 0.9/0.999, eps 1e-8, no weight decay; runs in {out}", flush=True)
+    best = best_rates(out, args.rounds)
+    if "grid" in args.stage:
+        print_grid(out, args.rounds)
+    if "seeds" in args.stage:
+        print_seeds(out, args.rounds, best)
+    if "skip" in args.stage:
+        print_skip(out, args.rounds, best)
+
+
+if __name__ == "__main__":
+    main()
