@@ -148,13 +148,13 @@ class RoundReporter:
 
 def _records_in_words(uplink: dict[str, int] | None, downlink: dict[str, int] | None) -> str:
     """``up model 1.2 MB, v 1.2 MB | down ...`` when a round carried more than the model and metrics."""
-    plain = {protocol.ARRAYS_RECORD, protocol.CONFIG_RECORD, protocol.METRICS_RECORD}
+    plain = {protocol.ARRAYS_RECORD, protocol.CONFIG_RECORD, protocol.METRICS_RECORD, protocol.CLIENT_INFO_RECORD}
     if not uplink or set(uplink) | set(downlink or {}) <= plain:
         return ""
 
     def words(records: dict[str, int]) -> str:
         shown = {name.removeprefix(protocol.extra_record("")): size for name, size in records.items()
-                 if name not in (protocol.CONFIG_RECORD, protocol.METRICS_RECORD)}
+                 if name not in (protocol.CONFIG_RECORD, protocol.METRICS_RECORD, protocol.CLIENT_INFO_RECORD)}
         return ", ".join(f"{name} {human_bytes(size)}" for name, size in shown.items())
 
     return f"up {words(uplink)} | down {words(downlink or {})}"

@@ -41,3 +41,13 @@ def test_eval_every_evaluates_on_schedule_and_after_the_last_round(tmp_path):
     assert rows[1]["accuracy"] is None and isinstance(rows[2]["accuracy"], float)
     assert [row["cum_uplink_bytes"] for row in rows] == [0, 100, 300, 600, 1000, 1500]
     assert rows[5]["cum_downlink_bytes"] == 5000
+
+
+def test_the_round_log_names_each_record_kind_only_when_there_is_more_than_the_model():
+    from pollen.server_app import _records_in_words
+
+    plain = {"arrays": 1000, "metrics": 50, "pollen.client-info": 40}
+    assert _records_in_words(plain, {"arrays": 1000, "config": 80}) == ""
+    words = _records_in_words({**plain, "pollen.x.v": 2000}, {"arrays": 1000, "config": 80, "pollen.x.v_hat": 2000})
+    assert words == "up arrays 1.00 KB, v 2.00 KB | down arrays 1.00 KB, v_hat 2.00 KB"
+    assert "hafed-gossip/arrays 3.00 KB" in _records_in_words(plain, {"arrays": 1000, "hafed-gossip/arrays": 3000})
