@@ -312,8 +312,11 @@ class ForeignLoad:
 
 
 @contextlib.contextmanager
-def federation(home: Path, isolation: str = "subprocess", extra_env: dict[str, str] | None = None, node_threads: int = 1):
-    """A SuperLink and ``NUM_CLIENTS`` SuperNodes on loopback: yields ``(procs, user_env, node_logs)``."""
+def federation(home: Path, isolation: str = "subprocess", extra_env: dict[str, str] | None = None, node_threads: int = 1, node_config_extra: str = ""):
+    """A SuperLink and ``NUM_CLIENTS`` SuperNodes on loopback: yields ``(procs, user_env, node_logs)``.
+
+    ``node_config_extra`` is appended to every SuperNode's node-config (e.g. ``cluster-id='a'``).
+    """
     extra_env = extra_env or {}
     with lf.Processes(home / "logs", env=base_env()) as procs, lf.dump_logs_on_error(procs, lines=40):
         http_port, fleet_port, *runtime_ports = lf.free_ports(2 + NUM_CLIENTS)
@@ -334,7 +337,7 @@ def federation(home: Path, isolation: str = "subprocess", extra_env: dict[str, s
                 lf.supernode_argv(
                     superlink=f"127.0.0.1:{fleet_port}",
                     runtime_port=runtime_ports[i],
-                    node_config=f"partition-id={i} num-partitions={NUM_CLIENTS} device='cpu'",
+                    node_config=f"partition-id={i} num-partitions={NUM_CLIENTS} device='cpu' {node_config_extra}".strip(),
                     insecure=True,
                     isolation=isolation,
                 ),

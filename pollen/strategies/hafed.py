@@ -167,7 +167,11 @@ class HAFed(AdaptiveStrategy):
 
     # ------------------------------------------------------------------ set-up
     def check_setup(self, grid: Grid) -> None:
-        """Group the connected nodes into clusters and build their ``W``; one line if the layout cannot work."""
+        """Group the connected nodes into clusters and build their ``W``; one line if the layout cannot work.
+
+        The clusters are formed once, from the nodes connected when the run starts (the app waits for
+        ``min-train-nodes`` of them: set it to the number of clients).
+        """
         if not self.clustered:
             return
         try:
@@ -290,6 +294,7 @@ class HAFed(AdaptiveStrategy):
         for k, node in enumerate(nodes):
             update = current[node]
             update.delta = mixed[k]
+            update.norm = float(np.sqrt(np.dot(mixed[k], mixed[k])))  # what the outlier screen judges
             for name in names:
                 old = update.buffers[name]
                 value = mixed_buffers[name][k].reshape(old.shape)
