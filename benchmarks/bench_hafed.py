@@ -62,6 +62,12 @@ RHO = {  # name: (run-config, rho)
     "ring": (HAFED, 0.805),
     "W = I (stratified FedAMSGrad)": ({"strategy": "fedamsgrad-stratified", "uploaders-per-cluster": 2}, 1.0),
 }
+#: Flower's own strategies on the same data (local SGD with the app's shuffled loader), 8 of 32 per round.
+FLOWER_BASELINES = {
+    "FedAvg (Flower's)": {"strategy": "fedavg", "fraction-train": 0.25},
+    "FedAdam (Flower's, eps 1e-8)": {"strategy": "fedadam", "fraction-train": 0.25},
+    "FedYogi (Flower's, eps 1e-8)": {"strategy": "fedyogi", "fraction-train": 0.25},
+}
 NO_GOSSIP = {"strategy": "fedamsgrad-stratified", "uploaders-per-cluster": CLUSTER}  # all 32 train, no relay
 
 
@@ -113,6 +119,12 @@ def main() -> None:
     for name, (config, rho) in RHO.items():
         runs = [run_once(out, rounds, "HA-Fed" if name == "ring" else name, config, 4, s) for s in seeds]
         print(f"| {name} | {rho:g} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd([r[-1]['loss'] for r in runs])} |", flush=True)
+
+    print("\n| baseline (tau = 4, 8 of 32) | final accuracy | final test loss |")
+    print("|---|---|---|")
+    for name, config in FLOWER_BASELINES.items():
+        runs = [run_once(out, rounds, name.split()[0], config, 4, s) for s in seeds]
+        print(f"| {name} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd([r[-1]['loss'] for r in runs])} |", flush=True)
 
     print("\n| tau / G | method | s / round | gossip messages / round | through the SuperLink MB / round | "
           "of it relayed gossip MB | peer network MB | relay overhead s / round | per gossip message ms |")

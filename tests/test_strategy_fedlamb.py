@@ -201,3 +201,27 @@ def test_gradient_evaluations_per_round_are_summed_over_the_applied_replies():
     strategy, _, _ = run("mime-lamb", 3, sync_every=2)
     evals = [strategy.accounting.rounds[r].grad_evals for r in (1, 2, 3)]
     assert evals == [2 * 15, 2 * 10, 2 * 15]  # sync rounds 1 and 3 carry the full pass
+
+
+def test_fed_sgd_with_one_step_and_everyone_is_centralised_sgd_on_the_mean_gradient():
+    """Spec 8.5 (a): clients take x - lr * A_i (x - b_i) (one step on a quadratic); the server's x is one
+    centralised SGD step on the mean of their gradients."""
+    lr = 0.1
+    mats = {n: np.diag(np.random.default_rng([n, 7]).uniform(0.5, 2.0, D)).astype(np.float32) for n in NODES}
+    targets = {n: np.random.default_rng([n, 8]).standard_normal(D).astype(np.float32) for n in NODES}
+
+    def client(msg):  # noqa: ANN001, ANN202
+        node, local = msg.metadata.dst_node_id, dict(global_arrays_of(msg))
+        x = np.concatenate([local[n].reshape(-1) for n in TRAINABLE])
+        step = -lr * mats[node] @ (x - targets[node])
+        for name, part in split_trainable(step.astype(np.float32), local, TRAINABLE).items():
+            local[name] = local[name] + part
+        return full_model_reply(msg, local)
+
+    strategy = FedLAMB(variant="fed-sgd", fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=4, seed=3)
+    strategy.start(grid=FakeGrid(NODES, client, client_ids=IDS), initial_arrays=model_record(tiny_model()), num_rounds=3)
+    x = x0 = np.concatenate([tiny_model()[n].reshape(-1) for n in TRAINABLE]).astype(np.float64)
+    for _ in range(3):
+        x = x - lr * np.mean([mats[n] @ (x - targets[n]) for n in NODES], axis=0)
+    np.testing.assert_allclose(strategy.params, x, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(x, x0)
