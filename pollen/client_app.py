@@ -36,6 +36,7 @@ from pollen.clientside.compression_mod import client_state_for, compress_update,
 from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, StepOutcome, lookup, model_arrays
 from pollen.config import AppConfig
 from pollen.experiment import build_model, data_config
+from pollen.gossip import cluster_of
 from pollen.layout import ModelLayout
 from pollen.wire import arrays_to_record, record_to_arrays
 
@@ -200,7 +201,7 @@ def identify(msg: Message, context: Context) -> Message:
     cluster = node_setting(context, "cluster-id", "")
     size = int(context.run_config.get("cluster-size", 0) or 0)
     if cluster == "" and size > 0:  # simulation: client i is in cluster i // n
-        cluster = int(node_setting(context, "partition-id", 0)) // size
+        cluster = cluster_of(int(node_setting(context, "partition-id", 0)), size)
     if cluster != "":
         identity[protocol.IDENTITY_CLUSTER_ID] = str(cluster)
     return Message(content=RecordDict({protocol.IDENTITY_RECORD: identity}), reply_to=msg)

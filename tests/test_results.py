@@ -135,3 +135,14 @@ def test_compare_refuses_a_folder_without_metrics(tmp_path, capsys):
     assert compare.main([str(good), str(empty), "--out", str(out)]) == 2
     assert "not-a-run" in capsys.readouterr().err
     assert not (out / "comparison.md").exists()
+
+
+def test_gradient_evaluation_claims_from_clients_are_believed_only_when_sane():
+    from pollen.strategies.accounting import RoundStats, grad_evals_of
+
+    assert grad_evals_of({"grad-evals": 12}) == 12 and grad_evals_of({"num-steps": 5}) == 5
+    for bad in (float("nan"), float("inf"), -3, True, [1, 2], "7", 10**12):
+        assert grad_evals_of({"grad-evals": bad}) == 0, bad
+    stats = RoundStats(1)
+    stats.count_grad_evals([{"grad-evals": 4}, None, {"grad-evals": float("inf")}, {"num-steps": 2}])
+    assert stats.grad_evals == 6

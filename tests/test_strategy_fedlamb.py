@@ -175,7 +175,7 @@ def test_fed_sgd_averages_the_models_and_asks_for_plain_sgd():
     x0 = np.concatenate([tiny_model()[n].reshape(-1) for n in TRAINABLE]).astype(np.float64)
     np.testing.assert_allclose(strategy.params, x0 + np.sum(client_steps(grid, 2), axis=0), atol=1e-6)
     config = config_of(grid.train_messages()[0])
-    assert config[protocol.CFG_LOCAL_STEP] == "sgd" and config["momentum"] == 0.0
+    assert config[protocol.CFG_LOCAL_STEP] == "sgd" and config["momentum"] == 0.0 and config["weight-decay"] == 0.0
     for rnd in (1, 2):
         records = {**strategy.accounting.rounds[rnd].uplink_records, **strategy.accounting.rounds[rnd].downlink_records}
         assert not [name for name in records if name.startswith(protocol.extra_record(""))]

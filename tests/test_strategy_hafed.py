@@ -223,3 +223,71 @@ def test_partially_active_clients_draw_per_iteration():
     assert 0.2 < np.mean(counts) / 48 < 0.3
     assert active_iterations(1, 5, 2, 0, 8, 0.5) == active_iterations(1, 5, 2, 0, 4, 0.5) + active_iterations(1, 5, 2, 4, 8, 0.5)
     assert active_iterations(1, 5, 2, 0, 8, 1.0) == 8
+
+
+def bad_gossip_client(seen: list, victim: int, kind: str):  # noqa: ANN201
+    """Like gossip_client, but ``victim``'s reply to segment 1 of round 1 is broken in one way."""
+    honest = gossip_client(seen)
+
+    def client(msg):  # noqa: ANN001, ANN202
+        node, config = msg.metadata.dst_node_id, config_of(msg)
+        if (node, int(config[protocol.CFG_SERVER_ROUND]), int(config.get(CFG_SEGMENT, 0))) != (victim, 1, 1):
+            return honest(msg)
+        seen.append((1, node, 1, msg.metadata.message_type))
+        local = dict(global_arrays_of(msg))
+        if kind == "silent":
+            return None
+        if kind == "nan":
+            local["conv.weight"] = np.full_like(local["conv.weight"], np.nan)
+        elif kind == "shape":
+            local["conv.weight"] = np.zeros((3, 3), np.float32)
+        elif kind == "poison":
+            local["conv.weight"] = local["conv.weight"] + 50.0
+        elif kind == "metrics":
+            for name, part in split_trainable(step(node, 1, 1), local, TRAINABLE).items():
+                local[name] = local[name] + part
+            return full_model_reply(msg, local, **{"grad-evals": float("inf")})
+        return full_model_reply(msg, local)
+
+    return client
+
+
+@pytest.mark.parametrize("kind", ["nan", "shape", "poison", "silent", "metrics"])
+def test_a_bad_gossip_reply_is_left_out_of_that_step_and_the_round_completes(kind):
+    victim = NODES[2]
+    seen: list = []
+    strategy = HAFed(fraction_evaluate=0.0, seed=5, min_available_nodes=len(NODES), local_steps=3, topology="ring")
+    grid = FakeGrid(NODES, bad_gossip_client(seen, victim, kind), client_ids=IDS, cluster_ids=CLUSTERS)
+    strategy.start(grid=grid, initial_arrays=model_record(tiny_model()), num_rounds=1)
+    stats = strategy.accounting.rounds[1]
+    drop = {(victim, 1, 1), (victim, 1, 2)} if kind == "silent" else ({(victim, 1, 1)} if kind != "metrics" else set())
+    models = hand_round(x0(), 1, mixing_matrix("ring", N), 3, drop=drop)
+    ups = [u for u in uploaders(grid, strategy, 1) if not (kind == "silent" and u == victim)]
+    delta = np.mean([models[u] - x0() for u in ups], axis=0)
+    np.testing.assert_allclose(strategy.params, amsgrad_step(x0(), delta), rtol=1e-5, atol=1e-6)
+    assert np.isfinite(strategy.params).all()
+    if kind == "metrics":  # a claim of infinite work counts as nothing; the model itself was fine
+        assert stats.failures == 0 and stats.grad_evals == 3 * 3 * len(NODES) - 3
+    else:
+        assert stats.failures >= 1
+    if kind == "silent":  # not asked again in that round
+        assert (1, victim, 2, protocol.PHASE_MESSAGE_TYPE) not in seen
+    if kind == "poison":
+        assert any("outlier screen" in reason for reason in stats.failure_reasons)
+
+
+def test_relaying_with_w_equal_identity_is_fedamsgrad():
+    """The relay machinery itself (a gossip message after every step) with W = I changes nothing."""
+
+    class RelayWithIdentity(HAFed):
+        def check_setup(self, grid):  # noqa: ANN001, ANN202
+            super().check_setup(grid)
+            for cluster in self._clusters:
+                cluster.w = np.eye(N)
+
+    seen: list = []
+    relayed = RelayWithIdentity(fraction_evaluate=0.0, seed=5, min_available_nodes=len(NODES), local_steps=3, uploaders_per_cluster=N)
+    relayed.start(grid=FakeGrid(NODES, gossip_client(seen), client_ids=IDS, cluster_ids=CLUSTERS), initial_arrays=model_record(tiny_model()), num_rounds=1)
+    assert relayed.accounting.rounds[1].exchange_messages == 2 * len(NODES)
+    direct = np.mean([sum(step(n, 1, s).astype(np.float64) for s in range(3)) for n in NODES], axis=0)
+    np.testing.assert_allclose(relayed.params, amsgrad_step(x0(), direct), rtol=1e-5, atol=1e-6)

@@ -17,7 +17,9 @@ What a client keeps between messages lives in client state, not in the message:
   pure function of (run seed, client, round, iteration), so they need no stored generator and a
   re-run message draws the same ones. An idle iteration computes nothing and reads no batch.
 
-Local SGD is plain (momentum and weight decay as the run-config sets them; HA-Fed's are 0).
+Local SGD is plain: the server sends momentum 0 and weight decay 0 (spec §8 A5). ``train-loss`` is
+the mean minibatch loss over the round's steps so far (kept with the position in client state), so
+the uploaders' last reply reports the whole round's, as a client that never gossips would.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ CFG_EVERY = "pollen.gossip.every"
 CFG_ACTIVE = "pollen.gossip.active-prob"
 CFG_SEGMENT = "pollen.gossip.segment"
 POSITION = "gossip.position"
+LOSS = "gossip.loss"  # (sum of minibatch losses, steps) over the round's segments so far
 
 
 def segment_bounds(tau: int, every: int) -> list[tuple[int, int]]:
@@ -91,9 +94,10 @@ def run_segment(work: LocalWork, segment: int) -> StepOutcome:
     if len(dataset) == 0:
         raise ValueError("cannot train on an empty dataset")
     metrics: dict[str, int | float] = {protocol.NUM_EXAMPLES: len(dataset), "num-steps": steps, "grad-evals": steps}
+    held_loss = work.state.get(LOSS) if segment > 0 else None
+    loss_sum, loss_steps = (float(held_loss[0]), float(held_loss[1])) if held_loss is not None else (0.0, 0.0)
     if steps == 0:  # idle for the whole segment: the model goes to the gossip as it is
-        metrics["train-loss"] = 0.0
-        return StepOutcome(metrics)
+        return StepOutcome(_with_round_loss(metrics, work, loss_sum, loss_steps))
     held = work.state.get(POSITION)
     position = int(held) if held is not None else 0
     indices = stream_indices(run_seed, client, len(dataset), position, steps * batch_size)
@@ -109,8 +113,15 @@ def run_segment(work: LocalWork, segment: int) -> StepOutcome:
         seed=work.seed,
     )
     work.state.set(POSITION, np.array(position + steps * batch_size, dtype=np.int64))
-    metrics["train-loss"] = float(result.train_loss)
-    return StepOutcome(metrics)
+    return StepOutcome(_with_round_loss(metrics, work, loss_sum + float(result.train_loss) * steps, loss_steps + steps))
+
+
+def _with_round_loss(metrics: dict, work: LocalWork, loss_sum: float, loss_steps: float) -> dict:
+    """``train-loss``: the mean minibatch loss over the round's steps so far (none while idle throughout)."""
+    work.state.set(LOSS, np.array([loss_sum, loss_steps], dtype=np.float64))
+    if loss_steps > 0:
+        metrics["train-loss"] = loss_sum / loss_steps
+    return metrics
 
 
 @local_step(GOSSIP_LOCAL_STEP)

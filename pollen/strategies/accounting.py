@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 #: The metric a client reports for its gradient evaluations in one message.
 GRAD_EVALS = "grad-evals"
+
+#: A client's claim above this many gradient evaluations in one message is not believed.
+MAX_GRAD_EVALS = 10**9
+
+
+def grad_evals_of(record: Any) -> int:
+    """The gradient evaluations a reply's metrics claim: a finite whole number in [0, 1e9], else 0.
+
+    The value comes from a client: NaN, infinity, negatives, booleans or lists count as nothing
+    rather than failing the round's bookkeeping.
+    """
+    if record is None:
+        return 0
+    value = record.get(GRAD_EVALS, record.get("num-steps", 0))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return 0
+    return int(value) if 0 <= value <= MAX_GRAD_EVALS else 0
+
 
 #: Failure reasons are kept short in the results (a reason, not a traceback).
 MAX_REASON_LENGTH = 200
@@ -54,12 +74,7 @@ class RoundStats:
 
     def count_grad_evals(self, metrics: list) -> None:  # noqa: ANN001 - MetricRecord or dict
         """Add the gradient evaluations the replies' metrics report (``grad-evals``, else ``num-steps``)."""
-        for record in metrics:
-            if record is None:
-                continue
-            value = record.get(GRAD_EVALS, record.get("num-steps", 0))
-            if isinstance(value, (int, float)) and value >= 0:
-                self.grad_evals += int(value)
+        self.grad_evals += sum(grad_evals_of(record) for record in metrics)
 
     def fail(self, reason: str) -> None:
         self.failures += 1

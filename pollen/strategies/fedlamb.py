@@ -175,8 +175,8 @@ class FedLAMB(AdaptiveStrategy):
             self.v_hat_version = 1
 
     def train_config(self, server_round: int) -> dict[str, Any]:
-        if self.variant.stat is None:  # Fed-SGD / Adp-Fed: plain local SGD, no momentum (§4.5 a, d)
-            return {protocol.CFG_LOCAL_STEP: self.variant.local_step, "momentum": 0.0}
+        if self.variant.stat is None:  # Fed-SGD / Adp-Fed: plain local SGD, no momentum or decay (§4.5 a, d)
+            return {protocol.CFG_LOCAL_STEP: self.variant.local_step, "momentum": 0.0, "weight-decay": 0.0}
         return {
             protocol.CFG_LOCAL_STEP: LOCAL_STEP,
             CFG_VHAT_VERSION: self.v_hat_version,

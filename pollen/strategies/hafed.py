@@ -17,11 +17,14 @@ Round t (Algorithms 1 and 2, §3.2-3.4):
 4. server AMSGrad: ``m, v`` as Adam, ``v_hat = max(v_hat, v)``, ``x += eta m / sqrt(v_hat + eps)``
    (eps inside the sqrt, no bias correction: eq. 3.2; ``eps_mode`` switches the placement).
 
-**A client that misses a gossip step** (no reply, an error, a rejected reply) does not stop the
+**A client that misses a gossip step** (an error reply, a rejected reply: malformed, non-finite, or
+a move more than ``outlier-factor`` times the median of the step's other moves) does not stop the
 round: for that step its cluster mixes with :func:`pollen.gossip.without_absent` (the weight the
-others gave it moves onto their own diagonal, so ``W`` stays doubly stochastic and the cluster mean
-is kept); the server keeps its last model for it and sends it that model again with the next step,
-so a transient failure costs it one step. An uploader that misses the last step does not upload.
+others gave it moves onto their own diagonal, so ``W`` stays doubly stochastic and the cluster mean is
+kept); the server keeps its last model for it and sends it that model again with the next step, so a
+transient failure costs it one step. A client that does not answer at all within the step's share of
+the round timeout (``timeout / number of gossip steps``) is not asked again in that round, and a node
+that is no longer connected is not asked at all. An uploader that misses the last step does not upload.
 
 **Baselines on the same path**: ``topology="identity"`` (no gossip) trains only the uploaders,
 in one message per round (mixing with ``I`` changes nothing): with ``clustered=True`` this is
@@ -59,6 +62,7 @@ from pollen.clientside.gossip import (
 )
 from pollen.gossip import TOPOLOGIES, gossip_step, mixing_matrix, spectral_gap_rho, without_absent
 from pollen.optim import AMSGrad
+from pollen.strategies.accounting import grad_evals_of
 from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
 from pollen.strategies.registry import adaptive_kwargs, register
 from pollen.strategies.replies import ClientUpdate, ReplySpec
@@ -204,11 +208,17 @@ class HAFed(AdaptiveStrategy):
             return uploaders
         if not self._clusters:
             self.check_setup(grid)
-        picked = self.sampler.sample_per_cluster({c.name: c.nodes for c in self._clusters}, self.uploaders_per_cluster)
-        self._uploaders[server_round] = sorted(node for nodes in picked.values() for node in nodes)
+        connected = set(grid.get_node_ids())  # a node that left is absent for the whole round
+        uploaders = []
+        for cluster in self._clusters:
+            members = [node for node in cluster.nodes if node in connected]
+            if members:
+                picked = self.sampler.sample_per_cluster({cluster.name: members}, min(self.uploaders_per_cluster, len(members)))
+                uploaders += picked[cluster.name]
+        self._uploaders[server_round] = sorted(uploaders)
         if self.topology == "identity":
             return self._uploaders[server_round]
-        return sorted(node for cluster in self._clusters for node in cluster.nodes)
+        return sorted(node for cluster in self._clusters for node in cluster.nodes if node in connected)
 
     def train_config(self, server_round: int) -> dict[str, Any]:
         tau = self.local_steps
@@ -218,6 +228,8 @@ class HAFed(AdaptiveStrategy):
             CFG_EVERY: self.gossip_every if self.topology != "identity" else tau,
             CFG_ACTIVE: self.active_prob,
             CFG_SEGMENT: 0,
+            "momentum": 0.0,  # plain local SGD (spec §8 A5); a momentum buffer would not survive a gossip step
+            "weight-decay": 0.0,
         }
 
     def mid_round(self, server_round: int, grid: Grid, replies: list[Message], timeout: float) -> list[Message]:
@@ -227,14 +239,18 @@ class HAFed(AdaptiveStrategy):
         uploaders = set(self._uploaders.get(server_round, []))
         down_per_start = stats.downlink_bytes / len(trained) if trained else 0.0
         current = {node: self._start_of_round(node) for node in trained}  # the server's copy of each model
-        clusters = self._round_clusters(trained)
-        grad_evals, present = 0, set()
+        clusters = self._round_clusters()
+        step_timeout = timeout / len(self.segments)  # the round's budget, shared by its gossip steps
+        grad_evals, present, gone = 0, set(), set()
         for index in range(len(self.segments)):
             if index > 0:
-                contents = self._gossip_contents(server_round, current, index)
-                replies = self.exchange(server_round, grid, contents, phase=GOSSIP_PHASE, timeout=timeout)
-            updates = self.collect(server_round, replies, phase=TRAIN_PHASE if index == 0 else GOSSIP_PHASE, spec=ReplySpec())
-            grad_evals += sum(int((u.metrics or {}).get("grad-evals", 0)) for u in updates)
+                contents = self._gossip_contents(server_round, {n: u for n, u in current.items() if n not in gone}, index)
+                replies = self.exchange(server_round, grid, contents, phase=GOSSIP_PHASE, timeout=step_timeout)
+            phase = TRAIN_PHASE if index == 0 else GOSSIP_PHASE
+            asked = set(self._asked.get((server_round, phase), []))
+            gone |= asked - {reply.metadata.src_node_id for reply in replies}  # silent: not asked again this round
+            updates = self._screen_step(server_round, self.collect(server_round, replies, phase=phase, spec=ReplySpec()), current)
+            grad_evals += sum(grad_evals_of(u.metrics) for u in updates)
             present = {u.node_id for u in updates}
             current.update({u.node_id: u for u in updates})
             for cluster in clusters:
@@ -246,6 +262,24 @@ class HAFed(AdaptiveStrategy):
         self._grad_evals[server_round] = grad_evals
         self._final[server_round] = final
         return []
+
+    def _screen_step(self, server_round: int, updates: list[ClientUpdate], current: dict[int, ClientUpdate]) -> list[ClientUpdate]:
+        """The outlier screen on one gossip step's moves, before they are mixed into anyone's model.
+
+        Each reply's move (its model minus the one the server sent it) is judged against the median
+        of the other replies' moves in the same step; a rejected reply is absent from this step's mix.
+        """
+        if len(updates) < 2:
+            return updates
+        moves = [float(np.linalg.norm(u.delta - current[u.node_id].delta)) if u.node_id in current else float("inf")
+                 for u in updates]
+        kept = []
+        for update, move, limit in zip(updates, moves, self.screen.within_round_bounds(moves)):
+            if self.screen.judge(move, limit)[0] == "accept":
+                kept.append(update)
+            else:
+                self._reject(self.accounting.round(server_round), update.node_id, self.screen.reason(move, limit))
+        return kept
 
     def _start_of_round(self, node: int) -> ClientUpdate:
         """A client's model before its first reply: ``x_t`` and the global buffers."""
@@ -270,11 +304,11 @@ class HAFed(AdaptiveStrategy):
             stats.relayed_bytes / 1e6, stats.peer_bytes / 1e6, stats.grad_evals)
         return result
 
-    def _round_clusters(self, trained: list[int]) -> list[Cluster]:
+    def _round_clusters(self) -> list[Cluster]:
+        """The clusters that gossip (none without gossip); a node not asked this round is absent in each step."""
         if self.topology == "identity" or not self.clustered:
             return []
-        asked = set(trained)
-        return [c for c in self._clusters if set(c.nodes) <= asked]
+        return self._clusters
 
     def _mix(self, cluster: Cluster, current: dict[int, ClientUpdate], present: set[int]) -> None:
         """``x_i <- sum_j W'_ij x_j`` in place for one cluster (``W'``: the absent-client rule)."""
