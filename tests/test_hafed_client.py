@@ -31,7 +31,8 @@ def message(arrays: ArrayRecord, config: dict, phase: str | None = None) -> Mess
     return Message(RecordDict({protocol.ARRAYS_RECORD: arrays, protocol.CONFIG_RECORD: ConfigRecord(config)}), 1, kind)
 
 
-def test_a_round_cut_into_segments_trains_exactly_like_one_uninterrupted_segment(tmp_path):
+@pytest.mark.parametrize("active", [1.0, 0.5])
+def test_a_round_cut_into_segments_trains_exactly_like_one_uninterrupted_segment(tmp_path, active):
     import pollen.client_app as client_app
     from pollen.experiment import build_model
     from pollen.config import AppConfig
@@ -39,17 +40,20 @@ def test_a_round_cut_into_segments_trains_exactly_like_one_uninterrupted_segment
     run_config = {**defaults_from_pyproject(str(ROOT / "pyproject.toml")), **SMALL}
     model = build_model(AppConfig.from_run_config(run_config, check_strategy=False))
     start = ArrayRecord(model.state_dict())
-    base = {protocol.CFG_SERVER_ROUND: 1, protocol.CFG_LOCAL_STEP: GOSSIP_LOCAL_STEP, CFG_TAU: 6, CFG_ACTIVE: 1.0, CFG_SEGMENT: 0}
+    base = {protocol.CFG_SERVER_ROUND: 1, protocol.CFG_LOCAL_STEP: GOSSIP_LOCAL_STEP, CFG_TAU: 6, CFG_ACTIVE: active, CFG_SEGMENT: 0}
 
     whole = client_app.app(message(start, {**base, CFG_EVERY: 6}), context(1, 4, run_config, tmp_path))
     ctx = context(1, 4, run_config, tmp_path)
     first = client_app.app(message(start, {**base, CFG_EVERY: 2}), ctx)
     arrays = first.content.array_records[protocol.ARRAYS_RECORD]
+    steps = [first.content.metric_records[protocol.METRICS_RECORD]["num-steps"]]
     for segment in (1, 2):
         reply = client_app.app(message(arrays, {**base, CFG_EVERY: 2, CFG_SEGMENT: segment}, phase=GOSSIP_PHASE), ctx)
         assert not reply.has_error(), reply.error
         arrays = reply.content.array_records[protocol.ARRAYS_RECORD]
-        assert reply.content.metric_records[protocol.METRICS_RECORD]["num-steps"] == 2
+        steps.append(reply.content.metric_records[protocol.METRICS_RECORD]["num-steps"])
+    whole_steps = whole.content.metric_records[protocol.METRICS_RECORD]["num-steps"]
+    assert sum(steps) == whole_steps and (whole_steps == 6 if active == 1.0 else 0 < whole_steps < 6)
     expected = named_arrays(whole.content.array_records[protocol.ARRAYS_RECORD])
     for name, value in named_arrays(arrays).items():
         np.testing.assert_array_equal(value, expected[name], err_msg=name)
