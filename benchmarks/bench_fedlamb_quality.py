@@ -9,7 +9,7 @@ Three stages, each resumable (a finished run is read back from ``--out``, not re
 
 - ``grid``: every learning rate of the method's mini-grid (Table 2 of the paper, spec §8.10), IID, seed 1;
 - ``seeds``: each method's best IID rate (by final accuracy in the grid), IID and non-IID, seeds 1-3;
-- ``skip``: Fed-LAMB at that rate, non-IID, with Z in {1, 3, 5}, seeds 1-3.
+- ``skip``: Fed-LAMB at that rate, non-IID, with Z in {1, 3, 5}, seed 1 (``--skip-seeds`` for more).
 
     python benchmarks/bench_fedlamb_quality.py --stage grid seeds skip [--rounds 8] [--out DIR]
 
@@ -142,13 +142,13 @@ def print_seeds(out: Path, rounds: int, best: dict) -> None:
             print(f"| {part} | {method} | {rate} | {accs} | {to[0]} | {to[1]} | {up:.2f} | {down:.2f} | {evals:.0f} |", flush=True)
 
 
-def print_skip(out: Path, rounds: int, best: dict) -> None:
+def print_skip(out: Path, rounds: int, best: dict, seeds: tuple[int, ...]) -> None:
     part = "non-IID (2 shards)"
     print(f"\n| method ({part}) | Z | final accuracy | statistic uploads (MB, total) | uplink MB total | v_hat downlink MB total |")
     print("|---|---|---|---|---|---|")
     for method, stat in (("fed-lamb", "pollen.x.v"),):
         for z in (1, 3, 5):
-            runs = [run_once(out, rounds, method, part, best[(method, part)], s, z) for s in SEEDS]
+            runs = [run_once(out, rounds, method, part, best[(method, part)], s, z) for s in seeds]
             stat_mb = statistics.mean(sum((r.get("uplink_by_record") or {}).get(stat, 0) for r in run) for run in runs) / 1e6
             up = statistics.mean(sum(r.get("uplink_bytes") or 0 for r in run) for run in runs) / 1e6
             v_hat = statistics.mean(sum((r.get("downlink_by_record") or {}).get("pollen.x.v_hat", 0) for r in run) for run in runs) / 1e6
@@ -160,6 +160,7 @@ def main() -> None:
     parser.add_argument("--stage", nargs="+", choices=("grid", "seeds", "skip"), default=["grid", "seeds", "skip"])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--out", default="/tmp/pollen-fedlamb-quality")
+    parser.add_argument("--skip-seeds", type=int, nargs="+", default=[1])
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +172,7 @@ def main() -> None:
     if "seeds" in args.stage:
         print_seeds(out, args.rounds, best)
     if "skip" in args.stage:
-        print_skip(out, args.rounds, best)
+        print_skip(out, args.rounds, best, tuple(args.skip_seeds))
 
 
 if __name__ == "__main__":
