@@ -75,8 +75,13 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
 
 
 def _children(pid: int) -> list[int]:
+    """Child pids of ``pid``; none once it has exited (even half-way through reading /proc)."""
     out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").glob("*/children"))
+    except OSError:  # the process exited while its task directory was listed
+        return out
+    for task in tasks:
         with contextlib.suppress(OSError):
             out += [int(p) for p in task.read_text().split()]
     return out
