@@ -72,14 +72,19 @@ def run_name(method: str, part: str, rates: dict, seed: int, z: int = 1) -> str:
     return f"{method}-{part.split()[0]}-{rate}-z{z}-s{seed}"
 
 
-def run_once(out: Path, rounds: int, method: str, part: str, rates: dict, seed: int, z: int = 1) -> list[dict]:
-    """One run's rows, from ``out`` when it finished before."""
+REPORT_ONLY = False  # --report-only: tables from the finished runs, nothing new is run
+
+
+def run_once(out: Path, rounds: int, method: str, part: str, rates: dict, seed: int, z: int = 1) -> list[dict] | None:
+    """One run's rows, from ``out`` when it finished before (``None`` for a missing run with --report-only)."""
     name = run_name(method, part, rates, seed, z)
     done = out / name / "metrics.json"
     if done.is_file():
         rows = json.loads(done.read_text())["rows"]
         if rows and rows[-1]["round"] == rounds:
             return rows
+    if REPORT_ONLY:
+        return None
     started = time.perf_counter()
     overrides = {**SETUP, **PARTITIONS[part], **rates, "strategy": method, "seed": seed, "sync-every": z,
                  "num-server-rounds": rounds, "results-dir": str(out), "run-name": name}
@@ -96,7 +101,10 @@ def best_rates(out: Path, rounds: int) -> dict[tuple[str, str], dict]:
     """Each method's rate with the highest final IID accuracy at seed 1 (used for both partitions)."""
     best = {}
     for method, grid in GRID.items():
-        finals = [(run_once(out, rounds, method, "IID", rates, 1)[-1]["accuracy"], i) for i, rates in enumerate(grid)]
+        runs = [(run_once(out, rounds, method, "IID", rates, 1), i) for i, rates in enumerate(grid)]
+        finals = [(rows[-1]["accuracy"], i) for rows, i in runs if rows is not None]
+        if not finals:
+            continue
         for part in PARTITIONS:
             best[(method, part)] = grid[max(finals)[1]]
     return best
@@ -120,6 +128,8 @@ def print_grid(out: Path, rounds: int) -> None:
         for method, grid in GRID.items():
             for rates in grid:
                 rows = run_once(out, rounds, method, part, rates, 1)
+                if rows is None:
+                    continue
                 rate = ", ".join(f"{k} {v:g}" for k, v in rates.items())
                 print(f"| {part} | {method} | {rate} | {rows[-1]['accuracy']:.4f} | {max(r['accuracy'] or 0 for r in rows):.4f} |")
 
@@ -127,19 +137,23 @@ def print_grid(out: Path, rounds: int) -> None:
 def print_seeds(out: Path, rounds: int, best: dict) -> None:
     checkpoints = sorted({r for r in (2, 4, 6, 8, 10, 20) if r <= rounds and r % SETUP["eval-every"] == 0} | {rounds})
     head = " | ".join(f"acc @ {r}" for r in checkpoints)
-    print(f"\n| partition | method | rate(s) | {head} | rounds to 80% | rounds to 85% | up MB/round | down MB/round | grad evals/round |")
-    print("|---|---|---|" + "---|" * len(checkpoints) + "---|---|---|---|---|")
+    print(f"\n| partition | method | rate(s) | {head} | rounds to 80% | rounds to 85% | up MB/round | down MB/round | grad evals/round | seeds |")
+    print("|---|---|---|" + "---|" * len(checkpoints) + "---|---|---|---|---|---|")
     for part in PARTITIONS:
         for method in GRID:
+            if (method, part) not in best:
+                continue
             rates = best[(method, part)]
-            runs = [run_once(out, rounds, method, part, rates, s) for s in SEEDS]
+            runs = [run for run in (run_once(out, rounds, method, part, rates, s) for s in SEEDS) if run is not None]
+            if not runs:
+                continue
             accs = " | ".join(mean_sd([run[c]["accuracy"] for run in runs]) for c in checkpoints)
             to = [fmt_rounds([rounds_to(run, t) for run in runs], rounds) for t in TARGETS]
             up = statistics.mean(sum(r.get("uplink_bytes") or 0 for r in run) for run in runs) / rounds / 1e6
             down = statistics.mean(sum(r.get("downlink_bytes") or 0 for r in run) for run in runs) / rounds / 1e6
             evals = statistics.mean(sum(r.get("grad_evals") or 0 for r in run) for run in runs) / rounds
             rate = ", ".join(f"{k} {v:g}" for k, v in rates.items())
-            print(f"| {part} | {method} | {rate} | {accs} | {to[0]} | {to[1]} | {up:.2f} | {down:.2f} | {evals:.0f} |", flush=True)
+            print(f"| {part} | {method} | {rate} | {accs} | {to[0]} | {to[1]} | {up:.2f} | {down:.2f} | {evals:.0f} | {len(runs)} |", flush=True)
 
 
 def print_skip(out: Path, rounds: int, best: dict, seeds: tuple[int, ...]) -> None:
@@ -148,7 +162,9 @@ def print_skip(out: Path, rounds: int, best: dict, seeds: tuple[int, ...]) -> No
     print("|---|---|---|---|---|---|")
     for method, stat in (("fed-lamb", "pollen.x.v"),):
         for z in (1, 3, 5):
-            runs = [run_once(out, rounds, method, part, best[(method, part)], s, z) for s in seeds]
+            runs = [run for run in (run_once(out, rounds, method, part, best[(method, part)], s, z) for s in seeds) if run is not None]
+            if not runs:
+                continue
             stat_mb = statistics.mean(sum((r.get("uplink_by_record") or {}).get(stat, 0) for r in run) for run in runs) / 1e6
             up = statistics.mean(sum(r.get("uplink_bytes") or 0 for r in run) for run in runs) / 1e6
             v_hat = statistics.mean(sum((r.get("downlink_by_record") or {}).get("pollen.x.v_hat", 0) for r in run) for run in runs) / 1e6
@@ -161,7 +177,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--out", default="/tmp/pollen-fedlamb-quality")
     parser.add_argument("--skip-seeds", type=int, nargs="+", default=[1])
+    parser.add_argument("--report-only", action="store_true", help="print the tables of the finished runs only")
     args = parser.parse_args()
+    global REPORT_ONLY
+    REPORT_ONLY = args.report_only
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"Fashion-MNIST, {CLIENTS} clients, half per round, CNN, 1 local epoch of batch 128, {args.rounds} rounds; "
