@@ -27,6 +27,8 @@ from pollen.strategies import (
     FedAdaVR,
     FedAMS,
     FedCAMS,
+    FedLAMB,
+    HAFed,
     MeteredFedAdam,
     RelayAverage,
     ReplySpec,
@@ -307,7 +309,21 @@ STRATEGIES = {
     "fedadavr-int4": lambda: FedAdaVR(table_precision="int4", server_lr=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
     "flower-fedadam": lambda: MeteredFedAdam(fraction_train=0.5, fraction_evaluate=0.0, min_available_nodes=2),
     "relay-demo": lambda: RelayAverage(fraction_train=0.5, fraction_evaluate=0.0, seed=5, identify_clients=True),
+    "fed-lamb-z2": lambda: FedLAMB(variant="fed-lamb", sync_every=2, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
+    "adp-fed": lambda: FedLAMB(variant="adp-fed", server_lr=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
+    "hafed": lambda: HAFed(topology="full", local_steps=2, uploaders_per_cluster=1, fraction_evaluate=0.0, seed=5),
 }
+CLUSTER_IDS = {node: "ab"[i // 2] for i, node in enumerate(NODES)}
+
+
+def lamb_client(msg):  # noqa: ANN001, ANN201
+    """keyed_client plus the local v a Fed-LAMB client uploads on sync rounds."""
+    reply = keyed_client(msg)
+    if config_of(msg).get(protocol.CFG_SYNC, False):
+        rnd = int(config_of(msg)[protocol.CFG_SERVER_ROUND])
+        v = np.square(delta_for(IDS[msg.metadata.dst_node_id], rnd, 2))
+        reply.content[protocol.extra_record("v")] = arrays_to_record({protocol.EXTRA_ARRAY: v})
+    return reply
 
 
 def client_for(name: str, state_dir):  # noqa: ANN001, ANN201
@@ -317,6 +333,8 @@ def client_for(name: str, state_dir):  # noqa: ANN001, ANN201
         firsts = {(IDS[n], r): delta_for(IDS[n], r, 0) for n in NODES for r in range(1, 6)}
         seconds = {(IDS[n], r): delta_for(IDS[n], r, 1) for n in NODES for r in range(1, 6)}
         return relay_client(firsts, seconds, [])
+    if name == "fed-lamb-z2":
+        return lamb_client
     return keyed_client
 
 
@@ -328,7 +346,7 @@ def test_resumed_run_ends_bit_identical_to_an_uninterrupted_one(name, tmp_path):
     random.seed(0)  # Flower's own strategies sample with the global `random`
     full = STRATEGIES[name]()
     full_result = full.start(
-        grid=FakeGrid(NODES, client_for(name, tmp_path / "full-state"), client_ids=IDS),
+        grid=FakeGrid(NODES, client_for(name, tmp_path / "full-state"), client_ids=IDS, cluster_ids=CLUSTER_IDS),
         initial_arrays=x0,
         num_rounds=4,
         checkpoint=RunCheckpoint(tmp_path / "full"),
@@ -338,7 +356,7 @@ def test_resumed_run_ends_bit_identical_to_an_uninterrupted_one(name, tmp_path):
     first = STRATEGIES[name]()
     with pytest.raises(RunInterrupted):
         first.start(
-            grid=FakeGrid(NODES, client_for(name, tmp_path / "crash-state"), client_ids=IDS),
+            grid=FakeGrid(NODES, client_for(name, tmp_path / "crash-state"), client_ids=IDS, cluster_ids=CLUSTER_IDS),
             initial_arrays=x0,
             num_rounds=4,
             checkpoint=RunCheckpoint(tmp_path / "crash", stop_after_round=2),
@@ -346,7 +364,7 @@ def test_resumed_run_ends_bit_identical_to_an_uninterrupted_one(name, tmp_path):
     random.seed(12345)  # a new process: the global RNG is whatever it is; the checkpoint restores it
     resumed = STRATEGIES[name]()
     resumed_result = resumed.start(
-        grid=FakeGrid(NODES, client_for(name, tmp_path / "crash-state"), client_ids=IDS),
+        grid=FakeGrid(NODES, client_for(name, tmp_path / "crash-state"), client_ids=IDS, cluster_ids=CLUSTER_IDS),
         initial_arrays=x0,
         num_rounds=4,
         checkpoint=RunCheckpoint(tmp_path / "crash", resume=True),
@@ -359,6 +377,7 @@ def test_resumed_run_ends_bit_identical_to_an_uninterrupted_one(name, tmp_path):
     assert sorted(resumed_result.train_metrics_clientapp) == sorted(full_result.train_metrics_clientapp)
     untimed = lambda acc: {r: {k: v for k, v in s.items() if k != "train_seconds"} for r, s in acc.to_dict().items()}  # noqa: E731
     assert untimed(resumed.accounting) == untimed(full.accounting)
+    assert all(stats["replies"] > 0 and stats["failures"] == 0 for stats in full.accounting.to_dict().values())
 
 
 def test_resume_refuses_another_strategy_or_config(tmp_path):
