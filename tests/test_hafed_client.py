@@ -19,7 +19,7 @@ SMALL = {"model": "cnn", "batch-size": 16, "partitioner": "iid", "local-lr": 0.0
          "min-evaluate-nodes": 0, "eval-every": 100}
 
 
-def context(node: int, num: int, run_config: dict, tmp_path: Path) -> Context:
+def context(node: int, num: int, run_config: dict) -> Context:
     return Context(run_id=1, node_id=node, node_config={"partition-id": node - 1, "num-partitions": num},
                    state=RecordDict(), run_config=run_config)
 
@@ -32,7 +32,7 @@ def message(arrays: ArrayRecord, config: dict, phase: str | None = None) -> Mess
 
 
 @pytest.mark.parametrize("active", [1.0, 0.5])
-def test_a_round_cut_into_segments_trains_exactly_like_one_uninterrupted_segment(tmp_path, active):
+def test_a_round_cut_into_segments_trains_exactly_like_one_uninterrupted_segment(active):
     import pollen.client_app as client_app
     from pollen.experiment import build_model
     from pollen.config import AppConfig
@@ -42,8 +42,8 @@ def test_a_round_cut_into_segments_trains_exactly_like_one_uninterrupted_segment
     start = ArrayRecord(model.state_dict())
     base = {protocol.CFG_SERVER_ROUND: 1, protocol.CFG_LOCAL_STEP: GOSSIP_LOCAL_STEP, CFG_TAU: 6, CFG_ACTIVE: active, CFG_SEGMENT: 0}
 
-    whole = client_app.app(message(start, {**base, CFG_EVERY: 6}), context(1, 4, run_config, tmp_path))
-    ctx = context(1, 4, run_config, tmp_path)
+    whole = client_app.app(message(start, {**base, CFG_EVERY: 6}), context(1, 4, run_config))
+    ctx = context(1, 4, run_config)
     first = client_app.app(message(start, {**base, CFG_EVERY: 2}), ctx)
     arrays = first.content.array_records[protocol.ARRAYS_RECORD]
     steps = [first.content.metric_records[protocol.METRICS_RECORD]["num-steps"]]
@@ -65,7 +65,7 @@ def run_inprocess(overrides: dict, num_nodes: int, cluster_size: int) -> np.ndar
     from pollen.config import AppConfig
 
     run_config = {**defaults_from_pyproject(str(ROOT / "pyproject.toml")), **SMALL, **overrides}
-    contexts = {node: context(node, num_nodes, run_config, Path()) for node in range(1, num_nodes + 1)}
+    contexts = {node: context(node, num_nodes, run_config) for node in range(1, num_nodes + 1)}
     grid = FakeGrid(list(contexts), lambda msg: client_module.app(msg, contexts[msg.metadata.dst_node_id]),
                     client_ids={n: f"partition-{n - 1}" for n in contexts},
                     cluster_ids={n: str((n - 1) // cluster_size) for n in contexts})

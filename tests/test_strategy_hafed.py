@@ -156,7 +156,7 @@ def test_full_mixing_makes_two_uploaders_per_cluster_equal_full_participation():
 
 
 def test_identity_with_everyone_uploading_is_fedamsgrad_with_full_participation():
-    a, grid_a, seen_a = run(rounds=2, topology="identity", uploaders_per_cluster=N)
+    a, _, seen_a = run(rounds=2, topology="identity", uploaders_per_cluster=N)
     b, _, seen_b = run(rounds=2, topology="identity", clustered=False, fraction_train=1.0)
     np.testing.assert_array_equal(a.params, b.params)
     assert a.accounting.rounds[1].exchange_messages == 0 and len(seen_a) == len(seen_b) == 2 * len(NODES)
