@@ -135,6 +135,11 @@ def print_grid(out: Path, rounds: int) -> None:
 
 
 def print_seeds(out: Path, rounds: int, best: dict) -> None:
+    for seed in SEEDS:  # seed-major: an interrupted sweep still has every method on the first seeds
+        for part in PARTITIONS:
+            for method in GRID:
+                if (method, part) in best:
+                    run_once(out, rounds, method, part, best[(method, part)], seed)
     checkpoints = sorted({r for r in (2, 4, 6, 8, 10, 20) if r <= rounds and r % SETUP["eval-every"] == 0} | {rounds})
     head = " | ".join(f"acc @ {r}" for r in checkpoints)
     print(f"\n| partition | method | rate(s) | {head} | rounds to 80% | rounds to 85% | up MB/round | down MB/round | grad evals/round | seeds |")
