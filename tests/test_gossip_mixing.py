@@ -217,13 +217,22 @@ def test_identity_never_mixes():
 # --------------------------------------------------------------------------- gossip_step
 
 
+def ordered_product(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``W @ X`` summed over j in order, in float64, rounded to float32 once."""
+    acc = np.zeros((w.shape[0], x.shape[1]), np.float64)
+    for j in range(w.shape[0]):
+        acc += w[:, j : j + 1] * x[j].astype(np.float64)
+    return acc.astype(np.float32)
+
+
 def test_gossip_step_accumulates_in_float64_and_returns_float32():
     rng = np.random.default_rng(4)
     w = ring(8)
     x = (rng.standard_normal((8, 40)) * 1e3).astype(np.float32)
     got = gossip_step(w, x)
     assert got.dtype == np.float32 and got.shape == x.shape
-    np.testing.assert_array_equal(got, (w @ x.astype(np.float64)).astype(np.float32))
+    np.testing.assert_array_equal(got, ordered_product(w, x))
+    np.testing.assert_allclose(got, (w @ x.astype(np.float64)).astype(np.float32), rtol=1e-6)
     assert got is not x
 
 
@@ -231,7 +240,7 @@ def test_gossip_step_across_column_blocks():
     d = mixing_module._GOSSIP_BLOCK + 3
     x = np.random.default_rng(5).standard_normal((4, d)).astype(np.float32)
     w = ring(4)
-    np.testing.assert_array_equal(gossip_step(w, x), (w @ x.astype(np.float64)).astype(np.float32))
+    np.testing.assert_array_equal(gossip_step(w, x), ordered_product(w, x))
 
 
 def test_gossip_step_rejects_bad_shapes():
@@ -453,3 +462,9 @@ def test_validate_clusters_groups_and_sorts():
 def test_validate_clusters_errors(assignment, message):
     with pytest.raises(ValueError, match=message):
         validate_clusters(assignment)
+
+
+def test_equal_rows_of_w_give_bit_identical_models():
+    x = np.random.default_rng(3).standard_normal((8, 70_001)).astype(np.float32)
+    mixed = gossip_step(fully_connected(8), x)
+    assert all(np.array_equal(mixed[0], mixed[i]) for i in range(8))

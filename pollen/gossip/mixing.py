@@ -420,7 +420,9 @@ def gossip_step(w: np.ndarray, models: np.ndarray) -> np.ndarray:
 
     ``models`` is ``(n, d)``, one row per client (usually float32, the wire format). The product
     is accumulated in float64 and rounded to float32 once, in column blocks so the float64
-    scratch stays ``n x 65536`` whatever d is. ``w`` may be any finite ``(n, n)`` matrix (a
+    scratch stays ``n x 65536`` whatever d is, and every row adds its terms in the same order:
+    two clients with the same row of ``W`` get bit-identical models (``W = 11^T/n`` makes a
+    cluster's models equal exactly, as the spec's reduction C2 needs). ``w`` may be any finite ``(n, n)`` matrix (a
     :func:`mixing_matrix` or a :func:`without_absent` result); it is not re-checked for
     symmetry here.
 
@@ -443,9 +445,14 @@ def gossip_step(w: np.ndarray, models: np.ndarray) -> np.ndarray:
         raise ValueError(f"models must hold real numbers; got dtype {x.dtype}")
     d = x.shape[1]
     out = np.empty((n, d), dtype=np.float32)
+    acc = np.empty((n, min(d, _GOSSIP_BLOCK)), dtype=np.float64)
     for start in range(0, d, _GOSSIP_BLOCK):
         stop = min(start + _GOSSIP_BLOCK, d)
-        out[:, start:stop] = arr @ x[:, start:stop].astype(np.float64)
+        block = acc[:, : stop - start]
+        block.fill(0.0)
+        for j in range(n):  # the same sequence of adds for every row (BLAS would block rows differently)
+            block += arr[:, j : j + 1] * x[j, start:stop].astype(np.float64)
+        out[:, start:stop] = block
     return out
 
 
