@@ -171,7 +171,7 @@ def test_unknown_hyper_parameter_names_key_and_allowed():
         ("adabelief", "beta1", True),
         ("lamb", "layerwise", None),
         ("lamb", "eta", 0),
-        ("amsgrad", "eps_mode", "inside"),
+        ("amsgrad", "eps_mode", "outside"),
         ("amsgrad", "eps", 0.0),
         ("amsgrad", "max_stabilisation", 1),
     ],

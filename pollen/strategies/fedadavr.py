@@ -51,7 +51,9 @@ class FedAdaVR(AdaptiveStrategy):
     server_optimizer : str | None
         ``adagrad | adam | adabelief | yogi | lamb | sgd`` (paper's Appendix B).
     server_lr : float | None
-        Server learning rate eta_s.
+        Server learning rate eta_s; ``None`` takes the variant's (``fedadavr`` 0.01 with Adam,
+        ``mifa`` / ``fedvarp`` 1.0 with plain SGD): the papers' values, which also drop in
+        (measured in tests/test_dropin_defaults.py).
     client_lr : float (default: 0.01)
         The clients' learning rate eta_c; the table stores ``update / eta_c``.
     client_lr_factor : Callable[[int], float] | None (default: None)

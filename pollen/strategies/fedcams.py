@@ -21,6 +21,10 @@ from pollen.strategies.registry import register
 class FedCAMS(FedAMS):
     """FedAMS with error-feedback-compressed uploads.
 
+    The server settings default to :class:`FedAMS`'s drop-in values, ``eta=0.003, eps=1e-8``
+    (chosen for drop-in use, measured in tests/test_dropin_defaults.py with this class and
+    ``compression_mod``); the paper's values are ``eta=1.0, eps=1e-3``.
+
     Parameters
     ----------
     compressor : str (default: "sign")
@@ -34,7 +38,7 @@ class FedCAMS(FedAMS):
         ``"model"``: one scale / one global top-k over all layers (the authors' code);
         ``"tensor"``: one per tensor.
     **kwargs
-        Everything :class:`FedAMS` takes.
+        Everything :class:`FedAMS` takes (``eta``, ``eps``, ``option``, ...).
     """
 
     def __init__(

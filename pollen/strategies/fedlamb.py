@@ -97,8 +97,10 @@ class FedLAMB(AdaptiveStrategy):
         in [0, 1).
     eps : float (default: 1e-8)
         ``v_hat``'s initial value and floor, > 0 (Adp-Fed: the server's ``v_0``).
-    server_lr : float (default: 0.01)
+    server_lr : float (default: 0.003)
         Adp-Fed's server learning rate eta_g (> 0); the other variants average models (rate 1).
+        Default 0.003 (chosen for drop-in use, measured in tests/test_dropin_defaults.py); the
+        paper tunes eta_g in {0.001, 0.01} (its grid: 1e-4 to 0.1).
     weight_decay : float (default: 0.0)
         The local step's decoupled weight decay lambda, >= 0 (clients take it from run-config
         ``weight-decay``; kept here for the summary).
@@ -122,7 +124,7 @@ class FedLAMB(AdaptiveStrategy):
         weight_decay: float = 0.0,
         sync_every: int = 1,
         sync_phase: str = "first",
-        server_lr: float = 0.01,
+        server_lr: float = 0.003,
         **kwargs: Any,
     ) -> None:
         if variant not in VARIANTS:
