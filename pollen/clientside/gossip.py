@@ -57,21 +57,14 @@ def active_iterations(seed: int, client: int, server_round: int, start: int, sto
 
 def stream_indices(seed: int, client: int, size: int, position: int, count: int) -> np.ndarray:
     """Sample indices ``position .. position + count - 1`` of this client's endless epoch stream."""
-    import torch
-
     out, done = np.empty(count, dtype=np.int64), 0
     while done < count:
         epoch, offset = divmod(position + done, size)
-        order = torch.randperm(size, generator=torch.Generator().manual_seed(hash_seed(seed, client, epoch))).numpy()
+        order = np.random.default_rng([seed, client, epoch]).permutation(size)
         take = min(count - done, size - offset)
         out[done : done + take] = order[offset : offset + take]
         done += take
     return out
-
-
-def hash_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (numpy's SeedSequence mixes them)."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 def run_segment(work: LocalWork, segment: int) -> StepOutcome:
