@@ -12,10 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pollen.gossip import TOPOLOGIES
 from pollen.schedule import SCHEDULES, parse_decay_rounds
-
-#: HA-Fed's cluster topologies (``pollen.gossip.TOPOLOGIES``; repeated so a ClientApp needs no import).
-TOPOLOGIES = ("ring", "full", "bipartite", "circulant", "identity", "interpolated")
 
 
 def strategy_names() -> tuple[str, ...]:

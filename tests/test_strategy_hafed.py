@@ -179,7 +179,7 @@ def test_relayed_and_peer_bytes():
 
 
 def test_bad_layouts_stop_before_round_one():
-    with pytest.raises(SetupError, match="equal size"):
+    with pytest.raises(SetupError, match="same size"):
         HAFed(seed=1).start(grid=FakeGrid(NODES[:3], lambda m: None, client_ids=IDS, cluster_ids={NODES[0]: "a", NODES[1]: "a", NODES[2]: "b"}),
                             initial_arrays=model_record(tiny_model()), num_rounds=1)
     with pytest.raises(SetupError, match="cluster of one client has no neighbours"):

@@ -60,7 +60,7 @@ from pollen.clientside.gossip import (
     GOSSIP_PHASE,
     segment_bounds,
 )
-from pollen.gossip import TOPOLOGIES, gossip_step, mixing_matrix, spectral_gap_rho, without_absent
+from pollen.gossip import TOPOLOGIES, gossip_step, mixing_matrix, spectral_gap_rho, validate_clusters, without_absent
 from pollen.optim import AMSGrad
 from pollen.strategies.accounting import grad_evals_of
 from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
@@ -183,10 +183,12 @@ class HAFed(AdaptiveStrategy):
             groups = self.sampler.clusters(grid)
         except ValueError as err:
             raise SetupError(f"HA-Fed needs a cluster id from every node (node-config cluster-id or run-config cluster-size): {err}") from None
-        sizes = {name: len(nodes) for name, nodes in groups.items()}
-        if len(set(sizes.values())) != 1:
-            raise SetupError(f"HA-Fed needs clusters of equal size; got sizes {sizes}")
-        n = next(iter(sizes.values()))
+        try:  # equal, non-empty clusters: the one rule of pollen.gossip
+            validate_clusters({str(node): index for index, nodes in enumerate(groups.values()) for node in nodes})
+        except ValueError as err:
+            sizes = {name: len(nodes) for name, nodes in groups.items()}
+            raise SetupError(f"HA-Fed cannot use clusters of sizes {sizes}: {err}") from None
+        n = len(next(iter(groups.values())))
         if n == 1 and self.topology in NEEDS_NEIGHBOURS:
             raise SetupError(f"a cluster of one client has no neighbours for topology {self.topology!r}; allowed: clusters of >= 3 or topology identity/full")
         if self.uploaders_per_cluster > n:
@@ -322,10 +324,8 @@ class HAFed(AdaptiveStrategy):
         sub = w[np.ix_(rows, rows)]  # absent clients have zero weight in present rows
         mixed = gossip_step(sub, np.stack([current[node].delta for node in nodes]))
         names = list(current[nodes[0]].buffers)
-        mixed_buffers = {}
-        for name in names:
-            values = np.stack([current[node].buffers[name].astype(np.float64).reshape(-1) for node in nodes])
-            mixed_buffers[name] = sub @ values
+        mixed_buffers = {name: gossip_step(sub, np.stack([current[node].buffers[name].astype(np.float64).reshape(-1) for node in nodes]))
+                         for name in names}
         for k, node in enumerate(nodes):
             update = current[node]
             update.delta = mixed[k]
