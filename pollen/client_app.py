@@ -32,6 +32,7 @@ from flwr.common import log
 from pollen import protocol
 from pollen.clientside import adaptive_local, compression_mod, gossip, relay_demo  # noqa: F401 (they register steps)
 from pollen.clientside.faults import fault_mod
+from pollen.clientside.lazy_mod import lazy_mod
 from pollen.clientside.compression_mod import client_state_for, compress_update, wants_compression
 from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, StepOutcome, lookup, model_arrays
 from pollen.config import AppConfig
@@ -162,7 +163,7 @@ def _reply_records(
     return content
 
 
-@app.train(mods=[fault_mod, compression_mod])
+@app.train(mods=[fault_mod, lazy_mod, compression_mod])
 def train(msg: Message, context: Context) -> Message:
     """Train the global model locally with the strategy's local step and reply with the update."""
     step = str(_config(msg).get(protocol.CFG_LOCAL_STEP, "sgd"))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pollen.gossip import TOPOLOGIES
+from pollen.lazy.rules import DOWNLINK_MODES, EF_MODES, REF_MODES
 from pollen.schedule import SCHEDULES, parse_decay_rounds
 
 
@@ -143,6 +144,14 @@ SCHEMA: dict[str, Key] = {
     "min-replies": _POS_INT,
     "outlier-rule": _choice(("reject", "clip", "off")),
     "outlier-factor": Key(float, lambda v: v > 1, "a number > 1"),
+    "tau-up": _NON_NEGATIVE,
+    "tau-down": _NON_NEGATIVE,
+    "compressor-down": _choice(COMPRESSORS),
+    "topk-ratio-down": Key(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "downlink-mode": _choice(DOWNLINK_MODES),
+    "ef-mode": _choice(EF_MODES),
+    "ref-mode": _choice(REF_MODES),
+    "bookkeeping-dir": _ANY_STR,
     "fault-fraction": Key(float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "fault-kind": _choice(("error", "garbage", "timeout", "mixed")),
     "fault-delay": _NON_NEGATIVE,

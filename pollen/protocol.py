@@ -59,6 +59,22 @@ CFG_BETA1 = "pollen.beta1"
 CFG_BETA2 = "pollen.beta2"
 CFG_EPS = "pollen.eps"
 ADAPTIVE_LOCAL_STEP = "adaptive-local"
+# The lazy / bidirectional family (pollen.strategies.lazy <-> pollen.clientside.lazy_mod).
+CFG_LAZY_UP_RULE = "pollen.lazy.up-rule"  # none | nla | aa; its presence marks a lazy-family message
+CFG_LAZY_UP_TAU = "pollen.lazy.up-tau"
+CFG_LAZY_UP_CODEC = "pollen.lazy.up-codec"
+CFG_LAZY_UP_TOPK = "pollen.lazy.up-topk"
+CFG_LAZY_EF_MODE = "pollen.lazy.ef-mode"
+CFG_LAZY_REF_SUM = "pollen.lazy.ref-sum"  # checksum of the server's copy of the client's last upload
+CFG_LAZY_DOWN = "pollen.lazy.down"  # dense | full | send | skip | aa | keep
+CFG_LAZY_APPLY = "pollen.lazy.apply"  # add | set
+CFG_LAZY_X_SUM = "pollen.lazy.x-sum"  # checksum of the client's model after applying the downlink
+DOWN_RECORD = "pollen.down"
+DOWN_META_RECORD = "pollen.down-meta"
+DOWN_BUFFERS_RECORD = "pollen.down-buffers"
+FLAG_SKIP = "lazy-skip"
+FLAG_AA = "lazy-aa"
+FLAG_RESYNC = "lazy-resync"
 
 # Keys of UPDATE_META_RECORD.
 META_CODEC = "codec"

@@ -40,6 +40,7 @@ COLUMNS = (
     "grad_evals",
     "relayed_bytes",
     "peer_bytes",
+    "lazy_events",
     "uplink_by_record",
     "downlink_by_record",
     "server_state_bytes",

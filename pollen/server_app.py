@@ -136,6 +136,7 @@ class RoundReporter:
                 grad_evals=stats.grad_evals,
                 relayed_bytes=stats.relayed_bytes,
                 peer_bytes=stats.peer_bytes,
+                lazy_events=dict(stats.lazy_events),
                 compression_ratio=stats.compression_ratio,
                 downlink_bytes=stats.downlink_bytes + stats.eval_downlink_bytes,
                 server_state_bytes=getattr(stats, "server_state_bytes", 0),

@@ -14,6 +14,7 @@ from pollen.strategies.fedams import FedAMS
 from pollen.strategies.fedcams import FedCAMS
 from pollen.strategies.fedlamb import FedLAMB
 from pollen.strategies.hafed import HAFed
+from pollen.strategies.lazy import FedLazy
 from pollen.strategies.registry import build_strategy, implementations, register, strategy_names
 from pollen.strategies.relay_demo import RelayAverage
 from pollen.strategies.replies import ClientUpdate, Extra, ReplyRejected, ReplySpec
@@ -28,6 +29,7 @@ __all__ = [
     "Extra",
     "FedAMS",
     "FedAdaVR",
+    "FedLazy",
     "FedCAMS",
     "FedLAMB",
     "HAFed",

@@ -46,7 +46,8 @@ class RoundStats:
     replies report (``grad-evals``, else ``num-steps``): a full local pass shows up here.
     ``relayed_bytes`` is the share of the round's traffic that only relays peer-to-peer exchanges
     through the SuperLink (HA-Fed's gossip) and ``peer_bytes`` what those exchanges would cost on
-    a peer network.
+    a peer network. ``lazy_events`` counts what the lazy / bidirectional family did per direction
+    (``up-skip``, ``up-aa``, ``down-full``, ``down-skip``, ``resync``, ...; :mod:`pollen.strategies.lazy`).
     """
 
     server_round: int
@@ -69,6 +70,7 @@ class RoundStats:
     grad_evals: int = 0
     relayed_bytes: int = 0
     peer_bytes: int = 0
+    lazy_events: dict[str, int] = field(default_factory=dict)
     train_metrics: dict[str, float] = field(default_factory=dict)
     evaluate_metrics: dict[str, float] = field(default_factory=dict)
 

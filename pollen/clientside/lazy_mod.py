@@ -1,0 +1,184 @@
+"""The client side of the lazy / bidirectional family (FedNLAA ... FedBACA) as a Flower mod.
+
+Add it to any ClientApp that trains on the ``"arrays"`` it receives and replies with its trained
+``"arrays"`` (``@app.train(mods=[lazy_mod])``; pollen's own ClientApp has it). For a message of the
+family (its config has ``pollen.lazy.up-rule``) the mod:
+
+1. **Downlink** (Algorithm 2, increment reading, spec ``papers/fedbaca.md`` §5.3): builds the model the
+   client trains from. ``dense``: the message's full model (FedNLAA ... FedACA). ``full``: first contact
+   or a resync; the model becomes this client's stored copy ``x_i``. ``send`` / ``skip`` / ``aa`` /
+   ``keep``: a (compressed) increment, or only a flag, applied to the stored copy exactly as the
+   server applies it to its mirror (:func:`pollen.lazy.apply_downlink`); the result must match the
+   checksum the server sent. A client without a copy, or whose copy disagrees, trains on nothing and
+   replies only the flag ``lazy-resync``: the server sends the full model the next time.
+2. lets the ClientApp train from that model (the message's ``"arrays"`` is replaced by it);
+3. **Uplink** (Algorithms 1 and 3): ``Delta = x_trained - x_start``; the candidate is ``Delta`` or, with
+   a codec, ``C(Delta + e)``; it is judged against the last vector this client transmitted (used only
+   when its checksum equals the server's, so both sides reuse the same copy) and replaced by a one-bit
+   ``lazy-skip`` flag (NLA), sent with ``lazy-aa`` (AA) or sent as is. The error-feedback residual
+   ``e`` keeps what the server did not apply (``applied`` EF, the default) or what the codec dropped
+   (``compressed``).
+
+Everything the client keeps (its model copy, the last increment, the last upload, the residual) lives in
+:class:`~pollen.clientside.state.ClientState`; nothing is written unless the reply is built.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp.typing import ClientAppCallable
+
+from pollen import protocol
+from pollen.clientside.compression_mod import RESIDUAL, client_state_for
+from pollen.clientside.state import ClientState
+from pollen.compression import decode_payload, make_codec
+from pollen.layout import ModelLayout
+from pollen.lazy.rules import apply_downlink, checksum, judge, uplink_residual
+from pollen.wire import arrays_to_record, payload_to_records, record_to_arrays, records_to_payload
+
+COPY_PREFIX = "lazy.x/"  # the stored model copy, one entry per array
+ORDER = "lazy.order"  # the copy's array names (utf-8 bytes): the server's flattening order
+C_PREV = "lazy.c-prev"  # the last downlink vector applied (increment, or Variant C's model)
+UP_REF = "lazy.up-ref"  # the last vector this client transmitted
+DOWN_KINDS = ("dense", "full", "send", "skip", "aa", "keep")
+
+
+def is_lazy(msg: Message) -> bool:
+    """Whether ``msg`` is a train message of the lazy family."""
+    if msg.metadata.message_type.split(".")[0] != "train":
+        return False
+    config = msg.content.config_records.get(protocol.CONFIG_RECORD)
+    return config is not None and protocol.CFG_LAZY_UP_RULE in config
+
+
+def lazy_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Flower mod: the lazy family's downlink before training and its judged uplink after."""
+    if not is_lazy(msg):
+        return call_next(msg, context)
+    config = ConfigRecord(dict(msg.content.config_records[protocol.CONFIG_RECORD]))
+    state = client_state_for(context, config)
+    start = _start_model(msg, config, state)
+    if start is None:
+        return _resync_reply(msg)
+    layout, start_arrays = start
+    for name in (protocol.DOWN_RECORD, protocol.DOWN_META_RECORD, protocol.DOWN_BUFFERS_RECORD):
+        if name in msg.content:
+            del msg.content[name]
+    msg.content[protocol.ARRAYS_RECORD] = arrays_to_record(start_arrays)
+    reply = call_next(msg, context)
+    if reply.has_error() or protocol.ARRAYS_RECORD not in reply.content.array_records:
+        return reply
+    content = _judged_upload(reply, config, state, layout, start_arrays)
+    state.commit()
+    return Message(content=content, reply_to=msg)
+
+
+# ---------------------------------------------------------------------------- downlink
+def _start_model(msg: Message, config: ConfigRecord, state: ClientState) -> tuple[ModelLayout, dict[str, np.ndarray]] | None:
+    """The layout and the named arrays to train from; ``None`` when the client must be resynced."""
+    kind = str(config.get(protocol.CFG_LAZY_DOWN, "dense"))
+    if kind not in DOWN_KINDS:
+        raise ValueError(f"downlink kind {kind!r} is unknown; allowed: {', '.join(DOWN_KINDS)}")
+    buffer_keys = protocol.split_keys(str(config.get(protocol.CFG_BUFFER_KEYS, "")))
+    if kind in ("dense", "full"):
+        arrays = {name: np.array(value) for name, value in record_to_arrays(msg.content.array_records[protocol.ARRAYS_RECORD]).items()}
+        layout = ModelLayout.from_arrays(arrays, buffer_keys)
+        if kind == "full":
+            _store_copy(state, arrays)
+            state.pop(C_PREV)
+        return layout, arrays
+    copy = _stored_copy(state)
+    if copy is None:
+        return None
+    layout = ModelLayout.from_arrays(copy, buffer_keys)
+    received = None
+    if protocol.DOWN_RECORD in msg.content:
+        payload = records_to_payload(msg.content.array_records[protocol.DOWN_RECORD], msg.content.config_records[protocol.DOWN_META_RECORD])
+        received = decode_payload(payload, layout.dim, segments=layout.segments)
+    try:
+        new_x, new_c_prev = apply_downlink(kind, received, layout.flatten(copy), state.get(C_PREV), str(config.get(protocol.CFG_LAZY_APPLY, "add")))
+    except ValueError:
+        return None  # e.g. a skip against an increment this client no longer holds
+    if checksum(new_x) != str(config.get(protocol.CFG_LAZY_X_SUM, "")):
+        return None
+    arrays = dict(copy)
+    arrays.update(layout.unflatten(new_x))
+    if protocol.DOWN_BUFFERS_RECORD in msg.content:
+        arrays.update({k: np.array(v) for k, v in record_to_arrays(msg.content.array_records[protocol.DOWN_BUFFERS_RECORD]).items()})
+    _store_copy(state, arrays)
+    if new_c_prev is not None:
+        state.set(C_PREV, new_c_prev)
+    return layout, arrays
+
+
+def _store_copy(state: ClientState, arrays: dict[str, np.ndarray]) -> None:
+    for name in [n for n in state.names() if n.startswith(COPY_PREFIX)]:
+        state.pop(name)
+    for name, value in arrays.items():
+        state.set(COPY_PREFIX + name, value)
+    state.set(ORDER, np.frombuffer(protocol.join_keys(list(arrays)).encode(), dtype=np.uint8))
+
+
+def _stored_copy(state: ClientState) -> dict[str, np.ndarray] | None:
+    order = state.get(ORDER)
+    if order is None:
+        return None
+    names = protocol.split_keys(bytes(np.asarray(order, dtype=np.uint8)).decode())
+    copy = {name: state.get(COPY_PREFIX + name) for name in names}
+    if any(value is None for value in copy.values()):
+        return None
+    return {name: np.array(value) for name, value in copy.items()}
+
+
+def _resync_reply(msg: Message) -> Message:
+    content = RecordDict({
+        protocol.FLAGS_RECORD: ConfigRecord({protocol.FLAG_RESYNC: True}),
+        protocol.METRICS_RECORD: MetricRecord({protocol.NUM_EXAMPLES: 1, "num-steps": 0}),
+    })
+    return Message(content=content, reply_to=msg)
+
+
+# ---------------------------------------------------------------------------- uplink
+def _judged_upload(reply: Message, config: ConfigRecord, state: ClientState, layout: ModelLayout, start: dict[str, np.ndarray]) -> RecordDict:
+    local = record_to_arrays(reply.content.array_records[protocol.ARRAYS_RECORD])
+    layout.check_arrays(local, layout.trainable + layout.buffers)
+    delta = layout.difference(local, start)
+    granularity = str(config.get(protocol.CFG_GRANULARITY, "model"))
+    codec = make_codec(
+        str(config.get(protocol.CFG_LAZY_UP_CODEC, "none")),
+        topk_ratio=float(config.get(protocol.CFG_LAZY_UP_TOPK, 1 / 64)),
+        segments=layout.segments,
+        granularity=granularity,
+    )
+    feedback = bool(config.get(protocol.CFG_ERROR_FEEDBACK, False))
+    residual = state.get(RESIDUAL) if feedback else None
+    if residual is not None and residual.shape != delta.shape:
+        residual = None
+    compensated = delta if residual is None else np.add(delta, residual, dtype=np.float32)
+    payload = codec.encode(compensated)
+    cand = codec.decode(payload, layout.dim)
+    ref = state.get(UP_REF)
+    if ref is not None and (ref.shape != cand.shape or checksum(ref) != str(config.get(protocol.CFG_LAZY_REF_SUM, ""))):
+        ref = None  # the server holds no copy of it (or another one): judge as a first upload
+    verdict = judge(cand, ref, str(config[protocol.CFG_LAZY_UP_RULE]), float(config.get(protocol.CFG_LAZY_UP_TAU, 0.0)))
+    if feedback:
+        state.set(RESIDUAL, uplink_residual(delta, residual, verdict.used, cand, str(config.get(protocol.CFG_LAZY_EF_MODE, "applied"))))
+    if verdict.transmit:
+        state.set(UP_REF, verdict.new_ref)
+    content = RecordDict()
+    if verdict.transmit:
+        update, meta = payload_to_records(payload, granularity)
+        content[protocol.UPDATE_RECORD] = update
+        content[protocol.UPDATE_META_RECORD] = meta
+    if layout.buffer_keys:
+        content[protocol.BUFFERS_RECORD] = arrays_to_record({k: local[k] for k in layout.buffer_keys})
+    if verdict.kind != "send":
+        content[protocol.FLAGS_RECORD] = ConfigRecord({protocol.FLAG_SKIP if verdict.kind == "skip" else protocol.FLAG_AA: True})
+    for name, record in reply.content.items():
+        if name != protocol.ARRAYS_RECORD and name not in content:
+            content[name] = record
+    return content
+
+
+__all__ = ["is_lazy", "lazy_mod"]

@@ -1,0 +1,344 @@
+"""FedNLAA, FedAA, FedNLACA, FedACA, FedBNLACA and FedBACA (spec ``papers/fedbaca.md`` §4-5) as one strategy.
+
+Lazy (NLA) and accelerated (AA) aggregation on FedAMS (Option A: ``v_hat = max(v_hat, v, eps)``):
+
+- **uplink** (Algorithms 1 and 3): each client judges its candidate (``Delta``, or ``C(Delta + e)`` with
+  error feedback) against the last vector it transmitted (:func:`pollen.lazy.judge`). An NLA skip sends
+  a one-bit flag and no vector, and the server reuses its stored copy ``ref_i``; AA sends the new vector
+  and the server adds ``ref_i``. The server sends each client the checksum of the ``ref_i`` it holds, and
+  a client judges only against a reference with that checksum, so both sides always reuse the same copy.
+- **downlink** (Algorithm 2, the spec's *increment reading*, FedBNLACA / FedBACA): the server keeps a
+  mirror ``x_i`` of each client's model and the last increment ``c_prev_i``; it sends
+  ``C(theta_t - x_i)`` judged by NLA / AA against ``c_prev_i``, and both sides add the result to ``x_i``
+  (:func:`pollen.lazy.downlink_step`); the client trains from ``x_i``. A client seen for the first time,
+  or one whose copy was lost or disagrees with the mirror (a checksum travels with every increment),
+  gets the full model once (``full``), counted apart. Ablations: ``downlink_mode="model-keep"``
+  (Variant B) and ``"literal"`` (Variant C, error feedback on raw models; fails by design).
+
+The aggregate is ``(1/|S_t|) sum_i used_i`` over the replies (a skipped client counts through its reused
+vector). Per-client vectors live in a :class:`~pollen.lazy.book.ClientBook` (FedAdaVR's table storage;
+RAM or memory-mapped); absent clients keep everything on both sides. The client side is
+:func:`pollen.clientside.lazy_mod.lazy_mod`.
+
+With every threshold 0 nothing fires (unless a candidate equals its reference exactly): FedNLAA = FedAA =
+FedAMS, FedNLACA = FedACA = FedCAMS, FedBNLACA = FedBACA = FedCAMS with an error-fed compressed downlink.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from pollen import protocol
+from pollen.compression import CODECS, GRANULARITIES, make_codec
+from pollen.lazy.book import ClientBook
+from pollen.lazy.rules import DOWNLINK_MODES, EF_MODES, REF_MODES, RULES, check_choice, check_tau, checksum, downlink_step, norm64, replay
+from pollen.strategies.base import ReplyRejected, ReplySpec
+from pollen.strategies.fedams import FedAMS, fedams_kwargs
+from pollen.strategies.registry import register
+from pollen.wire import arrays_to_record, payload_to_records
+
+#: Every event of a round the family counts (results column ``lazy_events``).
+EVENTS = ("up-send", "up-skip", "up-aa", "up-flags", "down-dense", "down-full", "down-send", "down-skip", "down-aa", "down-keep", "down-flags", "resync")
+
+#: The six methods: (uplink rule, compressed uplink, bidirectional).
+METHODS = {
+    "fednlaa": ("nla", False, False),
+    "fedaa": ("aa", False, False),
+    "fednlaca": ("nla", True, False),
+    "fedaca": ("aa", True, False),
+    "fedbnlaca": ("nla", True, True),
+    "fedbaca": ("aa", True, True),
+}
+
+
+class FedLazy(FedAMS):
+    """FedAMS with lazy / accelerated aggregation, optionally compressed both ways with error feedback.
+
+    Parameters
+    ----------
+    up_rule : str (default: "nla")
+        ``"nla"`` (skip), ``"aa"`` (merge) or ``"none"`` on the uplink.
+    up_tau : float (default: 0.0)
+        Effective uplink threshold ``C / (alpha |S_t|)`` (NLA) or ``D / (alpha |S_t|)`` (AA), >= 0. The
+        spec's calibration: uncompressed updates fire from about 0.25, top-k with error feedback only
+        from about 1.1 (§9).
+    compressor : str (default: "none")
+        Uplink codec of :mod:`pollen.compression` (``"none"``: Algorithm 1, no error feedback).
+    topk_ratio : float (default: 1/8)
+        Uplink top-k ratio, in (0, 1].
+    error_feedback : bool (default: True)
+        Error feedback on a compressed uplink (ignored without a codec).
+    granularity : str (default: "model")
+        One scale / one top-k over the model, or per tensor (``"tensor"``), both directions.
+    down_compressor : str | None (default: None)
+        ``None``: dense downlink (the full model every round, Algorithms 1 and 3). A codec name:
+        Algorithm 2's compressed, error-fed downlink with per-client mirrors.
+    down_rule : str (default: "none")
+        ``"nla"``, ``"aa"`` or ``"none"`` on the downlink.
+    down_tau : float (default: 0.0)
+        Effective downlink threshold, >= 0.
+    down_topk_ratio : float (default: 1/8)
+        Downlink top-k ratio, in (0, 1].
+    downlink_mode : str (default: "increment")
+        ``"increment"`` (recommended), ``"model-keep"`` (Variant B; NLA only) or ``"literal"``
+        (Variant C, the negative control).
+    ef_mode : str (default: "applied")
+        Uplink error feedback on what the server applied (``"applied"``, Lemma F.4) or on what the
+        codec kept (``"compressed"``, the proof identities D.1/E.1).
+    ref_mode : str (default: "last-transmitted")
+        What "t-1" is for a client: its last transmitted vector from its last participation, or
+        ``"consecutive-only"`` (the proofs' literal reading: no reference unless it took part in the
+        previous round).
+    bookkeeping_dir : str | None (default: None)
+        Keep the per-client vectors memory-mapped in this directory instead of RAM.
+    **kwargs
+        Everything :class:`FedAMS` takes (``eta``, ``eps``, ``option``, sampling, ...). The paper's
+        server settings are Option A with ``eps=1e-3``; the app's run-config passes them.
+    """
+
+    streaming = False  # each reply is resolved against its client's stored copies before the mean
+    reply_spec = ReplySpec(flags=(protocol.FLAG_SKIP, protocol.FLAG_AA, protocol.FLAG_RESYNC), update="optional")
+
+    def __init__(
+        self,
+        *,
+        up_rule: str = "nla",
+        up_tau: float = 0.0,
+        compressor: str = "none",
+        topk_ratio: float = 1 / 8,
+        error_feedback: bool = True,
+        granularity: str = "model",
+        down_compressor: str | None = None,
+        down_rule: str = "none",
+        down_tau: float = 0.0,
+        down_topk_ratio: float = 1 / 8,
+        downlink_mode: str = "increment",
+        ef_mode: str = "applied",
+        ref_mode: str = "last-transmitted",
+        bookkeeping_dir: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        check_choice("up_rule", up_rule, RULES)
+        check_choice("down_rule", down_rule, RULES)
+        check_choice("compressor", compressor, CODECS)
+        if down_compressor is not None:
+            check_choice("down_compressor", down_compressor, CODECS)
+        check_choice("granularity", granularity, GRANULARITIES)
+        check_choice("downlink_mode", downlink_mode, DOWNLINK_MODES)
+        check_choice("ef_mode", ef_mode, EF_MODES)
+        check_choice("ref_mode", ref_mode, REF_MODES)
+        for name, ratio in (("topk_ratio", topk_ratio), ("down_topk_ratio", down_topk_ratio)):
+            if not 0.0 < ratio <= 1.0:
+                raise ValueError(f"{name}={ratio!r} is out of range; allowed: a number in (0, 1]")
+        if downlink_mode == "model-keep" and down_rule == "aa":
+            raise ValueError("downlink_mode='model-keep' (Variant B) has no AA reading; allowed down_rule: nla or none")
+        if down_compressor is None and down_rule != "none":
+            raise ValueError(f"down_rule={down_rule!r} needs a compressed downlink (down_compressor); allowed without one: none")
+        kwargs.setdefault("identify_clients", True)
+        super().__init__(**kwargs)
+        self.up_rule, self.up_tau = up_rule, check_tau("up_tau", up_tau)
+        self.compressor, self.topk_ratio, self.granularity = compressor, float(topk_ratio), granularity
+        self.error_feedback = bool(error_feedback) and compressor != "none"
+        self.down_compressor, self.down_rule, self.down_tau = down_compressor, down_rule, check_tau("down_tau", down_tau)
+        self.down_topk_ratio, self.downlink_mode = float(down_topk_ratio), downlink_mode
+        self.ef_mode, self.ref_mode = ef_mode, ref_mode
+        self.bookkeeping_dir = bookkeeping_dir
+        self.book: ClientBook | None = None
+        self.last_round: dict[str, int] = {}  # each client's last participation (consecutive-only)
+        self._down_codec = None
+        self._pending: dict[str, dict[str, Any]] = {}  # this round: what each sampled client will hold
+
+    @property
+    def bidirectional(self) -> bool:
+        return self.down_compressor is not None
+
+    def extra_summary(self) -> dict[str, Any]:
+        summary = super().extra_summary()
+        summary["uplink"] = (f"{self.up_rule} tau={self.up_tau:g}, {self.compressor} (top-k {self.topk_ratio:g}), "
+                             f"error feedback {'on (' + self.ef_mode + ')' if self.error_feedback else 'off'}, reference {self.ref_mode}")
+        summary["downlink"] = ("dense (the full model)" if not self.bidirectional else
+                               f"{self.down_rule} tau={self.down_tau:g}, {self.down_compressor} (top-k {self.down_topk_ratio:g}), {self.downlink_mode} reading")
+        summary["bookkeeping"] = "RAM" if self.bookkeeping_dir is None else self.bookkeeping_dir
+        return summary
+
+    # ------------------------------------------------------------------ state per client
+    def on_layout(self, layout: Any) -> None:
+        if self.book is None:
+            kinds = ("up-ref",) + (("x", "c-prev", "error") if self.bidirectional else ())
+            self.book = ClientBook(layout.dim, directory=self.bookkeeping_dir, kinds=kinds)
+
+    def _codec(self, name: str, ratio: float) -> Any:
+        return make_codec(name, topk_ratio=ratio, segments=self.layout.segments, granularity=self.granularity)
+
+    def _count(self, server_round: int, event: str, n: int = 1) -> None:
+        events = self.accounting.round(server_round).lazy_events
+        events[event] = events.get(event, 0) + n
+
+    # ------------------------------------------------------------------ downlink
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        return {
+            protocol.CFG_LAZY_UP_RULE: self.up_rule,
+            protocol.CFG_LAZY_UP_TAU: self.up_tau,
+            protocol.CFG_LAZY_UP_CODEC: self.compressor,
+            protocol.CFG_LAZY_UP_TOPK: self.topk_ratio,
+            protocol.CFG_LAZY_EF_MODE: self.ef_mode,
+            protocol.CFG_ERROR_FEEDBACK: self.error_feedback,
+            protocol.CFG_GRANULARITY: self.granularity,
+        }
+
+    def node_content(self, server_round: int, node: int, shared: RecordDict) -> RecordDict:
+        """The client's own config (its reference checksum) and model: dense, full, or a judged increment."""
+        key = self.sampler.key(node)
+        config = ConfigRecord(dict(shared.config_records[self.configrecord_key]))
+        ref = self.book.get("up-ref", key)
+        if ref is not None and self.ref_mode == "consecutive-only" and self.last_round.get(key) != server_round - 1:
+            ref = None
+        if ref is not None:
+            config[protocol.CFG_LAZY_REF_SUM] = checksum(ref)
+        pending: dict[str, Any] = {"ref": ref}
+        content = RecordDict({self.configrecord_key: config})
+        if not self.bidirectional:
+            config[protocol.CFG_LAZY_DOWN] = "dense"
+            content[self.arrayrecord_key] = shared.array_records[self.arrayrecord_key]
+            self._count(server_round, "down-dense")
+        elif not self.book.has("x", key):
+            config[protocol.CFG_LAZY_DOWN] = "full"
+            content[self.arrayrecord_key] = shared.array_records[self.arrayrecord_key]
+            pending.update(x=self.params.copy(), c_prev=None, error=None)
+            self._count(server_round, "down-full")
+        else:
+            if self._down_codec is None:
+                self._down_codec = self._codec(self.down_compressor, self.down_topk_ratio)
+            step, payload = downlink_step(self.params, self.book.get("x", key), self.book.get("c-prev", key), self.book.get("error", key),
+                                          self._down_codec, rule=self.down_rule, tau=self.down_tau, mode=self.downlink_mode)
+            config[protocol.CFG_LAZY_DOWN] = step.kind
+            config[protocol.CFG_LAZY_APPLY] = step.apply
+            config[protocol.CFG_LAZY_X_SUM] = checksum(step.new_x)
+            if payload is not None:
+                down, meta = payload_to_records(payload, self.granularity)
+                content[protocol.DOWN_RECORD], content[protocol.DOWN_META_RECORD] = down, meta
+            if self.buffers:
+                content[protocol.DOWN_BUFFERS_RECORD] = self._buffers_record()
+            pending.update(x=step.new_x, c_prev=step.new_c_prev, error=step.new_error)
+            self._count(server_round, f"down-{step.kind}")
+            if step.kind != "send":
+                self._count(server_round, "down-flags")
+        self._pending[key] = pending
+        return content
+
+    def _buffers_record(self) -> ArrayRecord:
+        cached = getattr(self, "_buffers_cache", None)
+        if cached is None or cached[0] is not self._last_returned:
+            self._buffers_cache = (self._last_returned, arrays_to_record(self.buffers))
+        return self._buffers_cache[1]
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Any) -> Iterable[Message]:
+        self._pending = {}
+        return super().configure_train(server_round, arrays, config, grid)
+
+    # ------------------------------------------------------------------ uplink
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Resolve each reply against its client's stored copies, screen, then FedAMS's step on the mean."""
+        stats = self.accounting.round(server_round)
+        phase = self._current_phase.get(server_round, "train")
+        usable = []
+        for update in self.collect(server_round, replies, phase=phase):
+            try:
+                self._resolve(server_round, update)
+            except ReplyRejected as err:
+                self.book.forget(update.client_key)  # its copies can no longer be trusted: start again
+                self._reject(stats, update.node_id, str(err))
+                continue
+            usable.append(update)
+        self._pending = {}
+        return self.apply_updates(server_round, self._screen_updates(server_round, usable, stats), None)
+
+    def _resolve(self, server_round: int, update: Any) -> None:
+        """Turn a reply into the vector the server applies; commit both sides' copies of that client."""
+        key = update.client_key
+        pending = self._pending.pop(key, None)
+        if pending is None:
+            raise ReplyRejected("no downlink was prepared for this client this round")
+        flags = update.flags
+        if flags.get(protocol.FLAG_RESYNC):
+            if update.delta is not None or flags.get(protocol.FLAG_SKIP) or flags.get(protocol.FLAG_AA):
+                raise ReplyRejected("a resync request together with an update or another flag")
+            self._count(server_round, "resync")
+            raise ReplyRejected("the client has no copy of the model that matches the server's mirror: it gets the full model next time")
+        if flags.get(protocol.FLAG_SKIP) and flags.get(protocol.FLAG_AA):
+            raise ReplyRejected("both the skip and the aa flag")
+        kind = "skip" if flags.get(protocol.FLAG_SKIP) else "aa" if flags.get(protocol.FLAG_AA) else "send"
+        if kind == "send" and update.delta is None:
+            raise ReplyRejected("neither an update nor a skip flag")
+        try:
+            used, new_ref = replay(kind, update.delta, pending["ref"])
+        except ValueError as err:
+            raise ReplyRejected(str(err)) from None
+        if kind != "send":
+            self._count(server_round, "up-flags")
+        self._count(server_round, f"up-{kind}")
+        if kind != "skip":
+            self.book.put("up-ref", key, new_ref)
+        if self.bidirectional:
+            for kind_, name in (("x", "x"), ("c-prev", "c_prev"), ("error", "error")):
+                self.book.put(kind_, key, pending[name])
+        self.last_round[key] = server_round
+        update.delta = used
+        update.norm = norm64(used)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.book is not None:
+            state["book"] = self.book.state_dict()
+        state["last_round"] = dict(self.last_round)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "book" in state:
+            self.book = None
+            self.on_layout(self.layout)
+            self.book.load_state_dict(state["book"])
+        self.last_round = {str(k): int(v) for k, v in state.get("last_round", {}).items()}
+
+
+def _builder(method: str):  # noqa: ANN202
+    up_rule, compressed, bidirectional = METHODS[method]
+
+    def build(cfg: Mapping[str, Any]) -> FedLazy:
+        return FedLazy(
+            **fedams_kwargs(cfg),
+            up_rule=up_rule,
+            up_tau=cfg["tau-up"],
+            compressor=cfg["compressor"] if compressed else "none",
+            topk_ratio=cfg["topk-ratio"],
+            error_feedback=cfg["error-feedback"],
+            granularity=cfg["compression-granularity"],
+            down_compressor=cfg["compressor-down"] if bidirectional else None,
+            down_rule=up_rule if bidirectional else "none",
+            down_tau=cfg["tau-down"],
+            down_topk_ratio=cfg["topk-ratio-down"],
+            downlink_mode=cfg["downlink-mode"],
+            ef_mode=cfg["ef-mode"],
+            ref_mode=cfg["ref-mode"],
+            bookkeeping_dir=cfg["bookkeeping-dir"] or None,
+        )
+
+    return build
+
+
+for _method, _what in (
+    ("fednlaa", "pollen.strategies.FedLazy(up_rule='nla') (Algorithm 1: lazy uplink, uncompressed)"),
+    ("fedaa", "pollen.strategies.FedLazy(up_rule='aa') (Algorithm 1: accelerated uplink, uncompressed)"),
+    ("fednlaca", "pollen.strategies.FedLazy(up_rule='nla', compressor=...) (Algorithm 3: lazy, compressed, error feedback)"),
+    ("fedaca", "pollen.strategies.FedLazy(up_rule='aa', compressor=...) (Algorithm 3: accelerated, compressed)"),
+    ("fedbnlaca", "pollen.strategies.FedLazy(..., down_compressor=..., down_rule='nla') (Algorithm 2: both ways)"),
+    ("fedbaca", "pollen.strategies.FedLazy(..., down_compressor=..., down_rule='aa') (Algorithm 2: both ways)"),
+):
+    register(_method, _what)(_builder(_method))
+
+__all__ = ["EVENTS", "METHODS", "FedLazy"]
