@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "comparison.json").write_text(json.dumps(summaries, indent=2) + "\n")
     plot_runs({run.name: load_rows(run) for run in args.runs}, args.out)
     print(table)
-    print(f"\nwritten: {args.out / 'comparison.md'}, accuracy_vs_round.png, accuracy_vs_uplink.png")
+    print(f"\nwritten: {args.out / 'comparison.md'} and the accuracy plots (vs round, uplink, downlink and total bytes)")
     return 0
 
 

@@ -6,7 +6,7 @@ Layout of ``results/<run-name>/``::
     metrics.csv      one row per round (0 = the initial model)
     metrics.json     the same rows plus the run's summary
     final_model.npz  the final global model, one array per name
-    accuracy_vs_round.png, accuracy_vs_uplink.png
+    accuracy_vs_round.png, accuracy_vs_uplink.png, accuracy_vs_downlink.png, accuracy_vs_total_bytes.png
 """
 
 from __future__ import annotations
@@ -122,17 +122,22 @@ def load_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _numeric(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(x, accuracy) of the rows with an accuracy; ``cum_total_bytes`` is uplink + downlink."""
     xs, ys = [], []
     for row in rows:
         value = row.get("accuracy")
         if isinstance(value, (int, float)) and not math.isnan(value):
-            xs.append(float(row.get(key) or 0.0))
+            if key == "cum_total_bytes":
+                x = float(row.get("cum_uplink_bytes") or 0.0) + float(row.get("cum_downlink_bytes") or 0.0)
+            else:
+                x = float(row.get(key) or 0.0)
+            xs.append(x)
             ys.append(float(value))
     return xs, ys
 
 
 def plot_runs(runs: Mapping[str, list[dict[str, Any]]], out_dir: Path) -> list[Path]:
-    """Accuracy vs round and vs cumulative uplink bytes, one line per run."""
+    """Accuracy vs round and vs cumulative uplink, downlink and total bytes, one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -142,6 +147,8 @@ def plot_runs(runs: Mapping[str, list[dict[str, Any]]], out_dir: Path) -> list[P
     for x_key, x_label, name, log_x in (
         ("round", "round", "accuracy_vs_round.png", False),
         ("cum_uplink_bytes", "cumulative uplink bytes (all clients)", "accuracy_vs_uplink.png", True),
+        ("cum_downlink_bytes", "cumulative downlink bytes (all clients)", "accuracy_vs_downlink.png", True),
+        ("cum_total_bytes", "cumulative bytes, both directions", "accuracy_vs_total_bytes.png", True),
     ):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for label, rows in runs.items():

@@ -160,6 +160,7 @@ def test_federated_run_over_tls_with_node_auth(federation):
         # one HA-Fed round (their node-config cluster, a gossip step relayed by the server).
         run_fed_lamb_round(fed, results)
         run_hafed_round(fed, results)
+        run_fedbnlaca_rounds(fed, results)
 
 
 def run_fed_lamb_round(fed, results):
@@ -192,6 +193,26 @@ def run_hafed_round(fed, results):
     assert row["replies"] == 2 and row["failures"] == 0, row  # the 2 uploaders of the one cluster
     assert row["exchange_messages"] == NUM_NODES and row["grad_evals"] == 2 * NUM_NODES, row
     assert row["downlink_by_record"]["hafed-gossip/arrays"] > 0 and row["relayed_bytes"] > 0, row
+
+
+def run_fedbnlaca_rounds(fed, results):
+    """FedBNLACA for two rounds: the full model once, then top-k 1/8 increments against each SuperNode's copy."""
+    from pollen.compression import make_codec
+
+    config = dict(RUN_CONFIG, **{"results-dir": str(results), "strategy": "fedbnlaca", "run-name": "e2e-fedbnlaca",
+                                 "compressor": "topk", "topk-ratio": 0.125, "compressor-down": "topk", "topk-ratio-down": 0.125})
+    _, out = _flwr_run(fed, "flwr-run-fedbnlaca", config)
+    assert "[pollen] done" in out, out
+    first, second = lf.load_metrics(results, "e2e-fedbnlaca")["rows"][1:]
+    for row in (first, second):
+        assert row["replies"] == NUM_NODES and row["failures"] == 0, row
+    assert first["lazy_events"]["down-full"] == NUM_NODES and "pollen.down" not in first["downlink_by_record"], first
+    assert second["lazy_events"]["down-send"] == NUM_NODES and "arrays" not in second["downlink_by_record"], second
+    d = 29_034
+    payload = make_codec("topk", topk_ratio=0.125).payload_bytes(d)
+    per_node_down = second["downlink_by_record"]["pollen.down"] / NUM_NODES
+    assert payload <= per_node_down < payload + 512, second  # the codec's bytes and the record's framing
+    assert per_node_down < 0.3 * first["downlink_by_record"]["arrays"] / NUM_NODES, (first, second)
 
 
 def test_supernode_with_unregistered_key_is_refused(federation):

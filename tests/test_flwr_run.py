@@ -168,3 +168,29 @@ def test_hafed_gossips_in_two_clusters_of_four(flower: LocalFlower, results_dir:
         assert row["grad_evals"] == 3 * 8  # every client trains
         assert row["downlink_by_record"]["hafed-gossip/arrays"] > 0 and row["relayed_bytes"] > 0 and row["peer_bytes"] > 0
     assert metrics["rows"][-1]["accuracy"] > metrics["rows"][0]["accuracy"]
+
+
+LAZY_FAMILY = ("fednlaa", "fedaa", "fednlaca", "fedaca", "fedbnlaca", "fedbaca")
+
+
+@pytest.mark.parametrize("name", LAZY_FAMILY)
+def test_lazy_family_runs_with_its_flags_and_increments_on_the_wire(flower: LocalFlower, results_dir: Path, name: str) -> None:
+    """All 4 SuperNodes train each round; the bidirectional ones get the full model once, then top-k 1/8 increments."""
+    metrics = _run(flower, results_dir, name, strategy=name, **{
+        "fraction-train": 1.0, "min-train-nodes": 4, "fraction-evaluate": 0.0, "min-evaluate-nodes": 0,
+        "local-lr": 0.05, "server-lr": 0.01, "compressor": "topk", "topk-ratio": 0.125, "compressor-down": "topk",
+        "topk-ratio-down": 0.125, "tau-up": 0.5, "tau-down": 0.5})
+    first, last = metrics["rows"][1], metrics["rows"][-1]
+    for row in (first, last):
+        assert row["failures"] == 0 and row["replies"] == 4, row
+        events = row["lazy_events"]
+        assert sum(events.get(f"up-{kind}", 0) for kind in ("send", "skip", "aa")) == 4, events
+    assert "up-skip" not in first["lazy_events"] and "up-aa" not in first["lazy_events"]  # no reference yet
+    dense_model = first["downlink_by_record"]["arrays"]
+    if name.startswith("fedb"):
+        assert first["lazy_events"]["down-full"] == 4 and "pollen.down" not in first["downlink_by_record"]
+        assert "arrays" not in last["downlink_by_record"]
+        assert 0 < last["downlink_by_record"].get("pollen.down", 0) < 0.3 * dense_model  # top-k 1/8: k values + k indices
+    else:
+        assert last["downlink_by_record"]["arrays"] == dense_model and last["lazy_events"]["down-dense"] == 4
+    assert last["accuracy"] > metrics["rows"][0]["accuracy"]

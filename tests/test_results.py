@@ -16,7 +16,7 @@ from pollen.results import COLUMNS, RunRecorder, human_bytes, load_rows
 pytestmark = pytest.mark.flower_compat
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-PLOTS = ("accuracy_vs_round.png", "accuracy_vs_uplink.png")
+PLOTS = ("accuracy_vs_round.png", "accuracy_vs_uplink.png", "accuracy_vs_downlink.png", "accuracy_vs_total_bytes.png")
 
 
 def fake_rows(num_rounds: int, uplink_per_round: int, accuracy_gain: float) -> list[dict]:

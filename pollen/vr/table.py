@@ -197,7 +197,6 @@ class UpdateTable:
         if not np.isfinite(w) or w < 0:
             raise ValueError(f"weight={weight!r} must be finite and >= 0")
         row_data, row_absmax = self._encode_row(vec)
-        new = vec if self._precision == "fp32" else self._decode_row(row_data, row_absmax)
 
         row = self._index.get(k)
         if row is None:
@@ -209,9 +208,12 @@ class UpdateTable:
             old_w = 0.0
         else:
             old_w = float(self._weights[row])
-            old = self._decode_row(self._data[row], self._absmax[row])
-            self._sum -= old_w * old.astype(np.float64)
-        self._sum += w * new.astype(np.float64)
+            if old_w:  # rows of weight 0 (e.g. the lazy family's bookkeeping) add nothing to the sum
+                old = self._decode_row(self._data[row], self._absmax[row])
+                self._sum -= old_w * old.astype(np.float64)
+        if w:
+            new = vec if self._precision == "fp32" else self._decode_row(row_data, row_absmax)
+            self._sum += w * new.astype(np.float64)
         self._total_weight += w - old_w
         self._data[row] = row_data
         self._absmax[row] = row_absmax

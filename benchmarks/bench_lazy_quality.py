@@ -1,0 +1,170 @@
+"""Issue 13: what lazy / accelerated aggregation and a compressed downlink give on real Fashion-MNIST.
+
+The spec's CPU setting (``papers/fedbaca.md`` §9-10): 100 clients with 600 images each (IID), 50 sampled per
+round, 3 local epochs of batch 32 at eta_l = 0.01, server FedAMS Option A (eta = 0.1, eps = 1e-3 as a floor,
+beta 0.9 / 0.99, no bias correction), top-k over the whole model, applied error feedback, the downlink's
+increment reading, bytes as they cross the wire (pollen's codecs: top-k sends k float32 values and k int32
+indices, the model's metadata and the record framing). Runs are pollen's real ServerApp and ClientApp in one
+process (``benchmarks/inprocess.py``); each is resumable (a finished run is read back, not redone).
+
+Methods (``CONFIGS``): FedAMS, FedCAMS (top-k 1/8, 1/128), FedNLAA / FedAA at the thresholds the spec's
+calibration found to fire (tau = 0.25, 0.5), FedNLACA / FedACA at 1/8 with tau = 1.1 / 1.2, the compressed
+downlink alone (FedBNLACA with both thresholds 0 = FedCAMS + error-fed downlink: up 1/128 with down 1/8, and
+1/128 both ways), and FedBNLACA / FedBACA with up 1/128 tau 1.4, down 1/8 tau 0.65.
+
+Tables: final and best accuracy (mean +- sd over seeds), cumulative uplink / downlink / total MB, the share of
+uploads skipped or merged and of downlinks skipped or merged. Plots (seed 1): accuracy vs round, uplink,
+downlink and total bytes, drawn by ``pollen.results.plot_runs`` (``pollen-compare``'s engine).
+
+    python benchmarks/bench_lazy_quality.py [--model mlp|cnn] [--rounds 20] [--seeds 1 2 3] [--out DIR] [--report-only]
+
+An MLP run of 20 rounds takes about 2 minutes here, a CNN run about 3 times that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from inprocess import run_inprocess
+
+CLIENTS = 100
+SETUP = {
+    "dataset": "fashion-mnist",
+    "partitioner": "iid",
+    "val-fraction": 0.0,
+    "fraction-train": 0.5,
+    "min-train-nodes": 50,
+    "fraction-evaluate": 0.0,
+    "min-evaluate-nodes": 0,
+    "local-epochs": 3,
+    "batch-size": 32,
+    "local-lr": 0.01,
+    "momentum": 0.0,
+    "server-lr": 0.1,
+    "beta1": 0.9,
+    "beta2": 0.99,
+    "eps": 1e-3,
+    "eps-mode": "max",
+    "bias-correction": False,
+    "error-feedback": True,
+    "ef-mode": "applied",
+    "downlink-mode": "increment",
+    "compression-granularity": "model",
+    "eval-batch-size": 2000,
+    "eval-every": 1,
+}
+CONFIGS = {  # label: run-config
+    "FedAMS": {"strategy": "fedams"},
+    "FedCAMS top-k 1/8": {"strategy": "fedcams", "compressor": "topk", "topk-ratio": 1 / 8},
+    "FedCAMS top-k 1/128": {"strategy": "fedcams", "compressor": "topk", "topk-ratio": 1 / 128},
+    "FedNLAA tau 0.25": {"strategy": "fednlaa", "tau-up": 0.25},
+    "FedNLAA tau 0.5": {"strategy": "fednlaa", "tau-up": 0.5},
+    "FedAA tau 0.5": {"strategy": "fedaa", "tau-up": 0.5},
+    "FedNLACA 1/8 tau 1.1": {"strategy": "fednlaca", "compressor": "topk", "topk-ratio": 1 / 8, "tau-up": 1.1},
+    "FedACA 1/8 tau 1.2": {"strategy": "fedaca", "compressor": "topk", "topk-ratio": 1 / 8, "tau-up": 1.2},
+    "up 1/128 + down 1/8 (FedBNLACA tau 0)": {"strategy": "fedbnlaca", "compressor": "topk", "topk-ratio": 1 / 128,
+                                              "compressor-down": "topk", "topk-ratio-down": 1 / 8},
+    "up 1/128 + down 1/128 (FedBNLACA tau 0)": {"strategy": "fedbnlaca", "compressor": "topk", "topk-ratio": 1 / 128,
+                                                "compressor-down": "topk", "topk-ratio-down": 1 / 128},
+    "FedBNLACA up 1/128 tau 1.4, down 1/8 tau 0.65": {"strategy": "fedbnlaca", "compressor": "topk", "topk-ratio": 1 / 128, "tau-up": 1.4,
+                                                      "compressor-down": "topk", "topk-ratio-down": 1 / 8, "tau-down": 0.65},
+    "FedBACA up 1/128 tau 1.4, down 1/8 tau 0.65": {"strategy": "fedbaca", "compressor": "topk", "topk-ratio": 1 / 128, "tau-up": 1.4,
+                                                    "compressor-down": "topk", "topk-ratio-down": 1 / 8, "tau-down": 0.65},
+}
+
+
+def run_name(label: str, model: str, seed: int) -> str:
+    slug = "".join(ch if ch.isalnum() else "-" for ch in label.lower()).strip("-")
+    while "--" in slug:
+        slug = slug.replace("--", "-")
+    return f"{model}-{slug}-s{seed}"
+
+
+def run_once(out: Path, label: str, model: str, rounds: int, seed: int, *, report_only: bool) -> list[dict] | None:
+    name = run_name(label, model, seed)
+    done = out / name / "metrics.json"
+    if done.is_file():
+        rows = json.loads(done.read_text())["rows"]
+        if rows and rows[-1]["round"] == rounds:
+            return rows
+    if report_only:
+        return None
+    started = time.perf_counter()
+    rows = run_inprocess({**SETUP, **CONFIGS[label], "model": model, "seed": seed, "num-server-rounds": rounds,
+                          "results-dir": str(out), "run-name": name}, CLIENTS)
+    print(f"  {name}: final {rows[-1]['accuracy']:.4f} in {time.perf_counter() - started:.0f} s", flush=True)
+    return rows
+
+
+def mean_sd(values: list[float], digits: int = 4) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
+
+
+def event_share(runs: list[list[dict]], direction: str) -> str:
+    """Share of the direction's messages that were skipped / merged (``lazy_events`` summed over rounds)."""
+    counts: dict[str, int] = {}
+    for rows in runs:
+        for row in rows:
+            for key, n in (row.get("lazy_events") or {}).items():
+                counts[key] = counts.get(key, 0) + n
+    kinds = ("send", "skip", "aa") if direction == "up" else ("full", "send", "skip", "aa", "dense")
+    total = sum(counts.get(f"{direction}-{kind}", 0) for kind in kinds)
+    if not total:
+        return "-"
+    skip, merged = counts.get(f"{direction}-skip", 0) / total, counts.get(f"{direction}-aa", 0) / total
+    parts = [f"skip {skip:.0%}"] if skip else []
+    parts += [f"aa {merged:.0%}"] if merged else []
+    return ", ".join(parts) or "all sent"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="mlp", choices=("mlp", "cnn"))
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--configs", nargs="*", default=None, help="labels to run (default: all)")
+    parser.add_argument("--out", default="/tmp/pollen-lazy-quality")
+    parser.add_argument("--plots", default=None, help="folder for the seed-1 plots (default: OUT/plots-MODEL)")
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    labels = args.configs or list(CONFIGS)
+    print(f"Fashion-MNIST, {args.model}, {CLIENTS} clients (IID, 600 each), 50 per round, 3 local epochs of batch 32, eta_l 0.01, "
+          f"FedAMS Option A eta 0.1 eps 1e-3, {args.rounds} rounds, seeds {args.seeds}", flush=True)
+    results: dict[str, list[list[dict]]] = {label: [] for label in labels}
+    for seed in args.seeds:  # seed-major: a partial run already has every method on the first seed
+        for label in labels:
+            rows = run_once(out, label, args.model, args.rounds, seed, report_only=args.report_only)
+            if rows is not None:
+                results[label].append(rows)
+
+    print(f"\n| method ({args.model}) | seeds | final accuracy | best accuracy | uplink MB | downlink MB | total MB | uploads | downlinks |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, runs in results.items():
+        if not runs:
+            continue
+        up = statistics.mean(r[-1]["cum_uplink_bytes"] for r in runs) / 1e6
+        down = statistics.mean(r[-1]["cum_downlink_bytes"] for r in runs) / 1e6
+        best = [max(x["accuracy"] for x in r if isinstance(x.get("accuracy"), (int, float))) for r in runs]
+        print(f"| {label} | {len(runs)} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd(best)} | {up:.1f} | {down:.1f} | "
+              f"{up + down:.1f} | {event_share(runs, 'up')} | {event_share(runs, 'down')} |", flush=True)
+
+    first = {label: runs[0] for label, runs in results.items() if runs}
+    if first:
+        from pollen.results import plot_runs
+
+        plots = Path(args.plots) if args.plots else out / f"plots-{args.model}"
+        plots.mkdir(parents=True, exist_ok=True)
+        paths = plot_runs(first, plots)
+        print(f"\nplots (seed {args.seeds[0]}): {', '.join(str(p) for p in paths)}")
+    print(f"runs in {out}")
+
+
+if __name__ == "__main__":
+    main()
