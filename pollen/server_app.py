@@ -106,6 +106,8 @@ class RoundReporter:
         by_kind = _records_in_words(row.get("uplink_by_record"), row.get("downlink_by_record"))
         if by_kind:
             log(INFO, "[pollen]   round %d by record: %s; %d gradient evaluations", server_round, by_kind, row.get("grad_evals", 0))
+        if row.get("lazy_events"):
+            log(INFO, "[pollen]   round %d lazy/accelerated: %s", server_round, _events_in_words(row["lazy_events"]))
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     def _row(self, server_round: int, accuracy: float | None, loss: float | None, now: float) -> dict[str, Any]:
@@ -159,6 +161,20 @@ def _records_in_words(uplink: dict[str, int] | None, downlink: dict[str, int] | 
         return ", ".join(f"{name} {human_bytes(size)}" for name, size in shown.items())
 
     return f"up {words(uplink)} | down {words(downlink or {})}"
+
+
+def _events_in_words(events: dict[str, int]) -> str:
+    """``uplink sent 3, skip 2 (2 flags) | downlink full 1, send 4 | resync 1`` from a round's lazy events."""
+    parts = []
+    for direction, name in (("up", "uplink"), ("down", "downlink")):
+        counts = [f"{kind} {events[f'{direction}-{kind}']}" for kind in ("dense", "full", "send", "skip", "aa", "keep")
+                  if events.get(f"{direction}-{kind}")]
+        if counts:
+            flags = events.get(f"{direction}-flags", 0)
+            parts.append(f"{name} {', '.join(counts)}" + (f" ({flags} flags)" if flags else ""))
+    if events.get("resync"):
+        parts.append(f"resync requests {events['resync']}")
+    return " | ".join(parts)
 
 
 def prepare(cfg: AppConfig, grid: Grid) -> tuple[Any, Any, int]:

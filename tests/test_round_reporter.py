@@ -51,3 +51,11 @@ def test_the_round_log_names_each_record_kind_only_when_there_is_more_than_the_m
     words = _records_in_words({**plain, "pollen.x.v": 2000}, {"arrays": 1000, "config": 80, "pollen.x.v_hat": 2000})
     assert words == "up arrays 1.00 KB, v 2.00 KB | down arrays 1.00 KB, v_hat 2.00 KB"
     assert "hafed-gossip/arrays 3.00 KB" in _records_in_words(plain, {"arrays": 1000, "hafed-gossip/arrays": 3000})
+
+
+def test_round_log_names_the_lazy_family_events():
+    from pollen.server_app import _events_in_words
+
+    events = {"up-send": 3, "up-skip": 2, "up-flags": 2, "down-full": 1, "down-send": 3, "down-skip": 1, "down-flags": 1, "resync": 1}
+    assert _events_in_words(events) == "uplink send 3, skip 2 (2 flags) | downlink full 1, send 3, skip 1 (1 flags) | resync requests 1"
+    assert _events_in_words({"up-send": 4, "down-dense": 4}) == "uplink send 4 | downlink dense 4"
