@@ -28,6 +28,7 @@ from pollen.strategies import (
     FedAMS,
     FedCAMS,
     FedLAMB,
+    FedLazy,
     HAFed,
     MeteredFedAdam,
     RelayAverage,
@@ -303,6 +304,25 @@ def cams_client(state_dir):  # noqa: ANN001, ANN201
     return client
 
 
+def lazy_client(state_dir):  # noqa: ANN001, ANN201
+    """FedBACA clients through the real lazy mod: model copies, references and residuals in files under state_dir."""
+    import copy
+
+    from pollen.clientside.lazy_mod import lazy_mod
+
+    contexts: dict[int, Context] = {}
+
+    def client(msg):  # noqa: ANN001, ANN202
+        node = msg.metadata.dst_node_id
+        if node not in contexts:
+            contexts[node] = Context(
+                run_id=1, node_id=node, node_config={"state-dir": str(state_dir), "client-id": IDS[node]}, state=RecordDict(), run_config={}
+            )
+        return lazy_mod(copy.deepcopy(msg), contexts[node], lambda m, c: keyed_client(m))
+
+    return client
+
+
 STRATEGIES = {
     "fedams": lambda: FedAMS(eta=0.3, fraction_train=0.5, fraction_evaluate=0.0, seed=5, identify_clients=True),
     "fedcams-sign": lambda: FedCAMS(compressor="sign", eta=0.3, fraction_train=0.5, fraction_evaluate=0.0, seed=5, identify_clients=True),
@@ -312,6 +332,8 @@ STRATEGIES = {
     "fed-lamb-z2": lambda: FedLAMB(variant="fed-lamb", sync_every=2, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
     "adp-fed": lambda: FedLAMB(variant="adp-fed", server_lr=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
     "hafed": lambda: HAFed(topology="full", local_steps=2, uploaders_per_cluster=1, fraction_evaluate=0.0, seed=5),
+    "fedbaca": lambda: FedLazy(up_rule="aa", up_tau=1.2, compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="aa",
+                               down_tau=1.0, eta=0.3, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
 }
 CLUSTER_IDS = {node: "ab"[i // 2] for i, node in enumerate(NODES)}
 
@@ -329,6 +351,8 @@ def lamb_client(msg):  # noqa: ANN001, ANN201
 def client_for(name: str, state_dir):  # noqa: ANN001, ANN201
     if name == "fedcams-sign":
         return cams_client(state_dir)
+    if name == "fedbaca":
+        return lazy_client(state_dir)
     if name == "relay-demo":
         firsts = {(IDS[n], r): delta_for(IDS[n], r, 0) for n in NODES for r in range(1, 6)}
         seconds = {(IDS[n], r): delta_for(IDS[n], r, 1) for n in NODES for r in range(1, 6)}
