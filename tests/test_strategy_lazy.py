@@ -181,8 +181,9 @@ def test_nla_skip_is_one_flag_and_the_server_reuses_its_copy():
     class Recording(FedLazy):
         def _resolve(self, server_round, update):  # noqa: ANN001
             ref = self._pending[update.client_key]["ref"]
-            super()._resolve(server_round, update)
+            outcome = super()._resolve(server_round, update)
             used_by.append((update.client_key, update.flags.get(protocol.FLAG_SKIP, False), update.delta.copy(), ref))
+            return outcome
 
     lazy = Recording(up_rule="nla", up_tau=1e6, compressor="topk", topk_ratio=0.25, **SERVER)
     grid, contexts = run(lazy, lazy_mod)
@@ -205,8 +206,9 @@ def test_aa_adds_the_stored_vector_and_applied_error_feedback_balances():
 
     class Recording(FedLazy):
         def _resolve(self, server_round, update):  # noqa: ANN001
-            super()._resolve(server_round, update)
+            outcome = super()._resolve(server_round, update)
             used.setdefault(update.client_key, []).append(update.delta.astype(np.float64))
+            return outcome
 
     def recording_train(msg, context):  # noqa: ANN001
         local = trained(msg)
@@ -423,3 +425,35 @@ def test_state_dict_resumes_bit_for_bit():
         arrays = new or arrays
     np.testing.assert_array_equal(first.params, whole.params)
     assert named_arrays(arrays).keys() == set(tiny_model(2))
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_a_reply_lost_after_the_client_moved_on_costs_no_resync(bidirectional):
+    """The client committed round r but its reply never arrived: its copies of one round back match the server's."""
+    contexts = {n: make_context(n) for n in NODES}
+    lost = []
+
+    def client(msg):  # noqa: ANN001, ANN202
+        reply = lazy_mod(copy.deepcopy(msg), contexts[msg.metadata.dst_node_id], train_fn)
+        if not lost and protocol.CFG_LAZY_REF_SUM in config_of(msg):
+            lost.append((msg.metadata.dst_node_id, int(config_of(msg)[protocol.CFG_SERVER_ROUND])))
+            return None  # the client's state moved on; the server hears nothing
+        return reply
+
+    down = dict(down_compressor="topk", down_rule="nla", down_tau=2.0) if bidirectional else {}
+    lazy = FedLazy(up_rule="nla", up_tau=1.3, compressor="topk", topk_ratio=0.25, **down, **SERVER)
+    grid = FakeGrid(NODES, client)
+    arrays = model_record(tiny_model(2))
+    for r in range(1, 13):
+        new, _ = lazy.aggregate_train(r, list(grid.send_and_receive(lazy.configure_train(r, arrays, ConfigRecord(), grid))))
+        arrays = new or arrays
+    assert lost
+    reasons = [text for stats in lazy.accounting.rounds.values() for text in stats.failure_reasons]
+    assert len(reasons) == 1 and "no reply" in reasons[0], reasons
+    assert "resync" not in events(lazy)
+    node, round_lost = lost[0]
+    asked_later = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN and m.metadata.dst_node_id == node
+                   and int(config_of(m)[protocol.CFG_SERVER_ROUND]) > round_lost]
+    assert asked_later  # it took part again, from the copies the server held
+    if bidirectional:
+        assert checksum(lazy.book.get("x", f"node-{node}")) == checksum(client_copy(contexts[node]))

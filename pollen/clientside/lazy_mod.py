@@ -9,12 +9,15 @@ family (its config has ``pollen.lazy.up-rule``) the mod:
    or a resync; the model becomes this client's stored copy ``x_i``. ``send`` / ``skip`` / ``aa`` /
    ``keep``: a (compressed) increment, or only a flag, applied to the stored copy exactly as the
    server applies it to its mirror (:func:`pollen.lazy.apply_downlink`); the result must match the
-   checksum the server sent. A client without a copy, or whose copy disagrees, trains on nothing and
-   replies only the flag ``lazy-resync``: the server sends the full model the next time.
+   checksum the server sent. The client also keeps its copy of one round back, so a reply the server
+   never got (the client moved on, the server did not) costs nothing: the checksum picks the copy the
+   server holds. A client without a matching copy trains on nothing and replies only the flag
+   ``lazy-resync``: the server sends the full model the next time.
 2. lets the ClientApp train from that model (the message's ``"arrays"`` is replaced by it);
 3. **Uplink** (Algorithms 1 and 3): ``Delta = x_trained - x_start``; the candidate is ``Delta`` or, with
    a codec, ``C(Delta + e)``; it is judged against the last vector this client transmitted (used only
-   when its checksum equals the server's, so both sides reuse the same copy) and replaced by a one-bit
+   when its checksum equals the server's, so both sides reuse the same copy; again the one of a round back
+   counts too) and replaced by a one-bit
    ``lazy-skip`` flag (NLA), sent with ``lazy-aa`` (AA) or sent as is. The error-feedback residual
    ``e`` keeps what the server did not apply (``applied`` EF, the default) or what the codec dropped
    (``compressed``).
@@ -41,6 +44,11 @@ COPY_PREFIX = "lazy.x/"  # the stored model copy, one entry per array
 ORDER = "lazy.order"  # the copy's array names (utf-8 bytes): the server's flattening order
 C_PREV = "lazy.c-prev"  # the last downlink vector applied (increment, or Variant C's model)
 UP_REF = "lazy.up-ref"  # the last vector this client transmitted
+# One round back: the reference and model copy the server held if it never got this client's last reply
+# (a lost reply); the server's checksums say which of the two it holds.
+PREV_X = "lazy.x-prev"
+PREV_C_PREV = "lazy.c-prev-prev"
+UP_REF_PREV = "lazy.up-ref-prev"
 DOWN_KINDS = ("dense", "full", "send", "skip", "aa", "keep")
 
 
@@ -86,7 +94,8 @@ def _start_model(msg: Message, config: ConfigRecord, state: ClientState) -> tupl
         layout = ModelLayout.from_arrays(arrays, buffer_keys)
         if kind == "full":
             _store_copy(state, arrays)
-            state.pop(C_PREV)
+            for name in (C_PREV, PREV_X, PREV_C_PREV):
+                state.pop(name)
         return layout, arrays
     copy = _stored_copy(state)
     if copy is None:
@@ -96,20 +105,36 @@ def _start_model(msg: Message, config: ConfigRecord, state: ClientState) -> tupl
     if protocol.DOWN_RECORD in msg.content:
         payload = records_to_payload(msg.content.array_records[protocol.DOWN_RECORD], msg.content.config_records[protocol.DOWN_META_RECORD])
         received = decode_payload(payload, layout.dim, segments=layout.segments)
-    try:
-        new_x, new_c_prev = apply_downlink(kind, received, layout.flatten(copy), state.get(C_PREV), str(config.get(protocol.CFG_LAZY_APPLY, "add")))
-    except ValueError:
-        return None  # e.g. a skip against an increment this client no longer holds
-    if checksum(new_x) != str(config.get(protocol.CFG_LAZY_X_SUM, "")):
+    apply, target = str(config.get(protocol.CFG_LAZY_APPLY, "add")), str(config.get(protocol.CFG_LAZY_X_SUM, ""))
+    bases = [(layout.flatten(copy), state.get(C_PREV))]
+    previous = state.get(PREV_X)
+    if previous is not None and previous.shape == (layout.dim,):  # the server may not have seen our last reply
+        bases.append((np.array(previous), state.get(PREV_C_PREV)))
+    for base, base_c_prev in bases:
+        try:
+            new_x, new_c_prev = apply_downlink(kind, received, base, base_c_prev, apply)
+        except ValueError:  # e.g. a skip against an increment this base does not hold
+            continue
+        if checksum(new_x) == target:
+            break
+    else:
         return None
+    _keep(state, PREV_X, base)
+    _keep(state, PREV_C_PREV, base_c_prev)
     arrays = dict(copy)
     arrays.update(layout.unflatten(new_x))
     if protocol.DOWN_BUFFERS_RECORD in msg.content:
         arrays.update({k: np.array(v) for k, v in record_to_arrays(msg.content.array_records[protocol.DOWN_BUFFERS_RECORD]).items()})
     _store_copy(state, arrays)
-    if new_c_prev is not None:
-        state.set(C_PREV, new_c_prev)
+    _keep(state, C_PREV, new_c_prev)
     return layout, arrays
+
+
+def _keep(state: ClientState, name: str, value: np.ndarray | None) -> None:
+    if value is None:
+        state.pop(name)
+    else:
+        state.set(name, value)
 
 
 def _store_copy(state: ClientState, arrays: dict[str, np.ndarray]) -> None:
@@ -158,14 +183,17 @@ def _judged_upload(reply: Message, config: ConfigRecord, state: ClientState, lay
     compensated = delta if residual is None else np.add(delta, residual, dtype=np.float32)
     payload = codec.encode(compensated)
     cand = codec.decode(payload, layout.dim)
-    ref = state.get(UP_REF)
-    if ref is not None and (ref.shape != cand.shape or checksum(ref) != str(config.get(protocol.CFG_LAZY_REF_SUM, ""))):
-        ref = None  # the server holds no copy of it (or another one): judge as a first upload
+    ref = None  # the server holds no copy (or another one) unless a checksum matches: judge as a first upload
+    for name in (UP_REF, UP_REF_PREV):
+        stored = state.get(name)
+        if stored is not None and stored.shape == cand.shape and checksum(stored) == str(config.get(protocol.CFG_LAZY_REF_SUM, "")):
+            ref = np.array(stored)
+            break
     verdict = judge(cand, ref, str(config[protocol.CFG_LAZY_UP_RULE]), float(config.get(protocol.CFG_LAZY_UP_TAU, 0.0)))
     if feedback:
         state.set(RESIDUAL, uplink_residual(delta, residual, verdict.used, cand, str(config.get(protocol.CFG_LAZY_EF_MODE, "applied"))))
-    if verdict.transmit:
-        state.set(UP_REF, verdict.new_ref)
+    _keep(state, UP_REF_PREV, ref)
+    _keep(state, UP_REF, verdict.new_ref)
     content = RecordDict()
     if verdict.transmit:
         update, meta = payload_to_records(payload, granularity)

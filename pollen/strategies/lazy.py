@@ -244,20 +244,26 @@ class FedLazy(FedAMS):
         """Resolve each reply against its client's stored copies, screen, then FedAMS's step on the mean."""
         stats = self.accounting.round(server_round)
         phase = self._current_phase.get(server_round, "train")
-        usable = []
+        usable, commits = [], {}
         for update in self.collect(server_round, replies, phase=phase):
             try:
-                self._resolve(server_round, update)
-            except ReplyRejected as err:
-                self.book.forget(update.client_key)  # its copies can no longer be trusted: start again
+                commits[id(update)] = self._resolve(server_round, update)
+            except ReplyRejected as err:  # nothing of the client's is kept; its copies of a round back still match
                 self._reject(stats, update.node_id, str(err))
                 continue
             usable.append(update)
         self._pending = {}
-        return self.apply_updates(server_round, self._screen_updates(server_round, usable, stats), None)
+        kept = self._screen_updates(server_round, usable, stats)
+        for update in kept:
+            self._commit(server_round, update.client_key, *commits[id(update)])
+        return self.apply_updates(server_round, kept, None)
 
-    def _resolve(self, server_round: int, update: Any) -> None:
-        """Turn a reply into the vector the server applies; commit both sides' copies of that client."""
+    def _resolve(self, server_round: int, update: Any) -> tuple[str, Any, dict[str, Any]]:
+        """Turn a reply into the vector the server applies; return what :meth:`_commit` keeps if it is used.
+
+        A reply rejected here or by the outlier screen leaves the server's copies of its client as they
+        were: the client keeps its copies of one round back, and the next round's checksums pick those.
+        """
         key = update.client_key
         pending = self._pending.pop(key, None)
         if pending is None:
@@ -267,6 +273,8 @@ class FedLazy(FedAMS):
             if update.delta is not None or flags.get(protocol.FLAG_SKIP) or flags.get(protocol.FLAG_AA):
                 raise ReplyRejected("a resync request together with an update or another flag")
             self._count(server_round, "resync")
+            for kind in ("x", "c-prev", "error"):
+                self.book.put(kind, key, None)
             raise ReplyRejected("the client has no copy of the model that matches the server's mirror: it gets the full model next time")
         if flags.get(protocol.FLAG_SKIP) and flags.get(protocol.FLAG_AA):
             raise ReplyRejected("both the skip and the aa flag")
@@ -280,14 +288,18 @@ class FedLazy(FedAMS):
         if kind != "send":
             self._count(server_round, "up-flags")
         self._count(server_round, f"up-{kind}")
+        update.delta = used
+        update.norm = norm64(used)
+        return kind, new_ref, pending
+
+    def _commit(self, server_round: int, key: str, kind: str, new_ref: Any, pending: dict[str, Any]) -> None:
+        """Both sides now hold the same copies of ``key``: its last upload and, if bidirectional, its model."""
         if kind != "skip":
             self.book.put("up-ref", key, new_ref)
         if self.bidirectional:
             for kind_, name in (("x", "x"), ("c-prev", "c_prev"), ("error", "error")):
                 self.book.put(kind_, key, pending[name])
         self.last_round[key] = server_round
-        update.delta = used
-        update.norm = norm64(used)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
