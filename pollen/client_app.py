@@ -35,7 +35,7 @@ from pollen.clientside.faults import fault_mod
 from pollen.clientside.lazy_mod import lazy_mod
 from pollen.clientside.compression_mod import client_state_for, compress_update, wants_compression
 from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, StepOutcome, lookup, model_arrays
-from pollen.config import AppConfig
+from pollen.config import AppConfig, effective_run_config
 from pollen.experiment import build_model, data_config
 from pollen.gossip import cluster_of
 from pollen.layout import ModelLayout
@@ -200,7 +200,7 @@ def identify(msg: Message, context: Context) -> Message:
     """
     identity = ConfigRecord({protocol.IDENTITY_CLIENT_ID: client_id(context)})
     cluster = node_setting(context, "cluster-id", "")
-    size = int(context.run_config.get("cluster-size", 0) or 0)
+    size = int(effective_run_config(context.run_config).get("cluster-size", 0) or 0)
     if cluster == "" and size > 0:  # simulation: client i is in cluster i // n
         cluster = cluster_of(int(node_setting(context, "partition-id", 0)), size)
     if cluster != "":

@@ -81,6 +81,7 @@ _ANY_STR = Key(str)
 
 SCHEMA: dict[str, Key] = {
     "run-name": _ANY_STR,
+    "preset": _ANY_STR,
     "results-dir": Key(str, lambda v: bool(v), "a non-empty path"),
     "seed": _NON_NEG_INT,
     "num-server-rounds": _POS_INT,
@@ -199,8 +200,11 @@ class AppConfig:
         """Check every key; unknown keys and bad values raise ``ConfigError``.
 
         ``check_strategy=False`` skips only the strategy name (checked by the ServerApp before
-        round 1), so a ClientApp does not import the server-side strategy registry.
+        round 1), so a ClientApp does not import the server-side strategy registry. A ``preset``
+        (:mod:`pollen.preset`) is applied first: its values replace the pyproject defaults, keys given
+        on the command line win.
         """
+        run_config = effective_run_config(run_config)
         unknown = sorted(set(run_config) - set(SCHEMA))
         if unknown:
             raise ConfigError(
@@ -233,6 +237,18 @@ class AppConfig:
     def replace(self, **changes: Any) -> AppConfig:
         """A copy with some keys changed (kebab-case names via ``**{"key": v}``), re-validated."""
         return AppConfig.from_run_config({**self.values, **changes})
+
+
+def effective_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``run_config`` with its ``preset`` applied (unchanged without one); ``ConfigError`` for a bad preset."""
+    if not run_config.get("preset"):
+        return dict(run_config)
+    from pollen.preset import PresetError, apply_preset, pyproject_defaults
+
+    try:
+        return apply_preset(run_config, pyproject_defaults())
+    except PresetError as err:
+        raise ConfigError(f"run-config 'preset': {err}") from None
 
 
 def defaults_from_pyproject(path: str) -> dict[str, Any]:

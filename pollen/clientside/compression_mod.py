@@ -30,6 +30,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from pollen import protocol
 from pollen.clientside.state import ClientState
 from pollen.compression import make_codec
+from pollen.config import effective_run_config
 from pollen.compression.error_feedback import ErrorFeedback, compress_with_feedback
 from pollen.layout import ModelLayout
 from pollen.wire import arrays_to_record, payload_to_records, record_to_arrays
@@ -50,7 +51,7 @@ def client_state_for(context: Context, config: ConfigRecord, *, first_message: b
     the strategy's ``pollen.run-key`` the run it belongs to.
     """
     node = context.node_config
-    state_dir = str(node.get("state-dir") or context.run_config.get("state-dir") or "")
+    state_dir = str(node.get("state-dir") or effective_run_config(context.run_config).get("state-dir") or "")
     client_id = str(node.get("client-id") or f"partition-{int(node.get('partition-id', 0))}")
     return ClientState(
         context,

@@ -23,6 +23,7 @@ from flwr.app import Context, Message
 from flwr.clientapp.typing import ClientAppCallable
 
 from pollen import protocol
+from pollen.config import effective_run_config
 from pollen.wire import arrays_to_record, record_to_arrays
 
 FAULT_KINDS = ("error", "garbage", "timeout", "mixed")
@@ -45,7 +46,7 @@ def fault_for(seed: int, server_round: int, client_id: str, fraction: float, kin
 
 def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Flower mod: inject the configured fault into train messages, else pass through."""
-    run = context.run_config
+    run = effective_run_config(context.run_config)
     fraction = float(run.get("fault-fraction", 0.0) or 0.0)
     if fraction <= 0 or msg.metadata.message_type.split(".")[0] != "train":
         return call_next(msg, context)

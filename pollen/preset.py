@@ -1,0 +1,131 @@
+"""Named experiment presets: one small TOML file per paper experiment (``pollen/presets/<name>.toml``).
+
+A preset file has three tables::
+
+    [preset]                      # what it is
+    title = "..."                 # which paper, table or figure it follows
+    scaled = "..."                # what was scaled down (CPU size) or what it needs (full size)
+    size = "cpu" | "full"
+    supernodes = 100              # simulated SuperNodes (clients) the experiment needs
+    needs = "fashion-mnist"       # the dataset; the run stops before round 1 with one line if it is missing
+
+    [config]                      # run-config values (keys of pyproject.toml's [tool.flwr.app.config])
+    dataset = "fashion-mnist"
+    ...
+
+    [methods]                     # what a sweep compares: label = run-config values of that method
+    fedams = { strategy = "fedams" }
+    "fedcams-sign" = { strategy = "fedcams", compressor = "sign" }
+
+A run picks a preset with run-config ``preset='<name>'``: its ``[config]`` replaces the pyproject defaults,
+and every key given on the command line wins over the preset (a key whose value equals its pyproject
+default counts as not given). ``pollen-sweep`` (:mod:`pollen.sweep`) runs its methods x seeds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: Flower depends on tomli
+    import tomli as tomllib
+
+SIZES = ("cpu", "full")
+
+
+class PresetError(ValueError):
+    """A preset that does not exist or cannot be read; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One experiment preset (see the module docstring)."""
+
+    name: str
+    title: str
+    scaled: str
+    size: str
+    supernodes: int
+    needs: str
+    config: Mapping[str, Any]
+    methods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def method_config(self, label: str) -> dict[str, Any]:
+        """The run-config of one method: the preset's values, then the method's."""
+        if label not in self.methods:
+            raise PresetError(f"preset '{self.name}' has no method '{label}'; it has: {', '.join(self.methods)}")
+        return {**self.config, **self.methods[label]}
+
+
+def preset_names() -> tuple[str, ...]:
+    """The names of the presets the package ships, sorted."""
+    folder = resources.files("pollen") / "presets"
+    return tuple(sorted(entry.name[: -len(".toml")] for entry in folder.iterdir() if entry.name.endswith(".toml")))
+
+
+def load_preset(name: str) -> Preset:
+    """The preset ``name`` (a shipped name, or a path to a ``.toml`` file of the same form)."""
+    if name.endswith(".toml"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise PresetError(f"preset file {name!r} does not exist")
+        text, label = path.read_text(), path.stem
+    else:
+        entry = resources.files("pollen") / "presets" / f"{name}.toml"
+        if not entry.is_file():
+            raise PresetError(f"preset {name!r} is unknown; allowed: {', '.join(preset_names())} or a path to a .toml file")
+        text, label = entry.read_text(), name
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise PresetError(f"preset {name!r} is not valid TOML: {err}") from None
+    head = data.get("preset", {})
+    missing = [key for key in ("title", "scaled", "size", "supernodes", "needs") if key not in head]
+    if missing or "config" not in data:
+        raise PresetError(f"preset {name!r} lacks {', '.join(missing) or '[config]'}")
+    if head["size"] not in SIZES:
+        raise PresetError(f"preset {name!r}: size {head['size']!r} is unknown; allowed: {', '.join(SIZES)}")
+    return Preset(
+        name=label,
+        title=str(head["title"]),
+        scaled=str(head["scaled"]),
+        size=str(head["size"]),
+        supernodes=int(head["supernodes"]),
+        needs=str(head["needs"]),
+        config=dict(data["config"]),
+        methods={str(k): dict(v) for k, v in data.get("methods", {}).items()},
+    )
+
+
+def apply_preset(run_config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``run_config`` with its ``preset`` applied: preset values replace defaults, given values win.
+
+    ``defaults`` are the pyproject defaults; a key of ``run_config`` that differs from its default was
+    given by the user and is kept. Without a preset the run-config comes back unchanged.
+    """
+    name = str(run_config.get("preset", "") or "")
+    if not name:
+        return dict(run_config)
+    preset = load_preset(name)
+    unknown = sorted(set(preset.config) - set(run_config))
+    if unknown:
+        raise PresetError(f"preset {name!r} sets unknown run-config keys {unknown}")
+    merged = dict(run_config)
+    for key, value in preset.config.items():
+        if key not in defaults or run_config[key] == defaults[key]:
+            merged[key] = value
+    return merged
+
+
+def pyproject_defaults() -> dict[str, Any]:
+    """The app's run-config defaults, read from the pyproject.toml next to the package (source tree or FAB)."""
+    path = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    if not path.is_file():
+        return {}
+    with path.open("rb") as handle:
+        return dict(tomllib.load(handle).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {}))
