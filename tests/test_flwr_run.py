@@ -177,7 +177,7 @@ LAZY_FAMILY = ("fednlaa", "fedaa", "fednlaca", "fedaca", "fedbnlaca", "fedbaca")
 def test_lazy_family_runs_with_its_flags_and_increments_on_the_wire(flower: LocalFlower, results_dir: Path, name: str) -> None:
     """All 4 SuperNodes train each round; the bidirectional ones get the full model once, then top-k 1/8 increments."""
     metrics = _run(flower, results_dir, name, strategy=name, **{
-        "fraction-train": 1.0, "min-train-nodes": 4, "fraction-evaluate": 0.0, "min-evaluate-nodes": 0,
+        "fraction-train": 1.0, "min-train-nodes": 4, "fraction-evaluate": 0.0, "min-evaluate-nodes": 0, "model": "mlp", "eval-every": 2,
         "local-lr": 0.05, "server-lr": 0.01, "compressor": "topk", "topk-ratio": 0.125, "compressor-down": "topk",
         "topk-ratio-down": 0.125, "tau-up": 0.5, "tau-down": 0.5})
     first, last = metrics["rows"][1], metrics["rows"][-1]
