@@ -60,7 +60,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
 from pollen.clientside import compression_mod
-from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, FedLAMB, HAFed, RelayAverage
+from pollen.clientside.lazy_mod import lazy_mod
+from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, FedLAMB, FedLazy, HAFed, RelayAverage
 from pollen.strategies.rounds import SetupError
 from tests.flower_fakes import FakeGrid
 
@@ -196,6 +197,9 @@ def evaluate(msg: Message, context: Context) -> Message:
 app_with_mod = ClientApp(mods=[compression_mod])
 app_with_mod.train()(train)
 app_with_mod.evaluate()(evaluate)
+app_with_lazy_mod = ClientApp(mods=[lazy_mod])
+app_with_lazy_mod.train()(train)
+app_with_lazy_mod.evaluate()(evaluate)
 
 
 # --------------------------------------------------------------------------- running a strategy
@@ -263,6 +267,7 @@ DROP_IN: list[tuple[str, Callable[[], object], ClientApp]] = [
     ("FedLAMB(variant='fed-sgd')", lambda: FedLAMB(variant="fed-sgd", **SAMPLING), app),
     ("FedLAMB(variant='adp-fed')", lambda: FedLAMB(variant="adp-fed", **SAMPLING), app),
     ("HAFed(identity, clustered=False)", lambda: HAFed(topology="identity", clustered=False, **SAMPLING), app),
+    ("FedLazy() + lazy_mod", lambda: FedLazy(**SAMPLING), app_with_lazy_mod),
 ]
 
 
