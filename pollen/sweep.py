@@ -93,17 +93,28 @@ def is_finished(run: PlannedRun) -> bool:
     return bool(rows) and rows[-1].get("round") == run.rounds
 
 
+def flwr_executable() -> str:
+    """The ``flwr`` of this Python environment (next to its interpreter), else the one on PATH."""
+    beside = Path(sys.executable).with_name("flwr")
+    return str(beside) if beside.is_file() else (shutil.which("flwr") or "flwr")
+
+
 def flwr_command(run: PlannedRun, app: str, supernodes: int) -> list[str]:
     overrides = " ".join(f"{key}={toml_value(value)}" for key, value in run.config.items())
-    return [shutil.which("flwr") or "flwr", "run", app, "--stream", "--federation-config", f"num-supernodes={supernodes}", "--run-config", overrides]
+    return [flwr_executable(), "run", app, "--stream", "--federation-config", f"num-supernodes={supernodes}", "--run-config", overrides]
 
 
 def run_with_flwr(command: list[str], log_path: Path) -> int:
     """Run one ``flwr run`` and keep its output next to the results; the exit code."""
-    env = {**os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+    bin_dir = str(Path(sys.executable).parent)  # flwr starts flower-superlink from PATH: this environment's
+    env = {**os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
-        return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode
+        try:
+            return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode
+        except OSError as err:  # no flwr executable: say so in the run's log and fail the run
+            log.write(f"cannot start {command[0]!r}: {err}\n")
+            return 127
 
 
 def execute(runs: list[PlannedRun], *, app: str, supernodes: int, runner: Callable[[list[str], Path], int] = run_with_flwr,
