@@ -44,11 +44,24 @@ class LocalFlower:
             "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
         }
 
+    def app(self) -> Path:
+        """A snapshot of the files ``flwr run`` packs, made once.
+
+        ``flwr run <dir>`` walks every file under ``<dir>`` before it filters them, so a checkout with
+        virtual environments inside (as CI makes them) costs several seconds per run; the snapshot holds
+        only what goes into the FAB.
+        """
+        if not hasattr(self, "_app"):
+            from tests.deploy_support import lf
+
+            self._app = lf.snapshot_app(self.home / "app")
+        return self._app
+
     def run(self, run_config: dict, num_supernodes: int = 4, timeout: float = 400) -> subprocess.CompletedProcess:
         overrides = " ".join(f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}" for k, v in run_config.items())
         flwr = shutil.which("flwr", path=self.env["PATH"])
         command = [
-            flwr, "run", str(REPO), "--stream",
+            flwr, "run", str(self.app()), "--stream",
             "--federation-config", f"num-supernodes={num_supernodes}",
             "--run-config", overrides,
         ]

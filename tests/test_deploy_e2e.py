@@ -65,6 +65,9 @@ class Federation:
         self.root = root
         self.procs = procs
         self.certs = lf.make_certs(root / "certs")
+        # flwr run walks every file under the app folder before it filters (a .venv inside a checkout costs
+        # seconds per run): run from a snapshot of the FAB's files, made once
+        self.app = lf.snapshot_app(root / "app")
         names = [f"supernode-{i}" for i in range(1, NUM_NODES + 1)] + ["unregistered"]
         self.keys = lf.make_supernode_keys(root / "keys", *names)
         self.http_port, self.fleet_port, *self.spare_ports = lf.free_ports(2 + NUM_NODES + 2)
@@ -125,7 +128,7 @@ def test_federated_run_over_tls_with_node_auth(federation):
         config = dict(RUN_CONFIG, **{"results-dir": str(results)})
         code, out = procs.run(
             "flwr-run",
-            [lf.exe("flwr"), "run", ".", CONNECTION, "--stream", "--run-config", lf.run_config_arg(config)],
+            [lf.exe("flwr"), "run", str(fed.app), CONNECTION, "--stream", "--run-config", lf.run_config_arg(config)],
             timeout=FLWR_RUN_TIMEOUT_S,
             env=fed.user_env,
             cwd=lf.REPO_ROOT,
@@ -169,7 +172,7 @@ def run_fed_lamb_round(fed, results):
     del config["compressor"]
     code, out = fed.procs.run(
         "flwr-run-fed-lamb",
-        [lf.exe("flwr"), "run", ".", CONNECTION, "--stream", "--run-config", lf.run_config_arg(config)],
+        [lf.exe("flwr"), "run", str(fed.app), CONNECTION, "--stream", "--run-config", lf.run_config_arg(config)],
         timeout=FLWR_RUN_TIMEOUT_S,
         env=fed.user_env,
         cwd=lf.REPO_ROOT,
@@ -268,9 +271,9 @@ def supernodes(fed: Federation):
             fed.procs.stop(node)
 
 
-def _flwr_run(fed: Federation, name: str, config: dict, stream: bool = True, app: str = ".") -> tuple[str, str]:
+def _flwr_run(fed: Federation, name: str, config: dict, stream: bool = True, app: str | None = None) -> tuple[str, str]:
     """``flwr run <app> <connection> [--stream] --run-config ...``; ``(run id, output)``, exit code 0 asserted."""
-    argv = [lf.exe("flwr"), "run", str(app), CONNECTION] + (["--stream"] if stream else []) + ["--run-config", lf.run_config_arg(config)]
+    argv = [lf.exe("flwr"), "run", str(app or fed.app), CONNECTION] + (["--stream"] if stream else []) + ["--run-config", lf.run_config_arg(config)]
     code, out = fed.procs.run(name, argv, timeout=FLWR_RUN_TIMEOUT_S, env=fed.user_env, cwd=lf.REPO_ROOT)
     assert code == 0, out
     match = re.search(r"Successfully started run (\d+)", out)
