@@ -60,11 +60,12 @@ def client_id(context: Context) -> str:
 class LocalTask:
     """This node's config, data loaders, model and device for one message."""
 
-    def __init__(self, context: Context) -> None:
+    def __init__(self, context: Context, config: ConfigRecord | None = None) -> None:
         from pollen.task.data import load_partition
         from pollen.task.device import resolve_device
 
-        self.cfg = AppConfig.from_run_config(context.run_config, check_strategy=False)
+        given = protocol.split_keys(str(config.get(protocol.CFG_GIVEN_KEYS, ""))) if config is not None else ()
+        self.cfg = AppConfig.from_run_config(context.run_config, check_strategy=False, given=given)
         self.partition_id = int(node_setting(context, "partition-id", 0))
         num_partitions = int(node_setting(context, "num-partitions", 1))
         data_dir = str(node_setting(context, "data-dir", self.cfg["data-dir"]))
@@ -112,8 +113,8 @@ def _config(msg: Message) -> ConfigRecord:
 
 def _run(msg: Message, context: Context, handler_table: dict, handler_name: str, what: str, phase_index: int) -> Message:
     """Run one handler of the step table and build the reply the strategy asked for."""
-    task = LocalTask(context)
     config = _config(msg)
+    task = LocalTask(context, config)
     handler = lookup(handler_table, handler_name, what)
     server_round = int(config.get(protocol.CFG_SERVER_ROUND, 0))
     global_arrays = None
@@ -183,7 +184,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the global model on this node's held-out split."""
     from pollen.task.train import evaluate as local_evaluate
 
-    task = LocalTask(context)
+    task = LocalTask(context, _config(msg))
     task.load_global(msg)
     _, valloader = task.loaders(task.cfg["eval-batch-size"])
     loss, accuracy, count = local_evaluate(task.model, valloader, task.device)

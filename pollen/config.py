@@ -8,7 +8,7 @@ the single place that says what each key may hold.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,15 +196,15 @@ class AppConfig:
     values: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_run_config(cls, run_config: Mapping[str, Any], *, check_strategy: bool = True) -> AppConfig:
+    def from_run_config(cls, run_config: Mapping[str, Any], *, check_strategy: bool = True, given: Collection[str] = ()) -> AppConfig:
         """Check every key; unknown keys and bad values raise ``ConfigError``.
 
         ``check_strategy=False`` skips only the strategy name (checked by the ServerApp before
         round 1), so a ClientApp does not import the server-side strategy registry. A ``preset``
         (:mod:`pollen.preset`) is applied first: its values replace the pyproject defaults, keys given
-        on the command line win.
+        on the command line (``given``, and any that differ from their default) win.
         """
-        run_config = effective_run_config(run_config)
+        run_config = effective_run_config(run_config, given)
         unknown = sorted(set(run_config) - set(SCHEMA))
         if unknown:
             raise ConfigError(
@@ -239,14 +239,17 @@ class AppConfig:
         return AppConfig.from_run_config({**self.values, **changes})
 
 
-def effective_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
-    """``run_config`` with its ``preset`` applied (unchanged without one); ``ConfigError`` for a bad preset."""
+def effective_run_config(run_config: Mapping[str, Any], given: Collection[str] = ()) -> dict[str, Any]:
+    """``run_config`` with its ``preset`` applied (unchanged without one); ``ConfigError`` for a bad preset.
+
+    ``given``: the keys the user set on the command line (they win even where they equal a default).
+    """
     if not run_config.get("preset"):
         return dict(run_config)
     from pollen.preset import PresetError, apply_preset, pyproject_defaults
 
     try:
-        return apply_preset(run_config, pyproject_defaults())
+        return apply_preset(run_config, pyproject_defaults(), given)
     except PresetError as err:
         raise ConfigError(f"run-config 'preset': {err}") from None
 

@@ -18,13 +18,15 @@ A preset file has three tables::
     "fedcams-sign" = { strategy = "fedcams", compressor = "sign" }
 
 A run picks a preset with run-config ``preset='<name>'``: its ``[config]`` replaces the pyproject defaults,
-and every key given on the command line wins over the preset (a key whose value equals its pyproject
-default counts as not given). ``pollen-sweep`` (:mod:`pollen.sweep`) runs its methods x seeds.
+and every key given on the command line wins over the preset. The ServerApp knows which keys were given
+(Flower's run record keeps the overrides) and tells the ClientApps in each message; where that is not known
+(a client before its first message), a key whose value differs from its pyproject default counts as given.
+``pollen-sweep`` (:mod:`pollen.sweep`) runs its methods x seeds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -102,11 +104,12 @@ def load_preset(name: str) -> Preset:
     )
 
 
-def apply_preset(run_config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+def apply_preset(run_config: Mapping[str, Any], defaults: Mapping[str, Any], given: Collection[str] = ()) -> dict[str, Any]:
     """``run_config`` with its ``preset`` applied: preset values replace defaults, given values win.
 
-    ``defaults`` are the pyproject defaults; a key of ``run_config`` that differs from its default was
-    given by the user and is kept. Without a preset the run-config comes back unchanged.
+    ``given`` are the keys the user set (Flower's override config); a key of ``run_config`` that differs
+    from its pyproject default (``defaults``) counts as given too. Without a preset the run-config comes
+    back unchanged.
     """
     name = str(run_config.get("preset", "") or "")
     if not name:
@@ -117,7 +120,7 @@ def apply_preset(run_config: Mapping[str, Any], defaults: Mapping[str, Any]) -> 
         raise PresetError(f"preset {name!r} sets unknown run-config keys {unknown}")
     merged = dict(run_config)
     for key, value in preset.config.items():
-        if key not in defaults or run_config[key] == defaults[key]:
+        if key not in given and (key not in defaults or run_config[key] == defaults[key]):
             merged[key] = value
     return merged
 

@@ -163,6 +163,14 @@ def _records_in_words(uplink: dict[str, int] | None, downlink: dict[str, int] | 
     return f"up {words(uplink)} | down {words(downlink or {})}"
 
 
+def given_keys(grid: Grid) -> set[str]:
+    """The run-config keys the user set for this run (Flower's run record keeps them); empty if unknown."""
+    try:
+        return {str(key) for key in (grid.run.override_config or {})}
+    except Exception:  # noqa: BLE001 - a grid without a run record (tests, other runtimes): fall back
+        return set()
+
+
 def _events_in_words(events: dict[str, int]) -> str:
     """``uplink sent 3, skip 2 (2 flags) | downlink full 1, send 4 | resync 1`` from a round's lazy events."""
     parts = []
@@ -210,7 +218,8 @@ def make_checkpoint(cfg: AppConfig, out_dir: Path) -> RunCheckpoint:
 def main(grid: Grid, context: Context) -> None:
     """Run one experiment as the run-config says (or resume one)."""
     try:
-        cfg = AppConfig.from_run_config(context.run_config)
+        given = given_keys(grid)
+        cfg = AppConfig.from_run_config(context.run_config, given=given)
         strategy = build_strategy(cfg)
         out_dir = run_dir(cfg)
         checkpoint = make_checkpoint(cfg, out_dir)
@@ -238,6 +247,9 @@ def main(grid: Grid, context: Context) -> None:
         reporter.restore(checkpoint.read_app_state(type(strategy).__name__))
     train_config = client_train_config(cfg)
     train_config[protocol.CFG_RUN_KEY] = out_dir.name
+    evaluate_config = {}
+    if cfg["preset"] and given:  # the ClientApps resolve the preset as the server did
+        train_config[protocol.CFG_GIVEN_KEYS] = evaluate_config[protocol.CFG_GIVEN_KEYS] = protocol.join_keys(sorted(given))
     try:
         result = strategy.start(
             grid=grid,
@@ -245,6 +257,7 @@ def main(grid: Grid, context: Context) -> None:
             num_rounds=cfg["num-server-rounds"],
             timeout=cfg["round-timeout"],
             train_config=ConfigRecord(train_config),
+            evaluate_config=ConfigRecord(evaluate_config),
             evaluate_fn=reporter,
             checkpoint=checkpoint,
         )

@@ -122,3 +122,13 @@ def test_a_preset_fills_defaults_and_the_command_line_wins(preset_file: Path) ->
     assert cfg["model"] == "mlp" and cfg["fraction-train"] == 0.25
     with pytest.raises(ConfigError, match="run-config 'preset': preset 'nope' is unknown"):
         AppConfig.from_run_config({**defaults, "preset": "nope"})
+
+
+def test_a_key_given_on_the_command_line_wins_even_at_its_default(preset_file: Path) -> None:
+    """``local-epochs=1`` equals the pyproject default; given explicitly it must still beat the preset's value."""
+    defaults = defaults_from_pyproject(str(PYPROJECT))
+    text = preset_file.read_text().replace('model = "mlp"', 'model = "mlp"\nlocal-epochs = 3')
+    preset_file.write_text(text)
+    run_config = {**defaults, "preset": str(preset_file), "local-epochs": defaults["local-epochs"]}
+    assert AppConfig.from_run_config(run_config)["local-epochs"] == 3  # not known as given: the preset fills it
+    assert AppConfig.from_run_config(run_config, given={"preset", "local-epochs"})["local-epochs"] == defaults["local-epochs"]
