@@ -41,6 +41,7 @@ COLUMNS = (
     "relayed_bytes",
     "peer_bytes",
     "lazy_events",
+    "lazy_rel",
     "uplink_by_record",
     "downlink_by_record",
     "server_state_bytes",

@@ -139,6 +139,7 @@ class RoundReporter:
                 relayed_bytes=stats.relayed_bytes,
                 peer_bytes=stats.peer_bytes,
                 lazy_events=dict(stats.lazy_events),
+                lazy_rel={k: list(v) for k, v in stats.lazy_rel.items()},
                 compression_ratio=stats.compression_ratio,
                 downlink_bytes=stats.downlink_bytes + stats.eval_downlink_bytes,
                 server_state_bytes=getattr(stats, "server_state_bytes", 0),

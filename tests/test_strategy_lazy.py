@@ -457,3 +457,17 @@ def test_a_reply_lost_after_the_client_moved_on_costs_no_resync(bidirectional):
     assert asked_later  # it took part again, from the copies the server held
     if bidirectional:
         assert checksum(lazy.book.get("x", f"node-{node}")) == checksum(client_copy(contexts[node]))
+
+
+def test_relative_changes_are_recorded_where_the_server_sees_both_vectors():
+    """At tau = 0 nothing fires, and every upload against a reference leaves its ||cand - ref|| / ||ref||."""
+    lazy = FedLazy(up_rule="nla", compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="nla", **SERVER)
+    grid, _ = run(lazy, lazy_mod, rounds=6)
+    for r, call in enumerate(grid.calls[-6:], start=1):
+        with_ref = sum(1 for m in call if m.metadata.message_type == MessageType.TRAIN and protocol.CFG_LAZY_REF_SUM in config_of(m))
+        rel = lazy.accounting.rounds[r].lazy_rel
+        assert len(rel.get("up", [])) == with_ref, r
+        assert all(value > 0 for value in rel.get("up", []) + rel.get("down", []))
+    downs = [v for stats in lazy.accounting.rounds.values() for v in stats.lazy_rel.get("down", [])]
+    increments = sum(stats.lazy_events.get("down-send", 0) for stats in lazy.accounting.rounds.values())
+    assert 0 < len(downs) < increments  # a client's first increment has no earlier one to compare with

@@ -47,7 +47,9 @@ class RoundStats:
     ``relayed_bytes`` is the share of the round's traffic that only relays peer-to-peer exchanges
     through the SuperLink (HA-Fed's gossip) and ``peer_bytes`` what those exchanges would cost on
     a peer network. ``lazy_events`` counts what the lazy / bidirectional family did per direction
-    (``up-skip``, ``up-aa``, ``down-full``, ``down-skip``, ``resync``, ...; :mod:`pollen.strategies.lazy`).
+    (``up-skip``, ``up-aa``, ``down-full``, ``down-skip``, ``resync``, ...; :mod:`pollen.strategies.lazy`) and
+    ``lazy_rel`` the relative changes ``||cand - ref|| / ||ref||`` the rules compared with the thresholds,
+    per direction, where the server saw both vectors (what a threshold would have made fire).
     """
 
     server_round: int
@@ -71,6 +73,7 @@ class RoundStats:
     relayed_bytes: int = 0
     peer_bytes: int = 0
     lazy_events: dict[str, int] = field(default_factory=dict)
+    lazy_rel: dict[str, list[float]] = field(default_factory=dict)
     train_metrics: dict[str, float] = field(default_factory=dict)
     evaluate_metrics: dict[str, float] = field(default_factory=dict)
 

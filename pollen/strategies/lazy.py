@@ -177,6 +177,9 @@ class FedLazy(FedAMS):
         events = self.accounting.round(server_round).lazy_events
         events[event] = events.get(event, 0) + n
 
+    def _note_rel(self, server_round: int, direction: str, rel: float) -> None:
+        self.accounting.round(server_round).lazy_rel.setdefault(direction, []).append(round(float(rel), 6))
+
     # ------------------------------------------------------------------ downlink
     def train_config(self, server_round: int) -> dict[str, Any]:
         return {
@@ -224,6 +227,8 @@ class FedLazy(FedAMS):
                 content[protocol.DOWN_BUFFERS_RECORD] = self._buffers_record()
             pending.update(x=step.new_x, c_prev=step.new_c_prev, error=step.new_error)
             self._count(server_round, f"down-{step.kind}")
+            if step.rel == step.rel:  # not NaN: there was a reference to judge against
+                self._note_rel(server_round, "down", step.rel)
             if step.kind != "send":
                 self._count(server_round, "down-flags")
         self._pending[key] = pending
@@ -288,6 +293,8 @@ class FedLazy(FedAMS):
         if kind != "send":
             self._count(server_round, "up-flags")
         self._count(server_round, f"up-{kind}")
+        if pending["ref"] is not None and update.delta is not None:  # the change the client's rule judged
+            self._note_rel(server_round, "up", norm64(update.delta - pending["ref"]) / max(norm64(pending["ref"]), 1e-300))
         update.delta = used
         update.norm = norm64(used)
         return kind, new_ref, pending
