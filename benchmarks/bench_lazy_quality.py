@@ -12,11 +12,15 @@ calibration found to fire (tau = 0.25, 0.5), FedNLACA / FedACA at 1/8 with tau =
 downlink alone (FedBNLACA with both thresholds 0 = FedCAMS + error-fed downlink: up 1/128 with down 1/8, and
 1/128 both ways), and FedBNLACA / FedBACA with up 1/128 tau 1.4, down 1/8 tau 0.65.
 
+With ``--rel``, four more runs per seed at threshold 0 (nothing fires) record the relative change
+``||cand - ref|| / ||ref||`` of every upload and downlink increment against its reference, and a table shows
+their quantiles and the share at or below each threshold: what a threshold would make fire.
+
 Tables: final and best accuracy (mean +- sd over seeds), cumulative uplink / downlink / total MB, the share of
 uploads skipped or merged and of downlinks skipped or merged. Plots (seed 1): accuracy vs round, uplink,
 downlink and total bytes, drawn by ``pollen.results.plot_runs`` (``pollen-compare``'s engine).
 
-    python benchmarks/bench_lazy_quality.py [--model mlp|cnn] [--rounds 20] [--seeds 1 2 3] [--out DIR] [--report-only]
+    python benchmarks/bench_lazy_quality.py [--model mlp|cnn] [--rounds 20] [--seeds 1 2 3] [--rel] [--out DIR] [--report-only]
 
 An MLP run of 20 rounds takes about 2 minutes here, a CNN run about 3 times that.
 """
@@ -77,6 +81,43 @@ CONFIGS = {  # label: run-config
 }
 
 
+#: Runs at threshold 0 (nothing fires) whose recorded relative changes ``||cand - ref|| / ||ref||`` show what
+#: share of uploads / downlinks a threshold would make fire: label -> (run-config, [(direction, what)]).
+REL_CONFIGS = {
+    "rel: uncompressed uploads": ({"strategy": "fednlaa"}, [("up", "uplink, uncompressed")]),
+    "rel: uploads top-k 1/8": ({"strategy": "fednlaca", "compressor": "topk", "topk-ratio": 1 / 8}, [("up", "uplink, top-k 1/8 + EF")]),
+    "rel: up 1/128, down 1/8": ({"strategy": "fedbnlaca", "compressor": "topk", "topk-ratio": 1 / 128, "compressor-down": "topk",
+                                 "topk-ratio-down": 1 / 8}, [("up", "uplink, top-k 1/128 + EF"), ("down", "downlink increments, top-k 1/8")]),
+    "rel: up 1/128, down 1/128": ({"strategy": "fedbnlaca", "compressor": "topk", "topk-ratio": 1 / 128, "compressor-down": "topk",
+                                   "topk-ratio-down": 1 / 128}, [("down", "downlink increments, top-k 1/128")]),
+}
+TAUS = (0.1, 0.25, 0.5, 0.65, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5)
+
+
+def rel_table(out: Path, model: str, rounds: int, seeds: list[int], report_only: bool) -> None:
+    """Quantiles of the relative changes at threshold 0 and the share at or below each threshold."""
+    import numpy as np
+
+    print(f"\n| {model}: what the rules compare (threshold 0, nothing fires) | values | rel 10% / 50% / 90% | "
+          + " | ".join(f"<= {tau:g}" for tau in TAUS) + " |")
+    print("|---|---|---|" + "---|" * len(TAUS))
+    for label, (config, directions) in REL_CONFIGS.items():
+        runs = []
+        for seed in seeds:
+            if label not in CONFIGS:
+                CONFIGS[label] = config
+            rows = run_once(out, label, model, rounds, seed, report_only=report_only)
+            if rows is not None:
+                runs.append(rows)
+        for direction, what in directions:
+            values = np.array([v for rows in runs for row in rows for v in (row.get("lazy_rel") or {}).get(direction, [])])
+            if values.size == 0:
+                continue
+            q = np.quantile(values, [0.1, 0.5, 0.9])
+            shares = " | ".join(f"{np.mean(values <= tau):.0%}" for tau in TAUS)
+            print(f"| {what} | {values.size} | {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} | {shares} |", flush=True)
+
+
 def run_name(label: str, model: str, seed: int) -> str:
     slug = "".join(ch if ch.isalnum() else "-" for ch in label.lower()).strip("-")
     while "--" in slug:
@@ -131,6 +172,7 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/pollen-lazy-quality")
     parser.add_argument("--plots", default=None, help="folder for the seed-1 plots (default: OUT/plots-MODEL)")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--rel", action="store_true", help="also the threshold-0 runs and the table of relative changes")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,6 +196,9 @@ def main() -> None:
         best = [max(x["accuracy"] for x in r if isinstance(x.get("accuracy"), (int, float))) for r in runs]
         print(f"| {label} | {len(runs)} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd(best)} | {up:.1f} | {down:.1f} | "
               f"{up + down:.1f} | {event_share(runs, 'up')} | {event_share(runs, 'down')} |", flush=True)
+
+    if args.rel:
+        rel_table(out, args.model, args.rounds, args.seeds, args.report_only)
 
     first = {label: runs[0] for label, runs in results.items() if runs}
     if first:
