@@ -21,6 +21,21 @@ from pathlib import Path
 from pollen.results import human_bytes, load_rows, plot_runs
 
 
+#: Strategies that compress their uploads with run-config ``compressor`` (and, the last two, the downlink too).
+_COMPRESSING = ("fedcams", "fednlaca", "fedaca", "fedbnlaca", "fedbaca")
+
+
+def _codecs(config: dict) -> str:
+    """The run's codecs in words: ``-`` (none), ``sign``, or ``topk / down topk`` for a compressed downlink."""
+    strategy = config.get("strategy")
+    if strategy not in _COMPRESSING:
+        return "-"
+    words = str(config.get("compressor", ""))
+    if strategy in ("fedbnlaca", "fedbaca"):
+        words += f" / down {config.get('compressor-down', '')}"
+    return words
+
+
 def summarise(run_dir: Path) -> dict:
     rows = load_rows(run_dir)
     config = json.loads((run_dir / "config.json").read_text())
@@ -29,7 +44,7 @@ def summarise(run_dir: Path) -> dict:
     return {
         "run": run_dir.name,
         "strategy": config.get("strategy", "?"),
-        "compressor": config.get("compressor", "") if config.get("strategy") == "fedcams" else "-",
+        "compressor": _codecs(config),
         "rounds": last.get("round", 0),
         "final_accuracy": accuracies[-1] if accuracies else float("nan"),
         "best_accuracy": max(accuracies) if accuracies else float("nan"),

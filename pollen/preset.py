@@ -26,6 +26,7 @@ and every key given on the command line wins over the preset. The ServerApp know
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -64,6 +65,20 @@ class Preset:
         return {**self.config, **self.methods[label]}
 
 
+@functools.lru_cache(maxsize=32)
+def _preset_text(name: str) -> tuple[str, str]:
+    """``(text, label)`` of a preset, read once per process (a ClientApp resolves it for every message)."""
+    if name.endswith(".toml"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise PresetError(f"preset file {name!r} does not exist")
+        return path.read_text(), path.stem
+    entry = resources.files("pollen") / "presets" / f"{name}.toml"
+    if not entry.is_file():
+        raise PresetError(f"preset {name!r} is unknown; allowed: {', '.join(preset_names())} or a path to a .toml file")
+    return entry.read_text(), name
+
+
 def preset_names() -> tuple[str, ...]:
     """The names of the presets the package ships, sorted."""
     folder = resources.files("pollen") / "presets"
@@ -72,16 +87,7 @@ def preset_names() -> tuple[str, ...]:
 
 def load_preset(name: str) -> Preset:
     """The preset ``name`` (a shipped name, or a path to a ``.toml`` file of the same form)."""
-    if name.endswith(".toml"):
-        path = Path(name).expanduser()
-        if not path.is_file():
-            raise PresetError(f"preset file {name!r} does not exist")
-        text, label = path.read_text(), path.stem
-    else:
-        entry = resources.files("pollen") / "presets" / f"{name}.toml"
-        if not entry.is_file():
-            raise PresetError(f"preset {name!r} is unknown; allowed: {', '.join(preset_names())} or a path to a .toml file")
-        text, label = entry.read_text(), name
+    text, label = _preset_text(name)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
@@ -125,10 +131,15 @@ def apply_preset(run_config: Mapping[str, Any], defaults: Mapping[str, Any], giv
     return merged
 
 
-def pyproject_defaults() -> dict[str, Any]:
-    """The app's run-config defaults, read from the pyproject.toml next to the package (source tree or FAB)."""
+@functools.lru_cache(maxsize=1)
+def _pyproject_defaults() -> tuple[tuple[str, Any], ...]:
     path = Path(__file__).resolve().parents[1] / "pyproject.toml"
     if not path.is_file():
-        return {}
+        return ()
     with path.open("rb") as handle:
-        return dict(tomllib.load(handle).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {}))
+        return tuple(tomllib.load(handle).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {}).items())
+
+
+def pyproject_defaults() -> dict[str, Any]:
+    """The app's run-config defaults, read from the pyproject.toml next to the package (source tree or FAB)."""
+    return dict(_pyproject_defaults())

@@ -70,6 +70,7 @@ CFG_LAZY_REF_SUM = "pollen.lazy.ref-sum"  # checksum of the server's copy of the
 CFG_LAZY_DOWN = "pollen.lazy.down"  # dense | full | send | skip | aa | keep
 CFG_LAZY_APPLY = "pollen.lazy.apply"  # add | set
 CFG_LAZY_X_SUM = "pollen.lazy.x-sum"  # checksum of the client's model after applying the downlink
+CFG_LAZY_LAST_ROUND = "pollen.lazy.last-round"  # the round of the client's last reply the server applied (0: none)
 DOWN_RECORD = "pollen.down"
 DOWN_META_RECORD = "pollen.down-meta"
 DOWN_BUFFERS_RECORD = "pollen.down-buffers"

@@ -83,13 +83,17 @@ def plan(preset: Preset, methods: Sequence[str], seeds: Sequence[int], settings:
 
 
 def is_finished(run: PlannedRun) -> bool:
-    metrics = run.run_dir / "metrics.json"
-    if not metrics.is_file():
+    """Whether the run's folder holds a finished run of exactly this config (else it is run again)."""
+    metrics, written = run.run_dir / "metrics.json", run.run_dir / "config.json"
+    if not (metrics.is_file() and written.is_file()):
         return False
     try:
         rows = json.loads(metrics.read_text())["rows"]
+        config = json.loads(written.read_text())
     except (ValueError, KeyError):
         return False
+    if any(config.get(key) != value for key, value in run.config.items()):
+        return False  # the same name with other settings (a changed --set): not this run
     return bool(rows) and rows[-1].get("round") == run.rounds
 
 
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     except (PresetError, ValueError) as err:
         print(f"pollen-sweep: {err}", file=sys.stderr)
         return 2
-    out = args.out or Path("results") / "sweeps" / preset.name
+    out = (args.out or Path("results") / "sweeps" / preset.name).resolve()
     supernodes = args.supernodes or preset.supernodes
     runs = plan(preset, methods, args.seeds, settings, sweep, out)
     commands = [shlex.join(flwr_command(run, args.app, supernodes)) for run in runs]

@@ -108,3 +108,21 @@ def test_identity_downlink_without_rules_tracks_theta():
     theta, x = vec(30), vec(31)
     step, _ = downlink_step(theta, x, None, None, codec, rule="none", tau=0.0)
     np.testing.assert_allclose(step.new_x, theta, atol=1e-6)
+
+
+def test_increment_reading_is_x_plus_the_compressed_gap():
+    """No rule firing: the new mirror is exactly x + C(theta - x), written out by hand with the codec."""
+    codec = make_codec("topk", topk_ratio=0.125)
+    theta, x = vec(40), vec(41)
+    step, payload = downlink_step(theta, x, None, None, codec, rule="nla", tau=0.0)
+    gap = (theta - x).astype(np.float32)
+    order = np.argsort(-np.abs(gap), kind="stable")[: max(1, int(0.125 * 50))]
+    sparse = np.zeros(50, dtype=np.float32)
+    sparse[order] = gap[order]
+    np.testing.assert_array_equal(codec.decode(payload, 50), sparse)
+    np.testing.assert_array_equal(step.new_x, (x + sparse).astype(np.float32))
+    np.testing.assert_array_equal(step.new_c_prev, sparse)
+    # AA when it fires: the client adds the stored increment and the new one; the stored one becomes the new
+    fired, _ = downlink_step(theta, x, sparse, None, codec, rule="aa", tau=10.0)
+    assert fired.kind == "aa"
+    np.testing.assert_array_equal(fired.new_x, (x + (sparse + sparse)).astype(np.float32))

@@ -162,12 +162,13 @@ def test_bidirectional_at_tau_zero_is_fedcams_with_error_fed_downlink():
             sent = up.decode(up.encode(p), D)
             e[node] = p - sent
             used.append(sent)
-        total = np.zeros(D, dtype=np.float64)
+        total = np.zeros(D, dtype=np.float32)  # summed in float32 and scaled once, as the server's mean is
         for vector in used:
             total += vector
-        state, step = opt.update(state, (total * (1.0 / len(used))).astype(np.float32), theta)
+        total *= np.float32(1.0 / len(used))
+        state, step = opt.update(state, total, theta)
         theta = theta + step
-    np.testing.assert_allclose(lazy.params, theta, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(lazy.params, theta)
     seen = events(lazy)
     assert seen["down-full"] == len({n for nodes in sampled for n in nodes})
     assert seen["down-send"] == 15 - seen["down-full"] and "down-skip" not in seen
@@ -315,16 +316,20 @@ def hostile_client(contexts, forge):  # noqa: ANN001, ANN201
 
 
 @pytest.mark.parametrize(
-    ("case", "reason"),
+    ("case", "rule", "reason"),
     [
-        ("skip-with-vector", "a skip flag together with a vector"),
-        ("skip-without-copy", "no stored copy to reuse"),
-        ("aa-without-copy", "no stored copy to add"),
-        ("both-flags", "both the skip and the aa flag"),
-        ("nothing", "neither an update nor a skip flag"),
+        ("skip-with-vector", "nla", "a skip flag together with a vector"),
+        ("skip-without-copy", "nla", "no stored copy to reuse"),
+        ("aa-without-copy", "aa", "no stored copy to add"),
+        ("both-flags", "nla", "both the skip and the aa flag"),
+        ("nothing", "nla", "neither an update nor a skip flag"),
+        ("aa-on-nla", "nla", "this method's uplink rule is 'nla'"),
+        ("skip-on-aa", "aa", "this method's uplink rule is 'aa'"),
+        ("aa-beyond-tau", "aa", "larger than tau=0.5 times the reference"),
+        ("resync-without-downlink", "nla", "this method sends the full model every round"),
     ],
 )
-def test_hostile_lazy_replies_are_rejected_with_a_reason(case, reason):
+def test_hostile_lazy_replies_are_rejected_with_a_reason(case, rule, reason):
     victim = NODES[0]
 
     def forge(msg, reply):  # noqa: ANN001, ANN202
@@ -344,9 +349,23 @@ def test_hostile_lazy_replies_are_rejected_with_a_reason(case, reason):
             for name in (protocol.UPDATE_RECORD, protocol.UPDATE_META_RECORD):
                 if name in content:
                     del content[name]
+        elif case == "aa-on-nla" and protocol.UPDATE_RECORD in content:
+            content[protocol.FLAGS_RECORD] = ConfigRecord({protocol.FLAG_AA: True})
+        elif case == "skip-on-aa" and protocol.CFG_LAZY_REF_SUM in config_of(msg):
+            for name in (protocol.UPDATE_RECORD, protocol.UPDATE_META_RECORD):
+                if name in content:
+                    del content[name]
+            content[protocol.FLAGS_RECORD] = ConfigRecord({protocol.FLAG_SKIP: True})
+        elif case == "aa-beyond-tau" and protocol.CFG_LAZY_REF_SUM in config_of(msg) and protocol.UPDATE_RECORD in content:
+            content[protocol.FLAGS_RECORD] = ConfigRecord({protocol.FLAG_AA: True})  # top-k with EF: rel is about 1.2-1.4
+        elif case == "resync-without-downlink":
+            for name in (protocol.UPDATE_RECORD, protocol.UPDATE_META_RECORD):
+                if name in content:
+                    del content[name]
+            content[protocol.FLAGS_RECORD] = ConfigRecord({protocol.FLAG_RESYNC: True})
         return reply
 
-    lazy = FedLazy(up_rule="nla", up_tau=0.5, compressor="topk", topk_ratio=0.25, **SERVER)
+    lazy = FedLazy(up_rule=rule, up_tau=0.5, compressor="topk", topk_ratio=0.25, **SERVER)
     contexts = {n: make_context(n) for n in NODES}
     grid = FakeGrid(NODES, hostile_client(contexts, forge))
     arrays = model_record(tiny_model(2))
@@ -396,14 +415,18 @@ def test_bad_settings_name_what_is_allowed(kwargs, match):
 def test_consecutive_only_reference_needs_the_previous_round():
     lazy = FedLazy(up_rule="nla", up_tau=1e6, ref_mode="consecutive-only", compressor="topk", topk_ratio=0.25, **SERVER)
     grid, _ = run(lazy, lazy_mod, rounds=6)
+    refs = 0
     for r, call in enumerate(grid.calls, start=1):
         for msg in call:
             if msg.metadata.message_type != MessageType.TRAIN:
                 continue
             key = lazy.sampler.key(msg.metadata.dst_node_id)
             had_ref = protocol.CFG_LAZY_REF_SUM in config_of(msg)
-            took_part_before = any(m.metadata.dst_node_id == msg.metadata.dst_node_id for m in (grid.calls[r - 2] if r >= 2 else []))
-            assert not had_ref or took_part_before, key
+            previous = [m for m in (grid.calls[r - 2] if r >= 2 else []) if m.metadata.message_type == MessageType.TRAIN]
+            took_part_before = any(m.metadata.dst_node_id == msg.metadata.dst_node_id for m in previous)
+            assert had_ref == took_part_before, key  # a reference exactly when it took part in the round before
+            refs += had_ref
+    assert refs > 0 and events(lazy).get("up-skip", 0) == refs  # tau huge: every upload with a reference is a skip
 
 
 def test_state_dict_resumes_bit_for_bit():
@@ -471,3 +494,40 @@ def test_relative_changes_are_recorded_where_the_server_sees_both_vectors():
     downs = [v for stats in lazy.accounting.rounds.values() for v in stats.lazy_rel.get("down", [])]
     increments = sum(stats.lazy_events.get("down-send", 0) for stats in lazy.accounting.rounds.values())
     assert 0 < len(downs) < increments  # a client's first increment has no earlier one to compare with
+
+
+def test_error_feedback_balances_across_a_lost_reply():
+    """sum(used the server applied) + e_final = sum(Delta) for a client whose reply was lost once (applied EF)."""
+    contexts = {n: make_context(n) for n in NODES}
+    deltas: dict[int, list] = {n: [] for n in NODES}
+    used: dict[str, list] = {}
+    lost = []
+
+    class Recording(FedLazy):
+        def _resolve(self, server_round, update):  # noqa: ANN001
+            outcome = super()._resolve(server_round, update)
+            used.setdefault(update.client_key, []).append(update.delta.astype(np.float64))
+            return outcome
+
+    def train(msg, context):  # noqa: ANN001
+        local = trained(msg)
+        deltas[msg.metadata.dst_node_id].append(flat_trainable(local) - flat_trainable(global_arrays_of(msg)))
+        return full_model_reply(msg, local, num_examples=10)
+
+    def client(msg):  # noqa: ANN001, ANN202
+        reply = lazy_mod(copy.deepcopy(msg), contexts[msg.metadata.dst_node_id], train)
+        if not lost and protocol.CFG_LAZY_REF_SUM in config_of(msg):
+            lost.append(msg.metadata.dst_node_id)
+            return None
+        return reply
+
+    lazy = Recording(up_rule="nla", up_tau=1.3, compressor="topk", topk_ratio=0.25, **SERVER)
+    grid = FakeGrid(NODES, client)
+    arrays = model_record(tiny_model(2))
+    for r in range(1, 11):
+        new, _ = lazy.aggregate_train(r, list(grid.send_and_receive(lazy.configure_train(r, arrays, ConfigRecord(), grid))))
+        arrays = new or arrays
+    node = lost[0]
+    assert len(deltas[node]) >= len(used[f"node-{node}"]) + 1 >= 3  # it took part again after the loss
+    residual = client_vector(contexts[node], RESIDUAL).astype(np.float64)
+    np.testing.assert_allclose(np.sum(used[f"node-{node}"], axis=0) + residual, np.sum(deltas[node], axis=0), atol=1e-5)

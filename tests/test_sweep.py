@@ -132,3 +132,16 @@ def test_a_key_given_on_the_command_line_wins_even_at_its_default(preset_file: P
     run_config = {**defaults, "preset": str(preset_file), "local-epochs": defaults["local-epochs"]}
     assert AppConfig.from_run_config(run_config)["local-epochs"] == 3  # not known as given: the preset fills it
     assert AppConfig.from_run_config(run_config, given={"preset", "local-epochs"})["local-epochs"] == defaults["local-epochs"]
+
+
+def test_a_finished_run_with_other_settings_is_run_again(preset_file: Path, tmp_path: Path) -> None:
+    preset = load_preset(str(preset_file))
+    out = tmp_path / "sweep"
+    calls: list[list[str]] = []
+    runner = fake_flwr({"fedams": 0.2, "fedcams": 0.1}, calls)
+    first = sweep.plan(preset, ["fedams"], [1], {}, None, out)
+    sweep.execute(first, app=".", supernodes=6, runner=runner, say=lambda line: None)
+    changed = sweep.plan(preset, ["fedams"], [1], {"local-epochs": 2}, None, out)
+    assert not sweep.is_finished(changed[0]) and sweep.is_finished(first[0])
+    sweep.execute(changed, app=".", supernodes=6, runner=runner, say=lambda line: None)
+    assert len(calls) == 2 and sweep.is_finished(changed[0])

@@ -49,6 +49,8 @@ UP_REF = "lazy.up-ref"  # the last vector this client transmitted
 PREV_X = "lazy.x-prev"
 PREV_C_PREV = "lazy.c-prev-prev"
 UP_REF_PREV = "lazy.up-ref-prev"
+UP_USED = "lazy.up-used"  # what the server applies if it gets this client's last reply
+UP_ROUND = "lazy.up-round"  # the round of that reply
 DOWN_KINDS = ("dense", "full", "send", "skip", "aa", "keep")
 
 
@@ -77,8 +79,14 @@ def lazy_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Me
     reply = call_next(msg, context)
     if reply.has_error() or protocol.ARRAYS_RECORD not in reply.content.array_records:
         return reply
-    content = _judged_upload(reply, config, state, layout, start_arrays)
-    state.commit()
+    # The ClientApp may have kept its own client state for this message: continue from what it wrote,
+    # with this mod's vectors on top, so one commit keeps both.
+    after = client_state_for(context, config, first_message=False)
+    for name in set(state.names()) | set(after.names()):
+        if name.startswith("lazy.") or name == RESIDUAL:
+            _keep(after, name, state.get(name))
+    content = _judged_upload(reply, config, after, layout, start_arrays)
+    after.commit()
     return Message(content=content, reply_to=msg)
 
 
@@ -172,7 +180,7 @@ def _judged_upload(reply: Message, config: ConfigRecord, state: ClientState, lay
     granularity = str(config.get(protocol.CFG_GRANULARITY, "model"))
     codec = make_codec(
         str(config.get(protocol.CFG_LAZY_UP_CODEC, "none")),
-        topk_ratio=float(config.get(protocol.CFG_LAZY_UP_TOPK, 1 / 64)),
+        topk_ratio=float(config.get(protocol.CFG_LAZY_UP_TOPK, 1 / 8)),
         segments=layout.segments,
         granularity=granularity,
     )
@@ -180,6 +188,11 @@ def _judged_upload(reply: Message, config: ConfigRecord, state: ClientState, lay
     residual = state.get(RESIDUAL) if feedback else None
     if residual is not None and residual.shape != delta.shape:
         residual = None
+    last_used, last_round = state.get(UP_USED), state.get(UP_ROUND)
+    server_round = int(config.get(protocol.CFG_SERVER_ROUND, 0))
+    if (residual is not None and last_used is not None and last_used.shape == delta.shape and last_round is not None
+            and int(config.get(protocol.CFG_LAZY_LAST_ROUND, last_round)) < int(last_round) < server_round):
+        residual = np.add(residual, last_used, dtype=np.float32)  # the server never applied our last reply: not lost, owed
     compensated = delta if residual is None else np.add(delta, residual, dtype=np.float32)
     payload = codec.encode(compensated)
     cand = codec.decode(payload, layout.dim)
@@ -194,6 +207,8 @@ def _judged_upload(reply: Message, config: ConfigRecord, state: ClientState, lay
         state.set(RESIDUAL, uplink_residual(delta, residual, verdict.used, cand, str(config.get(protocol.CFG_LAZY_EF_MODE, "applied"))))
     _keep(state, UP_REF_PREV, ref)
     _keep(state, UP_REF, verdict.new_ref)
+    state.set(UP_USED, verdict.used)
+    state.set(UP_ROUND, np.array(server_round, dtype=np.int64))
     content = RecordDict()
     if verdict.transmit:
         update, meta = payload_to_records(payload, granularity)

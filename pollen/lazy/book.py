@@ -7,7 +7,9 @@ memory is known: :meth:`ClientBook.memory_bytes`). Only clients that took part o
 the rows of its sampled clients only, so its cost does not grow with N.
 
 The copies must equal the clients' own bit for bit (the client checks a checksum of them), so the tables
-are float32: a lossy precision would break that agreement and is refused.
+are float32: a lossy precision would break that agreement and is refused. A checkpoint (``state_dict``)
+copies the rows of every client seen; for a memory-mapped book far beyond RAM that copy is the limit
+(FedAdaVR's table journals its file instead; the book does not yet).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import numpy as np
 
 from pollen.vr.table import UpdateTable
 
-#: The vectors the server may keep per client.
-KINDS = ("up-ref", "x", "c-prev", "error")
+#: The vectors the server may keep per client (one table each).
+TABLES = ("up-ref", "x", "c-prev", "error")
 
 
 class ClientBook:
@@ -31,10 +33,10 @@ class ClientBook:
     row stays allocated and is overwritten when it returns).
     """
 
-    def __init__(self, dim: int, *, directory: str | os.PathLike[str] | None = None, kinds: tuple[str, ...] = KINDS) -> None:
-        unknown = sorted(set(kinds) - set(KINDS))
+    def __init__(self, dim: int, *, directory: str | os.PathLike[str] | None = None, kinds: tuple[str, ...] = TABLES) -> None:
+        unknown = sorted(set(kinds) - set(TABLES))
         if unknown:
-            raise ValueError(f"bookkeeping kinds {unknown} are unknown; allowed: {', '.join(KINDS)}")
+            raise ValueError(f"bookkeeping kinds {unknown} are unknown; allowed: {', '.join(TABLES)}")
         self.dim = int(dim)
         self.directory = None if directory is None else Path(directory)
         if self.directory is not None:

@@ -15,8 +15,9 @@ vector that crossed the wire between the two, ``ref``)::
 in float64; ``used`` is float32. With ``tau = 0`` nothing fires unless ``cand == ref`` exactly.
 
 The downlink (Algorithm 2) follows the spec's *increment reading* (§5.3): the server keeps a mirror
-``x_i`` of each client's model and the last increment ``c_prev_i`` it applied; each round it judges the
-compressed increment ``C(theta - x_i)`` against ``c_prev_i`` and both sides add the result to ``x_i``.
+``x_i`` of each client's model and the last increment ``c_prev_i`` that travelled (for AA the new
+candidate, not the merged sum); each round it judges the compressed increment ``C(theta - x_i)`` against
+``c_prev_i`` and both sides add the judged result to ``x_i``.
 Two ablations: ``model-keep`` (Variant B: skip when ``||c|| <= tau ||x_i||``, the client keeps its model)
 and ``literal`` (Variant C: error feedback on the raw model, the client *replaces* its model by the
 judged vector; the spec's negative control).
@@ -57,12 +58,14 @@ class Judgement:
 
 
 def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``allowed``, else ``ValueError`` naming what is allowed."""
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is unknown; allowed: {', '.join(allowed)}")
     return value
 
 
 def check_tau(name: str, tau: float) -> float:
+    """A threshold as a float, or ``ValueError`` unless it is finite and >= 0."""
     tau = float(tau)
     if not (np.isfinite(tau) and tau >= 0):
         raise ValueError(f"{name}={tau!r} is out of range; allowed: a finite number >= 0")
@@ -126,6 +129,7 @@ def uplink_residual(delta: np.ndarray, residual: np.ndarray | None, used: np.nda
     ``applied`` (default, Lemma F.4): ``e <- Delta + e - used``; ``compressed`` (proof identities
     D.1/E.1): ``e <- Delta + e - cand``, whatever the judgement did.
     """
+    check_choice("ef_mode", ef_mode, EF_MODES)
     p = np.asarray(delta, dtype=np.float32).copy() if residual is None else np.add(delta, residual, dtype=np.float32)
     p -= used if ef_mode == "applied" else cand
     return p

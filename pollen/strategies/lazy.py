@@ -89,9 +89,10 @@ class FedLazy(FedAMS):
         Uplink error feedback on what the server applied (``"applied"``, Lemma F.4) or on what the
         codec kept (``"compressed"``, the proof identities D.1/E.1).
     ref_mode : str (default: "last-transmitted")
-        What "t-1" is for a client: its last transmitted vector from its last participation, or
-        ``"consecutive-only"`` (the proofs' literal reading: no reference unless it took part in the
-        previous round).
+        What "t-1" is for a client's uplink reference: its last transmitted vector from its last
+        participation, or ``"consecutive-only"`` (the proofs' literal reading, spec §5.7: no reference
+        unless it took part in the previous round). The downlink's last increment is always the one of
+        the client's last participation.
     bookkeeping_dir : str | None (default: None)
         Keep the per-client vectors memory-mapped in this directory instead of RAM.
     **kwargs
@@ -201,6 +202,7 @@ class FedLazy(FedAMS):
             ref = None
         if ref is not None:
             config[protocol.CFG_LAZY_REF_SUM] = checksum(ref)
+        config[protocol.CFG_LAZY_LAST_ROUND] = self.last_round.get(key, 0)  # a lost reply's error goes back into e
         pending: dict[str, Any] = {"ref": ref}
         content = RecordDict({self.configrecord_key: config})
         if not self.bidirectional:
@@ -253,8 +255,9 @@ class FedLazy(FedAMS):
         for update in self.collect(server_round, replies, phase=phase):
             try:
                 commits[id(update)] = self._resolve(server_round, update)
-            except ReplyRejected as err:  # nothing of the client's is kept; its copies of a round back still match
-                self._reject(stats, update.node_id, str(err))
+            except Exception as err:  # noqa: BLE001 - nothing of the client's is kept; its copies of a round back still match
+                reason = str(err) if isinstance(err, ReplyRejected) else f"cannot be applied: {type(err).__name__}: {err}"
+                self._reject(stats, update.node_id, reason)
                 continue
             usable.append(update)
         self._pending = {}
@@ -275,6 +278,8 @@ class FedLazy(FedAMS):
             raise ReplyRejected("no downlink was prepared for this client this round")
         flags = update.flags
         if flags.get(protocol.FLAG_RESYNC):
+            if not self.bidirectional:
+                raise ReplyRejected("a resync request, but this method sends the full model every round")
             if update.delta is not None or flags.get(protocol.FLAG_SKIP) or flags.get(protocol.FLAG_AA):
                 raise ReplyRejected("a resync request together with an update or another flag")
             self._count(server_round, "resync")
@@ -284,12 +289,16 @@ class FedLazy(FedAMS):
         if flags.get(protocol.FLAG_SKIP) and flags.get(protocol.FLAG_AA):
             raise ReplyRejected("both the skip and the aa flag")
         kind = "skip" if flags.get(protocol.FLAG_SKIP) else "aa" if flags.get(protocol.FLAG_AA) else "send"
+        if kind != "send" and kind != {"nla": "skip", "aa": "aa"}.get(self.up_rule):
+            raise ReplyRejected(f"a {kind} flag, but this method's uplink rule is {self.up_rule!r}")
         if kind == "send" and update.delta is None:
             raise ReplyRejected("neither an update nor a skip flag")
         try:
             used, new_ref = replay(kind, update.delta, pending["ref"])
         except ValueError as err:
             raise ReplyRejected(str(err)) from None
+        if kind == "aa" and norm64(update.delta - pending["ref"]) > self.up_tau * norm64(pending["ref"]):
+            raise ReplyRejected(f"an aa flag on a change larger than tau={self.up_tau:g} times the reference")
         if kind != "send":
             self._count(server_round, "up-flags")
         self._count(server_round, f"up-{kind}")
