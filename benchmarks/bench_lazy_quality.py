@@ -158,8 +158,8 @@ def event_share(runs: list[list[dict]], direction: str) -> str:
     if not total:
         return "-"
     skip, merged = counts.get(f"{direction}-skip", 0) / total, counts.get(f"{direction}-aa", 0) / total
-    parts = [f"skip {skip:.0%}"] if skip else []
-    parts += [f"aa {merged:.0%}"] if merged else []
+    parts = [f"skip {skip:.1%}"] if skip else []
+    parts += [f"aa {merged:.1%}"] if merged else []
     return ", ".join(parts) or "all sent"
 
 

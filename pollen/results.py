@@ -152,12 +152,13 @@ def plot_runs(runs: Mapping[str, list[dict[str, Any]]], out_dir: Path) -> list[P
         ("cum_total_bytes", "cumulative bytes, both directions", "accuracy_vs_total_bytes.png", True),
     ):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for label, rows in runs.items():
+        for index, (label, rows) in enumerate(runs.items()):
             xs, ys = _numeric(rows, x_key)
             if log_x:
                 pairs = [(x, y) for x, y in zip(xs, ys) if x > 0]
                 xs, ys = [p[0] for p in pairs], [p[1] for p in pairs]
-            ax.plot(xs, ys, marker="o", markersize=3, label=label)
+            style = ("-", "--", ":")[index // 10 % 3]  # the colour cycle has 10 colours: tell the next 10 apart
+            ax.plot(xs, ys, marker="o", markersize=3, linestyle=style, label=label)
         if log_x:
             ax.set_xscale("log")
         ax.set_xlabel(x_label)
