@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flwr.app import Context, RecordDict  # noqa: E402
 
-from pollen.config import defaults_from_pyproject  # noqa: E402
+from pollen.config import defaults_from_pyproject, effective_run_config  # noqa: E402
 from tests.flower_fakes import FakeGrid  # noqa: E402
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
@@ -38,6 +39,7 @@ def run_inprocess(overrides: dict[str, Any], num_nodes: int, threads: int = 1) -
     import pollen.server_app as server_module
 
     run_config = {**defaults_from_pyproject(str(PYPROJECT)), **overrides}
+    effective = effective_run_config(run_config, set(overrides))  # a preset's values, as the ClientApps see them
     contexts = {
         node: Context(
             run_id=1,
@@ -52,8 +54,9 @@ def run_inprocess(overrides: dict[str, Any], num_nodes: int, threads: int = 1) -
         list(contexts),
         lambda msg: client_module.app(msg, contexts[msg.metadata.dst_node_id]),
         client_ids={node: f"partition-{node - 1}" for node in contexts},
-        cluster_ids={node: str((node - 1) // size) for node in contexts} if (size := int(run_config.get("cluster-size", 0))) else None,
+        cluster_ids={node: str((node - 1) // size) for node in contexts} if (size := int(effective.get("cluster-size", 0))) else None,
     )
+    grid.set_run(SimpleNamespace(override_config=dict(overrides)))  # what Flower's run record says was given
     server_context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
     server_module.main(grid, server_context)
     out = Path(run_config["results-dir"]).expanduser().resolve() / run_config["run-name"]

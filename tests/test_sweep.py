@@ -86,7 +86,12 @@ def test_a_sweep_runs_every_method_and_seed_once_then_reports(preset_file: Path,
     assert "4.0 (2/2 reached)" in rows[1]  # 0.1 + 0.11 r, 0.1 + 0.12 r: round 4
     report = (out / "report.md").read_text()
     assert "accuracy_vs_total_bytes.png" in report and "flwr run ." in report
-    assert json.loads((out / "report.json").read_text())[1]["group"] == "fedcams-sign"
+    summaries = json.loads((out / "report.json").read_text())
+    assert summaries[1]["group"] == "fedcams-sign"
+    for summary, group in zip(summaries, ([runs[0], runs[2]], [runs[1], runs[3]])):  # the table's numbers are the runs' own
+        metrics = [json.loads((run.run_dir / "metrics.json").read_text())["rows"] for run in group]
+        assert summary["final_accuracy"] == [rows[-1]["accuracy"] for rows in metrics]
+        assert summary["uplink_bytes"] == sum(rows[-1]["cum_uplink_bytes"] for rows in metrics) / 2
     assert (out / "commands.sh").read_text().endswith("flwr run .\n")
 
 
