@@ -531,3 +531,62 @@ def test_error_feedback_balances_across_a_lost_reply():
     assert len(deltas[node]) >= len(used[f"node-{node}"]) + 1 >= 3  # it took part again after the loss
     residual = client_vector(contexts[node], RESIDUAL).astype(np.float64)
     np.testing.assert_allclose(np.sum(used[f"node-{node}"], axis=0) + residual, np.sum(deltas[node], axis=0), atol=1e-5)
+
+
+def test_compressed_error_feedback_keeps_what_the_codec_dropped():
+    """ef_mode='compressed' (proof identities D.1/E.1): e <- Delta + e - cand, so sum(cand) + e = sum(Delta), AA or not."""
+    deltas: dict[int, list] = {n: [] for n in NODES}
+    cands: dict[str, list] = {}
+
+    class Recording(FedLazy):
+        def _resolve(self, server_round, update):  # noqa: ANN001
+            cands.setdefault(update.client_key, []).append(update.delta.astype(np.float64))  # what travelled
+            return super()._resolve(server_round, update)
+
+    def train(msg, context):  # noqa: ANN001
+        local = trained(msg)
+        deltas[msg.metadata.dst_node_id].append(flat_trainable(local) - flat_trainable(global_arrays_of(msg)))
+        return full_model_reply(msg, local, num_examples=10)
+
+    contexts = {n: make_context(n) for n in NODES}
+    lazy = Recording(up_rule="aa", up_tau=2.0, ef_mode="compressed", compressor="topk", topk_ratio=0.25, **SERVER)
+    grid = FakeGrid(NODES, lambda msg: lazy_mod(copy.deepcopy(msg), contexts[msg.metadata.dst_node_id], train))
+    arrays = model_record(tiny_model(2))
+    for r in range(1, 7):
+        new, _ = lazy.aggregate_train(r, list(grid.send_and_receive(lazy.configure_train(r, arrays, ConfigRecord(), grid))))
+        arrays = new or arrays
+    assert events(lazy).get("up-aa", 0) > 0
+    for node in NODES:
+        if deltas[node]:
+            residual = client_vector(contexts[node], RESIDUAL).astype(np.float64)
+            np.testing.assert_allclose(np.sum(cands[f"node-{node}"], axis=0) + residual, np.sum(deltas[node], axis=0), atol=1e-5)
+
+
+def test_a_memory_mapped_book_resumes_bit_for_bit(tmp_path):
+    """bookkeeping_dir keeps the per-client copies in files; a strategy rebuilt from state_dict goes on exactly."""
+    settings = dict(up_rule="nla", up_tau=1.3, compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="nla",
+                    down_tau=1.0, **SERVER)
+    whole = FedLazy(**settings, bookkeeping_dir=str(tmp_path / "whole"))
+    run(whole, lazy_mod, rounds=6)
+    assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == ["c-prev.f32", "error.f32", "up-ref.f32", "x.f32"]
+
+    first = FedLazy(**settings, bookkeeping_dir=str(tmp_path / "first"))
+    contexts = {n: make_context(n) for n in NODES}
+    grid = FakeGrid(NODES, client_with(lazy_mod, contexts))
+    arrays = model_record(tiny_model(2))
+    for r in range(1, 7):
+        if r == 4:
+            state = first.state_dict()
+            first = FedLazy(**settings, bookkeeping_dir=str(tmp_path / "resumed"))
+            first.load_state_dict(copy.deepcopy(state))
+            first.sampler.node_keys.update({n: f"node-{n}" for n in NODES})
+        new, _ = first.aggregate_train(r, list(grid.send_and_receive(first.configure_train(r, arrays, ConfigRecord(), grid))))
+        arrays = new or arrays
+    np.testing.assert_array_equal(first.params, whole.params)
+    for node in NODES:
+        key = f"node-{node}"
+        for kind in ("x", "up-ref"):
+            a, b = whole.book.get(kind, key), first.book.get(kind, key)
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_array_equal(a, b)
