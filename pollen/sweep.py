@@ -97,6 +97,32 @@ def is_finished(run: PlannedRun) -> bool:
     return bool(rows) and rows[-1].get("round") == run.rounds
 
 
+def snapshot_app(app: Path, dest: Path) -> Path:
+    """The files ``flwr run`` would pack from ``app`` (its bundle), extracted to ``dest``, made once per sweep.
+
+    Every run of the sweep then uses the same code even if the checkout changes meanwhile, and Flower does not
+    walk the whole checkout (a virtual environment inside it included) at every run.
+    """
+    import io
+    import warnings
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        fab = build_fab_from_disk(Path(app))
+    if dest.exists():
+        shutil.rmtree(dest)
+    with zipfile.ZipFile(io.BytesIO(fab)) as archive:
+        for name in archive.namelist():
+            if not name.startswith(".info/"):  # the bundle's manifest, written again when flwr builds it
+                target = dest / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(archive.read(name))
+    return dest
+
+
 def flwr_executable() -> str:
     """The ``flwr`` of this Python environment (next to its interpreter), else the one on PATH."""
     beside = Path(sys.executable).with_name("flwr")
@@ -152,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", metavar="KEY=V1,V2,...", help="one setting to sweep")
     parser.add_argument("--target", type=float, default=None, help="accuracy for the rounds-to-target column")
     parser.add_argument("--supernodes", type=int, default=None, help="simulated SuperNodes (default: the preset's)")
-    parser.add_argument("--app", default=".", help="the Flower app directory (default: .)")
+    parser.add_argument("--app", default=".", help="the Flower app directory (default: .); runs use a snapshot of it")
     parser.add_argument("--out", type=Path, default=None, help="default: results/sweeps/<preset>")
     parser.add_argument("--report-only", action="store_true", help="write the report of the finished runs, run nothing")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -182,7 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(commands))
         return 0
     print(f"{preset.title} ({preset.size} size, {supernodes} SuperNodes, needs {preset.needs})")
-    failures = [] if args.report_only else execute(runs, app=args.app, supernodes=supernodes)
+    failures = []
+    if not args.report_only:
+        app = str(snapshot_app(Path(args.app), out / "app"))
+        failures = execute(runs, app=app, supernodes=supernodes)
     groups: dict[str, list[Path]] = {}
     for run in runs:
         if is_finished(run):
