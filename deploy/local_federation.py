@@ -342,26 +342,11 @@ def snapshot_app(dest: Path, app: Path = REPO_ROOT) -> Path:
 
     ``flwr run`` builds the FAB from the app directory at each call, so runs started one after the
     other pick up whatever changed in between. Runs started from the snapshot all get the same FAB
-    (same hash), e.g. a run and its resumption.
+    (same hash), e.g. a run and its resumption. (``pollen.sweep.snapshot_app`` does the work.)
     """
-    import io
-    import warnings
-    import zipfile
+    from pollen.sweep import snapshot_app as snapshot
 
-    from flwr.cli.build import build_fab_from_disk
-
-    dest = Path(dest)
-    with warnings.catch_warnings():  # pathspec's deprecation notices, once per pattern
-        warnings.simplefilter("ignore", DeprecationWarning)
-        fab_bytes = build_fab_from_disk(Path(app))
-    with zipfile.ZipFile(io.BytesIO(fab_bytes)) as fab:
-        for name in fab.namelist():
-            if name.startswith(".info/"):  # the FAB's manifest and signatures, written again on build
-                continue
-            target = dest / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(fab.read(name))
-    return dest
+    return snapshot(Path(app), Path(dest))
 
 
 # --------------------------------------------------------------------------- command lines
