@@ -22,7 +22,8 @@ downlink and total bytes, drawn by ``pollen.results.plot_runs`` (``pollen-compar
 
     python benchmarks/bench_lazy_quality.py [--model mlp|cnn] [--rounds 20] [--seeds 1 2 3] [--rel] [--out DIR] [--report-only]
 
-An MLP run of 20 rounds takes about 2 minutes here, a CNN run about 3 times that.
+An MLP run of 20 rounds takes about 45 s here, a CNN run about 14 minutes (3 local epochs of 19 steps for
+50 clients a round: 57 CNN steps per client).
 """
 
 from __future__ import annotations
