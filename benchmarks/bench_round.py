@@ -7,7 +7,7 @@ the Message API with the test suite's in-process grid, exactly as ``Strategy.sta
 
 - Flower's ``FedAdam`` (``flwr.serverapp.strategy``, unmetered) on the dense replies,
 - pollen's ``FedAMS`` on the same dense replies,
-- pollen's ``FedCAMS`` on sign and on top-k replies, ``FedAdaVR`` with an Int4 table (dense replies).
+- pollen's ``FedCAMS`` on sign and on top-k replies, ``FedAdaVR`` with an Int4 and an FP32 table (dense replies).
 
 Times are medians over rounds 2.. (round 1 has no outlier history and keeps every delta); each
 is also divided by one ``np.copyto`` of a d-vector timed in the same run (memory-bandwidth
@@ -132,6 +132,7 @@ def main() -> None:
         ("pollen FedCAMS, sign", lambda: FedCAMS(compressor="sign", eta=0.1, **common), ReplyBank(arrays, nodes, "sign")),
         ("pollen FedCAMS, top-k 1/64", lambda: FedCAMS(compressor="topk", eta=0.1, **common), ReplyBank(arrays, nodes, "topk")),
         ("pollen FedAdaVR, int4 table", lambda: FedAdaVR(table_precision="int4", server_lr=0.01, **common), dense),
+        ("pollen FedAdaVR, fp32 table", lambda: FedAdaVR(table_precision="fp32", server_lr=0.01, **common), dense),
     ]
     yardstick = copyto_seconds(dim)
     print(f"d = {dim:,}, {len(nodes)} replies per round; one np.copyto of a d-vector: {1e3 * yardstick:.1f} ms")
@@ -145,9 +146,20 @@ def main() -> None:
     for count in args.memory_replies:
         member_nodes = list(range(1, count + 1))
         bank = ReplyBank(arrays, member_nodes, None)
-        for name, make in (("Flower FedAdam", lambda: FedAdam(**{**common, "min_available_nodes": count})), ("pollen FedAMS", lambda: FedAMS(eta=0.1, **{**common, "min_available_nodes": count}))):
-            vectors = peak_vectors(make(), arrays, bank, member_nodes, dim)
-            print(f"peak extra memory during aggregate_train, M = {count:>2}, {name:<15}: {vectors:5.1f} d-size float32 vectors")
+        settings = {**common, "min_available_nodes": count}
+        for name, make in (
+            ("Flower FedAdam", lambda: FedAdam(**settings)),
+            ("pollen FedAMS", lambda: FedAMS(eta=0.1, **settings)),
+            ("pollen FedAdaVR int4", lambda: FedAdaVR(table_precision="int4", server_lr=0.01, **settings)),
+            ("pollen FedAdaVR fp32", lambda: FedAdaVR(table_precision="fp32", server_lr=0.01, **settings)),
+        ):
+            strategy = make()
+            vectors = peak_vectors(strategy, arrays, bank, member_nodes, dim)
+            staged = ""
+            if isinstance(strategy, FedAdaVR):  # the round's new rows, held until the step (the method needs them)
+                row = strategy.table.memory_report()["row_bytes"]
+                staged = f" (of which the {count} staged new rows: {count * row / (4 * dim):.2f})"
+            print(f"peak extra memory during aggregate_train, M = {count:>2}, {name:<20}: {vectors:5.2f} d-size float32 vectors{staged}")
 
 
 if __name__ == "__main__":

@@ -118,12 +118,25 @@ def unpack_int4(packed: np.ndarray, n: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------- flat encode / decode
 
 
+CHUNK = 1 << 16
+"""Elements processed per step by the encoders / decoders: their float64 work stays in cache and no temporary
+grows with the tensor (even, so an int4 chunk never splits a byte)."""
+
+
+def absmax_of(x: np.ndarray) -> float:
+    """float32 ``max|x|`` of a finite float array (two reductions, no ``|x|`` temporary)."""
+    if not x.size:
+        return 0.0
+    return float(np.float32(max(float(x.max()), -float(x.min()))))
+
+
 def encode_into(x: np.ndarray, precision: str, out: np.ndarray) -> float:
     """Quantise the flat float array ``x`` into the preallocated ``out`` (length :func:`encoded_length`).
 
     Returns the float32 ``max|x|`` that integer formats need for decoding (0.0 for fp32 / fp16, and for an
     all-zero tensor). ``x`` must be finite. This is the allocation-light primitive behind :func:`quantize`
-    and the stored-update table.
+    and the stored-update table: codes are computed in float64 ``CHUNK`` elements at a time, so they are
+    exactly ``clip(rint(x * (qmax / absmax)))`` without a tensor-sized temporary.
     """
     x = np.asarray(x).reshape(-1)
     if precision == "fp32":
@@ -133,33 +146,72 @@ def encode_into(x: np.ndarray, precision: str, out: np.ndarray) -> float:
         np.clip(x, -FP16_MAX, FP16_MAX, out=out, casting="unsafe")
         return 0.0
     qmax = QMAX[check_precision(precision)]
-    absmax = float(np.float32(np.max(np.abs(x)))) if x.size else 0.0
+    absmax = absmax_of(x)
     if absmax == 0.0:
-        codes = np.zeros(x.size, dtype=np.int8)
-    else:
-        # alpha = absmax / qmax in float64: the max element lands exactly on +-qmax.
-        codes = np.rint(x.astype(np.float64) * (qmax / absmax))
+        out[...] = 0 if precision == "int8" else 0x88  # int4: two zero codes (8, 8) per byte
+        return absmax
+    factor = qmax / absmax  # alpha = absmax / qmax in float64: the max element lands exactly on +-qmax
+    work = np.empty(min(CHUNK, x.size), dtype=np.float64)
+    for lo in range(0, x.size, CHUNK):
+        hi = min(x.size, lo + CHUNK)
+        codes = work[: hi - lo]
+        np.multiply(x[lo:hi], factor, out=codes, dtype=np.float64)
+        np.rint(codes, out=codes)
         np.clip(codes, -qmax, qmax, out=codes)
-        codes = codes.astype(np.int8)
-    if precision == "int8":
-        out[...] = codes
-    else:
-        out[...] = pack_int4(codes)
+        if precision == "int8":
+            out[lo:hi] = codes
+            continue
+        codes += 8  # int4 nibbles 1..15, even index in the high nibble
+        pairs = (hi - lo) // 2
+        first = lo // 2
+        out[first : first + pairs] = codes[0 : 2 * pairs : 2] * 16 + codes[1 : 2 * pairs : 2]
+        if (hi - lo) % 2:  # only the last chunk of an odd-length tensor: pad with a zero code
+            out[first + pairs] = codes[-1] * 16 + 8
     return absmax
+
+
+def _code_values(precision: str, absmax: float) -> np.ndarray:
+    """float32 value of every stored byte: ``lut[b]`` for int8, ``lut[b] = (high, low)`` pair for int4.
+
+    Each value is ``code * absmax / qmax`` in float64, rounded once to float32, exactly as an element-wise
+    decode computes it; a decode is then one table look-up per stored byte.
+    """
+    qmax = QMAX[precision]
+    scale = float(np.float32(absmax))
+    if precision == "int8":
+        codes = np.arange(256, dtype=np.uint8).view(np.int8).astype(np.float64)
+        return (codes * scale / qmax).astype(np.float32)
+    nibble = ((np.arange(16, dtype=np.float64) - 8) * scale / qmax).astype(np.float32)
+    byte = np.arange(256)
+    return np.stack([nibble[byte >> 4], nibble[byte & 0x0F]], axis=1)
+
+
+def decode_into(data: np.ndarray, precision: str, absmax: float, n: int, out: np.ndarray) -> np.ndarray:
+    """Dequantise flat stored ``data`` (one tensor of ``n`` elements) into ``out`` (float32, length ``n``)."""
+    data = np.asarray(data).reshape(-1)
+    if precision in ("fp32", "fp16"):
+        out[...] = data
+        return out
+    expected = encoded_length(n, precision)
+    if data.size != expected:
+        raise ValueError(f"{data.size} stored {precision} elements cannot hold exactly {n} values")
+    if absmax == 0.0:
+        out[...] = 0.0
+        return out
+    table = _code_values(precision, absmax)
+    if precision == "int8":
+        np.take(table, data.view(np.uint8), out=out, mode="clip")
+        return out
+    pairs = n // 2
+    np.take(table, data[:pairs], axis=0, out=out[: 2 * pairs].reshape(pairs, 2), mode="clip")
+    if n % 2:
+        out[n - 1] = table[data[pairs], 0]
+    return out
 
 
 def decode(data: np.ndarray, precision: str, absmax: float, n: int) -> np.ndarray:
     """Dequantise flat stored ``data`` back to ``float32[n]`` (always a new array)."""
-    if precision == "fp32":
-        return np.array(data, dtype=np.float32).reshape(-1)
-    if precision == "fp16":
-        return np.asarray(data).reshape(-1).astype(np.float32)
-    qmax = QMAX[check_precision(precision)]
-    codes = np.asarray(data).reshape(-1) if precision == "int8" else unpack_int4(data, n)
-    if absmax == 0.0:
-        return np.zeros(n, dtype=np.float32)
-    # code * absmax is exact in float64 (<= 7 + 24 bits), so +-qmax maps back to +-absmax exactly.
-    return (codes.astype(np.float64) * float(np.float32(absmax)) / qmax).astype(np.float32)
+    return decode_into(data, precision, absmax, n, np.empty(n, dtype=np.float32))
 
 
 # ------------------------------------------------------------------------------------------ tensor objects

@@ -167,3 +167,33 @@ def test_float64_input_is_accepted():
     x = np.linspace(-1, 1, 11)
     y = dequantize(quantize(x, "int8"))
     assert y.dtype == np.float32 and np.max(np.abs(y - x)) <= 1 / 254 * (1 + 1e-4)
+
+
+def _reference_codes(x: np.ndarray, precision: str) -> tuple[np.ndarray, float]:
+    """The element-wise definition, whole tensor at once: clip(rint(x * qmax / absmax)) in float64."""
+    qmax = {"int8": 127, "int4": 7}[precision]
+    absmax = float(np.float32(np.max(np.abs(x)))) if x.size else 0.0
+    if absmax == 0.0:
+        return np.zeros(x.size, np.int8), 0.0
+    return np.clip(np.rint(x.astype(np.float64) * (qmax / absmax)), -qmax, qmax).astype(np.int8), absmax
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("n", [1, 2, 5, 65_535, 65_536, 65_537, 131_075])
+def test_chunked_encoder_and_table_decoder_equal_the_elementwise_definition(precision, n):
+    """Encoding a chunk at a time and decoding by look-up table give exactly the element-wise formulas,
+    across chunk borders and for odd lengths (int4's pad nibble)."""
+    from pollen import quant
+
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 4)).astype(np.float32)
+    q = quantize(x, precision)
+    codes, absmax = _reference_codes(x, precision)
+    assert q.absmax == absmax
+    stored = unpack_int4(q.data, n) if precision == "int4" else q.data
+    np.testing.assert_array_equal(stored, codes)
+    qmax = {"int8": 127, "int4": 7}[precision]
+    want = (codes.astype(np.float64) * absmax / qmax).astype(np.float32)
+    np.testing.assert_array_equal(dequantize(q).view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="cannot hold"):
+        quant.decode(np.concatenate([q.data, q.data[:1]]), precision, q.absmax, n)

@@ -160,3 +160,73 @@ def test_memory_mapped_table_on_disk(tmp_path):
 def test_bad_settings_are_refused(kwargs, word):
     with pytest.raises(ValueError, match=word):
         strategy(**kwargs)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_streamed_rounds_equal_a_plain_transcription_of_the_boxed_estimator(precision, monkeypatch):
+    """Rounds 2.. stream each reply into the aggregate and a staged row (no per-reply vector kept);
+    the model and table still follow r = mean_S(y_i - D(y_i_old)) + sum_j p_j D(y_j_old), Adam on eta_c r,
+    rows replaced after the step, over five rounds with a client dropping out in one of them."""
+    streamed = []
+    original = FedAdaVR.round_sink
+    monkeypatch.setattr(FedAdaVR, "round_sink", lambda self, rnd, bound: streamed.append(rnd) or original(self, rnd, bound))
+    ids = {n: f"partition-{i}" for i, n in enumerate(NODES)}
+    current = {"round": 1, "drop": set()}
+    grid = FakeGrid(NODES, lambda msg: make_client(ids, current["drop"], lambda: current["round"])(msg), client_ids=ids)
+    s = strategy(table_precision=precision)
+    arrays = model_record(tiny_model(0))
+    x = flat_trainable(tiny_model(0)).astype(np.float64)
+    opt = make_server_optimizer("adam", eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True)
+    opt_state = opt.init(19)
+    table: dict[str, np.ndarray] = {}
+    for rnd in range(1, 6):
+        current["round"], current["drop"] = rnd, ({NODES[2], NODES[3]} if rnd == 4 else set())
+        sent = flat_trainable(named_arrays(arrays)).astype(np.float32)
+        arrays, _, replies = run_train_round(s, grid, rnd, arrays)
+        replied = [ids[r.metadata.src_node_id] for r in replies if r.has_content()]
+        ys = {ids[r.metadata.src_node_id]: (flat_trainable(global_arrays_of(r)).astype(np.float32) - sent) / np.float32(CLIENT_LR)
+              for r in replies if r.has_content()}
+        population = len(NODES)  # every node identified itself in round 1
+        r_vec = sum(table.values(), np.zeros(19)) / population
+        r_vec = r_vec + np.mean([ys[k].astype(np.float64) - table.get(k, 0.0) for k in replied], axis=0)
+        opt_state, step = opt.update(opt_state, (CLIENT_LR * r_vec).astype(np.float32))
+        x = x + step
+        for k in replied:
+            table[k] = _stored(ys[k], s, precision)
+        np.testing.assert_allclose(flat_trainable(named_arrays(arrays)), x, rtol=1e-6, atol=1e-7)
+        for k, row in table.items():
+            np.testing.assert_array_equal(s.table.get(k), row.astype(np.float32))
+    assert streamed == [2, 3, 4, 5]
+    np.testing.assert_allclose(s.table.running_sum, s.table.recompute_running_sum(), rtol=0, atol=1e-9)
+
+
+def _stored(y: np.ndarray, s: FedAdaVR, precision: str) -> np.ndarray:
+    """What the table holds for ``y``: each tensor quantised on its own (pollen.quant's scheme)."""
+    from pollen import quant
+
+    parts = [quant.dequantize(quant.quantize(y[a:b], precision)) for a, b in s.layout.segments]
+    return np.concatenate(parts).astype(np.float64)
+
+
+def test_a_skipped_streamed_round_leaves_the_table_as_it_was():
+    """Replies read (and staged) in a round that is then skipped (fewer than min_replies) change no row."""
+    ids = {n: f"partition-{i}" for i, n in enumerate(NODES)}
+    current = {"round": 1, "drop": set()}
+    grid = FakeGrid(NODES, lambda msg: make_client(ids, current["drop"], lambda: current["round"])(msg), client_ids=ids)
+    s = strategy(table_precision="int8", min_replies=3)
+    arrays = model_record(tiny_model(0))
+    for rnd in (1, 2):
+        current["round"] = rnd
+        arrays, _, _ = run_train_round(s, grid, rnd, arrays)
+    before = {k: s.table.get(k) for k in s.table.keys()}
+    running = s.table.running_sum.copy()
+    current["round"], current["drop"] = 3, set(NODES[:4])
+    messages = list(s.configure_train(3, arrays, ConfigRecord(), grid))
+    replies = list(grid.send_and_receive(messages, timeout=1.0))
+    assert sum(r.has_content() for r in replies) < 3
+    out, _ = s.aggregate_train(3, replies)
+    assert out is None
+    assert sorted(s.table.keys()) == sorted(before)
+    for k, row in before.items():
+        np.testing.assert_array_equal(s.table.get(k), row)
+    np.testing.assert_array_equal(s.table.running_sum, running)

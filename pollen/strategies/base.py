@@ -465,15 +465,19 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         phase = self._current_phase.get(server_round, TRAIN_PHASE)
         bound = self.screen.bound() if self.streaming else None
         if bound is not None:
-            running = RunningMean(self.layout.dim, self.screen, bound, weighted=self.aggregation == "weighted")
+            running = self.round_sink(server_round, bound)
             updates = self.collect(server_round, replies, phase=phase, sink=running)
         else:
             running = None
             updates = self._screen_updates(server_round, self.collect(server_round, replies, phase=phase), stats)
         return self.apply_updates(server_round, updates, running)
 
+    def round_sink(self, server_round: int, bound: float) -> ScreenedSink:
+        """Hook: what takes each screened update of a streamed round (default: the running mean of deltas)."""
+        return RunningMean(self.layout.dim, self.screen, bound, weighted=self.aggregation == "weighted")
+
     def apply_updates(
-        self, server_round: int, updates: list[ClientUpdate], running: RunningMean | None = None
+        self, server_round: int, updates: list[ClientUpdate], running: ScreenedSink | None = None
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Aggregate already-read (and screened) updates and take the round's server step.
 
@@ -514,7 +518,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         self._forget_round(server_round)
         return result
 
-    def _server_step(self, server_round: int, updates: list[ClientUpdate], running: RunningMean | None) -> None:
+    def _server_step(self, server_round: int, updates: list[ClientUpdate], running: ScreenedSink | None) -> None:
         """Aggregate, step, average buffers; all or nothing when ``transactional``."""
         self._take_snapshot()
         try:
@@ -727,23 +731,17 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             self.opt_state = opt_state
 
 
-class RunningMean:
-    """The round's (weighted) mean of deltas, summed as replies are read; screens each one first.
+class ScreenedSink:
+    """Takes each update of a streamed round as it is read: screens it against the history bound,
+    hands it to :meth:`take`, then drops its vector (the reader reuses one buffer). ``mean()`` is
+    the round's aggregated delta."""
 
-    ``sum_i float32(w_i) * delta_i`` with raw weights (1 for the mean, ``num-examples`` when
-    weighted), then one multiplication by ``1 / sum w``: a rejected reply never touched the sum,
-    so the result equals a round where that client stayed silent, bit for bit.
-    """
-
-    def __init__(self, dim: int, screen: UpdateScreen, bound: float, *, weighted: bool) -> None:
-        self.total = np.zeros(dim, dtype=np.float32)
-        self.weight = 0.0
+    def __init__(self, screen: UpdateScreen, bound: float) -> None:
         self.screen = screen
         self.bound = bound
-        self.weighted = weighted
 
     def __call__(self, update: ClientUpdate) -> None:
-        """Screen ``update`` (``ReplyRejected`` if it is an outlier), add it, drop its vector."""
+        """Screen ``update`` (``ReplyRejected`` if it is an outlier), take it, drop its vector."""
         if update.delta is None:
             return
         verdict, scale = self.screen.judge(update.norm, self.bound)
@@ -752,8 +750,32 @@ class RunningMean:
         if verdict == "clip":
             update.delta *= np.float32(scale)
             update.norm *= scale
-        self.add(update.delta, update.num_examples)
+        self.take(update)
         update.delta = None
+
+    def take(self, update: ClientUpdate) -> None:
+        raise NotImplementedError
+
+    def mean(self) -> np.ndarray:
+        raise NotImplementedError
+
+
+class RunningMean(ScreenedSink):
+    """The round's (weighted) mean of deltas, summed as replies are read; screens each one first.
+
+    ``sum_i float32(w_i) * delta_i`` with raw weights (1 for the mean, ``num-examples`` when
+    weighted), then one multiplication by ``1 / sum w``: a rejected reply never touched the sum,
+    so the result equals a round where that client stayed silent, bit for bit.
+    """
+
+    def __init__(self, dim: int, screen: UpdateScreen, bound: float, *, weighted: bool) -> None:
+        super().__init__(screen, bound)
+        self.total = np.zeros(dim, dtype=np.float32)
+        self.weight = 0.0
+        self.weighted = weighted
+
+    def take(self, update: ClientUpdate) -> None:
+        self.add(update.delta, update.num_examples)
 
     def add(self, delta: np.ndarray, num_examples: float) -> None:
         weight = num_examples if self.weighted else 1.0

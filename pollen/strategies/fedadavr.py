@@ -27,9 +27,10 @@ import numpy as np
 from pollen.layout import ModelLayout
 from pollen.optim import ServerOptimizer, make_server_optimizer
 from pollen.schedule import schedule_factor
-from pollen.strategies.base import AdaptiveStrategy, ClientUpdate
+from pollen.strategies.base import AdaptiveStrategy, ClientUpdate, ScreenedSink
 from pollen.strategies.registry import register, sampling_kwargs, screening_kwargs
-from pollen.vr import UpdateTable, VARIANTS, get_variant, vr_aggregate
+from pollen.vr import UpdateTable, VARIANTS, get_variant
+from pollen.vr.aggregate import VRRound
 from pollen.vr.journal import TableJournal
 from pollen.vr.aggregate import check_weighting
 
@@ -39,8 +40,9 @@ OPTIMIZERS = ("adagrad", "adam", "adabelief", "yogi", "lamb", "sgd")
 class FedAdaVR(AdaptiveStrategy):
     """Adaptive server optimiser on a variance-reduced aggregate over a stored-update table.
 
-    Each round's deltas are kept until the step (the table rows are replaced after it), so this
-    strategy reads replies into per-client vectors (``streaming = False``).
+    Replies stream (:class:`pollen.vr.VRRound`): each is read into one reused buffer, added to the
+    round's float64 sum against its old row, and encoded into a staged row of the table's precision;
+    the staged rows replace the table's after the server step, and are dropped if the round fails.
 
     Parameters
     ----------
@@ -117,10 +119,9 @@ class FedAdaVR(AdaptiveStrategy):
         self.table: UpdateTable | None = None
         self.journal: TableJournal | None = None
         self.table_generation = 0
+        self._round: VRRound | None = None
         # Build once now so bad optimiser settings fail at construction, not in round 1.
         make_server_optimizer(self.optimizer_name, **self._optimizer_kwargs(None))
-
-    streaming = False
 
     def _optimizer_kwargs(self, layout: ModelLayout | None) -> dict[str, Any]:
         if self.optimizer_name == "sgd":
@@ -160,39 +161,45 @@ class FedAdaVR(AdaptiveStrategy):
         """Example-weighted variants need every reply's ``num-examples``."""
         return super().needs_weights() or not self.variant.equal_weights
 
-    def _weights(self, updates: list[ClientUpdate]) -> dict[str, float] | None:
-        if self.variant.equal_weights:
-            return None
-        return {u.client_key: float(u.num_examples) for u in updates}
-
     def client_lr_at(self, server_round: int) -> float:
         """The clients' learning rate in ``server_round`` (their schedule applied)."""
         factor = self.client_lr_factor(server_round) if self.client_lr_factor is not None else 1.0
         return self.client_lr * factor
 
+    def _new_round(self) -> VRRound:
+        self._round = VRRound(self.table, self.layout.dim, weighting=self.vr_weighting)
+        return self._round
+
+    def _take(self, vr_round: VRRound, server_round: int, update: ClientUpdate) -> None:
+        """Add ``update`` as ``y = delta / eta_c`` (formed in place in the reply's buffer)."""
+        y = np.divide(update.delta, np.float32(self.client_lr_at(server_round)), out=update.delta)
+        vr_round.add(update.client_key, y, float(update.num_examples) if not self.variant.equal_weights else 1.0)
+
+    def round_sink(self, server_round: int, bound: float) -> ScreenedSink:
+        return _VRSink(self, server_round, bound, self._new_round())
+
     def aggregate_deltas(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
-        """The variance-reduced delta ``eta_c * r`` from the sampled updates and the old table."""
-        ys = {u.client_key: u.delta / np.float32(self.client_lr_at(server_round)) for u in updates}
+        """The variance-reduced delta ``eta_c * r`` of updates read without streaming (round 1)."""
+        vr_round = self._new_round()
+        for update in updates:
+            if update.delta is not None:
+                self._take(vr_round, server_round, update)
+        return self._round_delta(server_round, vr_round)
+
+    def _round_delta(self, server_round: int, vr_round: VRRound) -> np.ndarray:
         known = self.table.known_clients if self.table is not None else 0
-        num_clients = max(self.num_clients or 0, len(self.sampler.known_clients), known, len(ys))
-        return vr_aggregate(
-            ys,
-            self.table,
-            num_clients=num_clients,
-            weights=self._weights(updates),
-            weighting=self.vr_weighting,
-            client_lr=self.client_lr_at(server_round),
-        )
+        num_clients = max(self.num_clients or 0, len(self.sampler.known_clients), known, len(vr_round))
+        return vr_round.delta(num_clients=num_clients, client_lr=self.client_lr_at(server_round))
 
     def after_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        """Replace the rows of the clients that replied, after the server step."""
+        """Write the staged rows of the clients that replied, after the server step (none if it failed)."""
+        vr_round, self._round = self._round, None
         if self.table is None:
             return
-        if updates:
-            ys = {u.client_key: u.delta / np.float32(self.client_lr_at(server_round)) for u in updates}
+        if updates and vr_round is not None and vr_round.staged:
             if self.journal is not None:  # a table on disk: keep the rows it overwrites until the checkpoint
-                self.journal.begin(self.table, server_round, list(ys))
-            self.table.replace_many(ys, self._weights(updates))
+                self.journal.begin(self.table, server_round, list(vr_round.staged))
+            vr_round.commit()
             if self.journal is not None:
                 self.journal.commit(self.table, server_round)
             self.table_generation = server_round
@@ -223,6 +230,22 @@ class FedAdaVR(AdaptiveStrategy):
             elif self.table_path is not None:
                 self.journal = TableJournal(self.table_path)
                 self.journal.commit(self.table, self.table_generation)
+
+
+class _VRSink(ScreenedSink):
+    """A streamed FedAdaVR round: each screened update goes into the round's :class:`VRRound`."""
+
+    def __init__(self, strategy: FedAdaVR, server_round: int, bound: float, vr_round: VRRound) -> None:
+        super().__init__(strategy.screen, bound)
+        self.strategy = strategy
+        self.server_round = server_round
+        self.vr_round = vr_round
+
+    def take(self, update: ClientUpdate) -> None:
+        self.strategy._take(self.vr_round, self.server_round, update)
+
+    def mean(self) -> np.ndarray:
+        return self.strategy._round_delta(self.server_round, self.vr_round)
 
 
 def _fedadavr_builder(variant: str):  # noqa: ANN202

@@ -35,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from pollen.vr.table import ClientKey, UpdateTable, client_key
+from pollen import quant
+from pollen.vr.table import ClientKey, EncodedRow, UpdateTable, add_scaled, client_key
 
 WEIGHTINGS = ("sampled-normalised", "horvitz-thompson", "literal", "none")
 """Allowed values of ``weighting`` / run-config ``vr-weighting`` (underscores are accepted too)."""
@@ -114,57 +115,115 @@ def vr_aggregate(
     np.ndarray
         float32 vector of length ``dim``.
     """
-    weighting = check_weighting(weighting)
     if not updates:
         raise ValueError("vr_aggregate needs at least one update (all sampled clients failed?)")
-    keys = [client_key(k) for k in updates]
-    if len(set(keys)) != len(keys):
-        raise ValueError("duplicate client keys in updates")
     dim = table.dim if table is not None else np.asarray(next(iter(updates.values()))).shape[-1]
-    ys = [_as_vector(v, dim) for v in updates.values()]
-    if weights is None:
-        n = np.ones(len(keys))
-    else:
-        wmap = {client_key(k): float(v) for k, v in weights.items()}
-        missing = [k for k in keys if k not in wmap]
-        if missing:
-            raise KeyError(f"no weight for client(s) {missing}")
-        n = np.array([wmap[k] for k in keys], dtype=np.float64)
-    if not np.all(np.isfinite(n)) or np.any(n < 0) or n.sum() <= 0:
-        raise ValueError(f"client weights must be finite, >= 0 and not all 0, got {n.tolist()}")
+    wmap = None if weights is None else {client_key(k): float(v) for k, v in weights.items()}
+    missing = [client_key(k) for k in updates if wmap is not None and client_key(k) not in wmap]
+    if missing:
+        raise KeyError(f"no weight for client(s) {missing}")
+    round_ = VRRound(table, dim, weighting=weighting, stage=False)
+    for key, y in updates.items():
+        round_.add(key, _as_vector(y, dim), 1.0 if wmap is None else wmap[client_key(key)])
+    return round_.delta(num_clients=num_clients, client_lr=client_lr, total_weight=total_weight).copy()
 
-    acc = np.zeros(dim, dtype=np.float64)
-    if weighting == "none":
-        for ni, yi in zip(n / n.sum(), ys):
-            acc += ni * yi
-        return (client_lr * acc).astype(np.float32)
 
-    if int(num_clients) < 1:
-        raise ValueError(f"num_clients={num_clients} must be >= 1")
-    if total_weight is None:
-        W = population_weight(table, dict(zip(keys, n.tolist())), num_clients)
-    else:
-        W = float(total_weight)
-        if not np.isfinite(W) or W <= 0:
-            raise ValueError(f"total_weight={total_weight!r} must be finite and > 0")
+class VRRound:
+    """One round of the variance-reduced aggregate, fed one update at a time (the streaming form).
 
-    if weighting == "sampled-normalised":
-        coef = n / n.sum()
-    elif weighting == "horvitz-thompson":
-        N = population_size(table, dict.fromkeys(keys), num_clients)
-        coef = (N / len(keys)) * n / W
-    else:  # literal
-        coef = n / W
+    :meth:`add` takes ``y_i`` as soon as a reply is read and keeps no float vector of it: it adds
+    ``n_i (y_i - D(y_i_old))`` (``n_i y_i`` for a client without a row, or with ``weighting="none"``) to a
+    float64 sum and, with ``stage=True``, encodes ``y_i`` into the table's storage format, to be written by
+    :meth:`commit` after the server step. :meth:`delta` applies the weighting's coefficient, which needs
+    every ``n_i`` of the round, once at the end:
 
-    if table is not None:
-        acc += table.running_sum / W
-    for ci, k, yi in zip(coef, keys, ys):
-        old = table.get(k) if table is not None else None
-        if old is None:
-            acc += ci * yi
+        r = running_sum_old / W  +  k * sum_i n_i (y_i - D(y_i_old)),   k = 1 / sum_S n  |  N / (M W)  |  1 / W
+
+    Memory beyond the table: the float64 sum (two float32 vectors), one float32 scratch vector and the
+    staged rows in the table's precision (an int4 row is 1/8 of a float32 vector). The table is not touched
+    before :meth:`commit`.
+    """
+
+    def __init__(self, table: UpdateTable | None, dim: int, *, weighting: str = "sampled-normalised", stage: bool = True) -> None:
+        self.table = table
+        self.dim = int(dim)
+        self.weighting = check_weighting(weighting)
+        self.stage = stage and table is not None
+        self.total = np.zeros(self.dim, dtype=np.float64)
+        self.scratch = np.empty(self.dim, dtype=np.float32)
+        self.weights: dict[str, float] = {}
+        self.staged: dict[str, EncodedRow] = {}
+
+    def add(self, key: ClientKey, y: np.ndarray, weight: float = 1.0) -> None:
+        """Take client ``key``'s ``y`` (float32, length ``dim``) with weight ``n_i``; ``y`` is not kept.
+
+        ``y`` must be finite: the caller checks it (:func:`vr_aggregate` does; a strategy's reply reader has).
+        """
+        k = client_key(key)
+        if k in self.weights:
+            raise ValueError(f"client {k!r} already has an update in this round (duplicate client key)")
+        n = float(weight)
+        if not np.isfinite(n) or n < 0:
+            raise ValueError(f"client weight must be finite and >= 0, got {weight!r}")
+        staged = self.table.encode(y, check_finite=False) if self.stage else None
+        if np.shape(y) != (self.dim,):
+            raise ValueError(f"update has shape {np.shape(y)}, expected ({self.dim},)")
+        known = self.weighting != "none" and self.table is not None and self.table.decode_into(k, self.scratch)
+        work = np.empty(min(quant.CHUNK, self.dim), dtype=np.float64)
+        for lo in range(0, self.dim, quant.CHUNK):
+            hi = min(self.dim, lo + quant.CHUNK)
+            part = work[: hi - lo]
+            if known:
+                np.subtract(y[lo:hi], self.scratch[lo:hi], out=part, dtype=np.float64)
+            else:
+                part[...] = y[lo:hi]
+            if n != 1.0:
+                part *= n
+            self.total[lo:hi] += part
+        self.weights[k] = n
+        if staged is not None:
+            self.staged[k] = staged
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def delta(self, *, num_clients: int, client_lr: float = 1.0, total_weight: float | None = None) -> np.ndarray:
+        """``client_lr * r`` as float32, written into (and returned as) this round's scratch vector."""
+        if not self.weights:
+            raise ValueError("vr_aggregate needs at least one update (all sampled clients failed?)")
+        n = np.array(list(self.weights.values()), dtype=np.float64)
+        if n.sum() <= 0:
+            raise ValueError(f"client weights must be finite, >= 0 and not all 0, got {n.tolist()}")
+        if self.weighting == "none":
+            np.multiply(self.total, client_lr / n.sum(), out=self.scratch, casting="unsafe")
+            return self.scratch
+        if int(num_clients) < 1:
+            raise ValueError(f"num_clients={num_clients} must be >= 1")
+        if total_weight is None:
+            W = population_weight(self.table, self.weights, num_clients)
         else:
-            acc += ci * (yi.astype(np.float64) - old)
-    return (client_lr * acc).astype(np.float32)
+            W = float(total_weight)
+            if not np.isfinite(W) or W <= 0:
+                raise ValueError(f"total_weight={total_weight!r} must be finite and > 0")
+        if self.weighting == "sampled-normalised":
+            k = 1.0 / n.sum()
+        elif self.weighting == "horvitz-thompson":
+            k = population_size(self.table, self.weights, num_clients) / (len(n) * W)
+        else:  # literal
+            k = 1.0 / W
+        self.total *= k
+        if self.table is not None:
+            add_scaled(self.total, self.table.running_sum, 1.0 / W)
+        np.multiply(self.total, client_lr, out=self.scratch, casting="unsafe")
+        return self.scratch
+
+    def commit(self) -> None:
+        """Write the staged rows into the table (after the server step), with their weights."""
+        if self.table is None:
+            return
+        for key, row in self.staged.items():
+            self.table.store(key, row, self.weights[key], scratch=self.scratch)
+        self.staged.clear()
 
 
 def _as_vector(v: Any, dim: int) -> np.ndarray:
@@ -178,4 +237,4 @@ def _as_vector(v: Any, dim: int) -> np.ndarray:
     return arr
 
 
-__all__ = ["WEIGHTINGS", "check_weighting", "population_size", "population_weight", "vr_aggregate"]
+__all__ = ["WEIGHTINGS", "VRRound", "check_weighting", "population_size", "population_weight", "vr_aggregate"]

@@ -28,6 +28,7 @@ is simply not replaced and keeps its row.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -178,10 +179,30 @@ class UpdateTable:
 
     def get(self, key: ClientKey) -> np.ndarray:
         """Dequantised ``y_key`` as a new float32 vector; zeros if the client was never seen."""
+        out = np.zeros(self._dim, dtype=np.float32)
+        self.decode_into(key, out)
+        return out
+
+    def decode_into(self, key: ClientKey, out: np.ndarray) -> bool:
+        """Write dequantised ``y_key`` into ``out`` (float32, length ``dim``); False (``out`` untouched) if unseen."""
         row = self._index.get(client_key(key))
         if row is None:
-            return np.zeros(self._dim, dtype=np.float32)
-        return self._decode_row(self._data[row], self._absmax[row])
+            return False
+        self._decode_row(self._data[row], self._absmax[row], out)
+        return True
+
+    def encode(self, y: np.ndarray, *, check_finite: bool = True) -> EncodedRow:
+        """``y`` validated and quantised per tensor, ready for :meth:`store` (the table is not touched).
+
+        Raises ``ValueError`` on a wrong shape or dtype, or on NaN / Inf unless ``check_finite=False`` (for
+        callers that have checked already: a reply's norm is its finiteness check). For fp32 the row is a
+        copy of ``y``.
+        """
+        vec = _as_update(y, self._dim, check_finite=check_finite)
+        data = np.empty(self._width, dtype=self._dtype)
+        absmax = np.zeros(self._n_scales, dtype=np.float32)
+        self._encode_row(vec, data, absmax)
+        return EncodedRow(data, absmax)
 
     def replace(self, key: ClientKey, y: np.ndarray, weight: float = 1.0) -> None:
         """Store ``y`` (quantised per tensor) as ``key``'s latest update and update the running sum.
@@ -191,33 +212,39 @@ class UpdateTable:
         row (capacity doubles if needed). Raises ``ValueError`` on a wrong shape, NaN / Inf, or a negative
         or non-finite weight, leaving the table unchanged.
         """
-        k = client_key(key)
-        vec = _as_update(y, self._dim)
-        w = float(weight)
-        if not np.isfinite(w) or w < 0:
-            raise ValueError(f"weight={weight!r} must be finite and >= 0")
-        row_data, row_absmax = self._encode_row(vec)
+        _check_weight(weight)
+        self.store(key, self.encode(y), weight)
 
-        row = self._index.get(k)
-        if row is None:
+    def store(self, key: ClientKey, row: EncodedRow, weight: float = 1.0, *, scratch: np.ndarray | None = None) -> None:
+        """Make the encoded ``row`` (from :meth:`encode`) ``key``'s latest update; update the running sum.
+
+        The sum changes by ``weight * D(new) - w_old * D(old)``, each added in float64 a chunk at a time;
+        ``scratch`` (float32, length ``dim``) is reused for the decoded rows, else one is allocated.
+        """
+        k = client_key(key)
+        w = _check_weight(weight)
+        if row.data.shape != (self._width,) or row.data.dtype != self._dtype or row.absmax.shape != (self._n_scales,):
+            raise ValueError(f"an encoded row must be ({self._width},) {self._dtype}; got {row.data.shape} {row.data.dtype}")
+        slot = self._index.get(k)
+        old_w = 0.0 if slot is None else float(self._weights[slot])
+        if (old_w or w) and scratch is None:
+            scratch = np.empty(self._dim, dtype=np.float32)
+        if old_w:  # rows of weight 0 (e.g. the lazy family's bookkeeping) add nothing to the sum
+            self._decode_row(self._data[slot], self._absmax[slot], scratch)
+            add_scaled(self._sum, scratch, -old_w)
+        if w:
+            new = row.data if self._precision == "fp32" else self._decode_row(row.data, row.absmax, scratch)
+            add_scaled(self._sum, new, w)
+        if slot is None:
             if len(self._keys) == self.capacity:
                 self._grow(2 * self.capacity)
-            row = len(self._keys)
-            self._index[k] = row
+            slot = len(self._keys)
+            self._index[k] = slot
             self._keys.append(k)
-            old_w = 0.0
-        else:
-            old_w = float(self._weights[row])
-            if old_w:  # rows of weight 0 (e.g. the lazy family's bookkeeping) add nothing to the sum
-                old = self._decode_row(self._data[row], self._absmax[row])
-                self._sum -= old_w * old.astype(np.float64)
-        if w:
-            new = vec if self._precision == "fp32" else self._decode_row(row_data, row_absmax)
-            self._sum += w * new.astype(np.float64)
         self._total_weight += w - old_w
-        self._data[row] = row_data
-        self._absmax[row] = row_absmax
-        self._weights[row] = w
+        self._data[slot] = row.data
+        self._absmax[slot] = row.absmax
+        self._weights[slot] = w
 
     def replace_many(self, updates: Mapping[ClientKey, np.ndarray], weights: Mapping[ClientKey, float] | None = None) -> None:
         """:meth:`replace` for every ``key -> y`` in ``updates`` (weights default to 1.0).
@@ -229,12 +256,10 @@ class UpdateTable:
         missing = [k for k, _ in items if wmap is not None and k not in wmap]
         if missing:
             raise KeyError(f"no weight for client(s) {missing}")
-        ws = [1.0 if wmap is None else wmap[k] for k, _ in items]
-        for w in ws:
-            if not np.isfinite(w) or w < 0:
-                raise ValueError(f"weight={w!r} must be finite and >= 0")
+        ws = [_check_weight(1.0 if wmap is None else wmap[k]) for k, _ in items]
+        scratch = np.empty(self._dim, dtype=np.float32)
         for (k, v), w in zip(items, ws):
-            self.replace(k, v, w)
+            self.store(k, self.encode(v), w, scratch=scratch)
 
     def row_indices(self, keys: Sequence[ClientKey]) -> list[int]:
         """Row numbers of the keys that already have a row (in the order given)."""
@@ -255,8 +280,9 @@ class UpdateTable:
     def recompute_running_sum(self) -> np.ndarray:
         """The O(N d) recomputation of ``sum_j w_j D(y_j)`` from the stored rows (float64; table unchanged)."""
         total = np.zeros(self._dim, dtype=np.float64)
+        scratch = np.empty(self._dim, dtype=np.float32)
         for r in range(len(self._keys)):
-            total += self._weights[r] * self._decode_row(self._data[r], self._absmax[r]).astype(np.float64)
+            add_scaled(total, self._decode_row(self._data[r], self._absmax[r], scratch), float(self._weights[r]))
         return total
 
     def resync(self) -> None:
@@ -462,40 +488,79 @@ class UpdateTable:
         weights[:old] = self._weights
         self._weights = weights
 
-    def _encode_row(self, vec: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _encode_row(self, vec: np.ndarray, row: np.ndarray, absmax: np.ndarray) -> None:
         if self._precision == "fp32":
-            return vec, np.zeros(0, dtype=np.float32)
-        row = np.empty(self._width, dtype=self._dtype)
-        absmax = np.zeros(self._n_scales, dtype=np.float32)
+            row[...] = vec
+            return
         for t in range(len(self._sizes)):
             a, b = self._starts[t], self._starts[t + 1]
             c, e = self._cols[t], self._cols[t + 1]
             m = quant.encode_into(vec[a:b], self._precision, row[c:e])
             if self._n_scales:
                 absmax[t] = m
-        return row, absmax
 
-    def _decode_row(self, row: np.ndarray, absmax: np.ndarray) -> np.ndarray:
+    def _decode_row(self, row: np.ndarray, absmax: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            out = np.empty(self._dim, dtype=np.float32)
         if self._precision in ("fp32", "fp16"):
-            return np.asarray(row).astype(np.float32)
-        out = np.empty(self._dim, dtype=np.float32)
+            out[...] = row
+            return out
         for t, size in enumerate(self._sizes):
             a, b = self._starts[t], self._starts[t + 1]
             c, e = self._cols[t], self._cols[t + 1]
-            out[a:b] = quant.decode(row[c:e], self._precision, float(absmax[t]), size)
+            quant.decode_into(row[c:e], self._precision, float(absmax[t]), size, out[a:b])
         return out
 
 
-def _as_update(y: Any, dim: int) -> np.ndarray:
+@dataclass(frozen=True)
+class EncodedRow:
+    """One update in the table's storage format: ``data`` (row width, storage dtype) and per-tensor ``absmax``."""
+
+    data: np.ndarray
+    absmax: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this row holds (data and scales)."""
+        return int(self.data.nbytes + self.absmax.nbytes)
+
+
+def add_scaled(total: np.ndarray, x: np.ndarray, weight: float = 1.0) -> None:
+    """``total += weight * float64(x)`` in place, a chunk at a time (no d-size float64 temporary).
+
+    Each element is computed exactly as the whole-array expression would (the float32 -> float64 cast is
+    exact and the product is one float64 rounding), so sums built this way match it bit for bit.
+    """
+    if weight == 0.0:
+        return
+    work = np.empty(min(quant.CHUNK, total.size), dtype=np.float64)
+    for lo in range(0, total.size, quant.CHUNK):
+        hi = min(total.size, lo + quant.CHUNK)
+        if weight == 1.0:
+            np.add(total[lo:hi], x[lo:hi], out=total[lo:hi])
+            continue
+        part = work[: hi - lo]
+        np.multiply(x[lo:hi], weight, out=part, dtype=np.float64)
+        total[lo:hi] += part
+
+
+def _check_weight(weight: float) -> float:
+    w = float(weight)
+    if not np.isfinite(w) or w < 0:
+        raise ValueError(f"weight={weight!r} must be finite and >= 0")
+    return w
+
+
+def _as_update(y: Any, dim: int, *, check_finite: bool = True) -> np.ndarray:
     vec = np.asarray(y)
     if vec.ndim != 1 or vec.shape[0] != dim:
         raise ValueError(f"update has shape {vec.shape}, expected ({dim},)")
     if not np.issubdtype(vec.dtype, np.floating):
         raise ValueError(f"update has dtype {vec.dtype}, expected a float array")
     vec = vec.astype(np.float32, copy=False)
-    if not np.all(np.isfinite(vec)):
+    if check_finite and not np.all(np.isfinite(vec)):
         raise ValueError("update contains NaN or Inf")
     return vec
 
 
-__all__ = ["UpdateTable", "client_key", "ClientKey"]
+__all__ = ["UpdateTable", "EncodedRow", "add_scaled", "client_key", "ClientKey"]
