@@ -200,37 +200,66 @@ def test_nla_skip_is_one_flag_and_the_server_reuses_its_copy():
         assert stats.failures == 0
 
 
-def test_aa_adds_the_stored_vector_and_applied_error_feedback_balances():
-    """AA: used = ref + cand; per client, sum(used) + e_final = sum(Delta) (applied EF, spec §10.4)."""
-    deltas: dict[str, list] = {}
-    used: dict[str, list] = {}
+def recording_lazy(*, record_sent: bool = False, **kwargs) -> tuple[FedLazy, dict[str, list]]:
+    """A FedLazy that records, per client key, the vector of each resolved reply: what travelled
+    (``record_sent``) or what the server used after resolving it (a skip's or a merge's stored copy)."""
+    vectors: dict[str, list] = {}
 
     class Recording(FedLazy):
         def _resolve(self, server_round, update):  # noqa: ANN001
+            if record_sent:
+                vectors.setdefault(update.client_key, []).append(update.delta.astype(np.float64))
             outcome = super()._resolve(server_round, update)
-            used.setdefault(update.client_key, []).append(update.delta.astype(np.float64))
+            if not record_sent:
+                vectors.setdefault(update.client_key, []).append(update.delta.astype(np.float64))
             return outcome
 
-    def recording_train(msg, context):  # noqa: ANN001
+    return Recording(**kwargs, **SERVER), vectors
+
+
+def run_recording_deltas(lazy, rounds: int, *, lose_first_lazy_reply: bool = False):  # noqa: ANN001, ANN201
+    """``rounds`` rounds through ``lazy_mod``; returns (contexts, each node's true local deltas, lost nodes).
+
+    With ``lose_first_lazy_reply`` the first reply to a message carrying a lazy reference is dropped
+    after the client has trained (a reply lost on the way back)."""
+    contexts = {n: make_context(n) for n in NODES}
+    deltas: dict[int, list] = {n: [] for n in NODES}
+    lost: list[int] = []
+
+    def train(msg, context):  # noqa: ANN001
         local = trained(msg)
-        start = global_arrays_of(msg)
-        deltas.setdefault(f"node-{msg.metadata.dst_node_id}", []).append(flat_trainable(local) - flat_trainable(start))
+        deltas[msg.metadata.dst_node_id].append(flat_trainable(local) - flat_trainable(global_arrays_of(msg)))
         return full_model_reply(msg, local, num_examples=10)
 
-    lazy = Recording(up_rule="aa", up_tau=1.5, compressor="topk", topk_ratio=0.25, **SERVER)
-    contexts = {n: make_context(n) for n in NODES}
-    grid = FakeGrid(NODES, lambda msg: lazy_mod(copy.deepcopy(msg), contexts[msg.metadata.dst_node_id], recording_train))
+    def client(msg):  # noqa: ANN001, ANN202
+        reply = lazy_mod(copy.deepcopy(msg), contexts[msg.metadata.dst_node_id], train)
+        if lose_first_lazy_reply and not lost and protocol.CFG_LAZY_REF_SUM in config_of(msg):
+            lost.append(msg.metadata.dst_node_id)
+            return None
+        return reply
+
+    grid = FakeGrid(NODES, client)
     arrays = model_record(tiny_model(2))
-    for r in range(1, 7):
+    for r in range(1, rounds + 1):
         new, _ = lazy.aggregate_train(r, list(grid.send_and_receive(lazy.configure_train(r, arrays, ConfigRecord(), grid))))
         arrays = new or arrays
+    return contexts, deltas, lost
+
+
+def assert_error_feedback_balances(contexts, deltas, vectors, node: int) -> None:  # noqa: ANN001
+    """sum(recorded vectors) + the client's final residual = sum(its true deltas)."""
+    residual = client_vector(contexts[node], RESIDUAL).astype(np.float64)
+    np.testing.assert_allclose(np.sum(vectors[f"node-{node}"], axis=0) + residual, np.sum(deltas[node], axis=0), atol=1e-5)
+
+
+def test_aa_adds_the_stored_vector_and_applied_error_feedback_balances():
+    """AA: used = ref + cand; per client, sum(used) + e_final = sum(Delta) (applied EF, spec §10.4)."""
+    lazy, used = recording_lazy(up_rule="aa", up_tau=1.5, compressor="topk", topk_ratio=0.25)
+    contexts, deltas, _ = run_recording_deltas(lazy, 6)
     assert events(lazy).get("up-aa", 0) > 0
     for node in NODES:
-        key = f"node-{node}"
-        if key not in used:
-            continue
-        residual = client_vector(contexts[node], RESIDUAL).astype(np.float64)
-        np.testing.assert_allclose(np.sum(used[key], axis=0) + residual, np.sum(deltas[key], axis=0), atol=1e-5)
+        if f"node-{node}" in used:
+            assert_error_feedback_balances(contexts, deltas, used, node)
 
 
 def test_downlink_mirror_equals_the_client_copy_after_every_round_and_absent_clients_keep_theirs():
@@ -498,68 +527,21 @@ def test_relative_changes_are_recorded_where_the_server_sees_both_vectors():
 
 def test_error_feedback_balances_across_a_lost_reply():
     """sum(used the server applied) + e_final = sum(Delta) for a client whose reply was lost once (applied EF)."""
-    contexts = {n: make_context(n) for n in NODES}
-    deltas: dict[int, list] = {n: [] for n in NODES}
-    used: dict[str, list] = {}
-    lost = []
-
-    class Recording(FedLazy):
-        def _resolve(self, server_round, update):  # noqa: ANN001
-            outcome = super()._resolve(server_round, update)
-            used.setdefault(update.client_key, []).append(update.delta.astype(np.float64))
-            return outcome
-
-    def train(msg, context):  # noqa: ANN001
-        local = trained(msg)
-        deltas[msg.metadata.dst_node_id].append(flat_trainable(local) - flat_trainable(global_arrays_of(msg)))
-        return full_model_reply(msg, local, num_examples=10)
-
-    def client(msg):  # noqa: ANN001, ANN202
-        reply = lazy_mod(copy.deepcopy(msg), contexts[msg.metadata.dst_node_id], train)
-        if not lost and protocol.CFG_LAZY_REF_SUM in config_of(msg):
-            lost.append(msg.metadata.dst_node_id)
-            return None
-        return reply
-
-    lazy = Recording(up_rule="nla", up_tau=1.3, compressor="topk", topk_ratio=0.25, **SERVER)
-    grid = FakeGrid(NODES, client)
-    arrays = model_record(tiny_model(2))
-    for r in range(1, 11):
-        new, _ = lazy.aggregate_train(r, list(grid.send_and_receive(lazy.configure_train(r, arrays, ConfigRecord(), grid))))
-        arrays = new or arrays
+    lazy, used = recording_lazy(up_rule="nla", up_tau=1.3, compressor="topk", topk_ratio=0.25)
+    contexts, deltas, lost = run_recording_deltas(lazy, 10, lose_first_lazy_reply=True)
     node = lost[0]
     assert len(deltas[node]) >= len(used[f"node-{node}"]) + 1 >= 3  # it took part again after the loss
-    residual = client_vector(contexts[node], RESIDUAL).astype(np.float64)
-    np.testing.assert_allclose(np.sum(used[f"node-{node}"], axis=0) + residual, np.sum(deltas[node], axis=0), atol=1e-5)
+    assert_error_feedback_balances(contexts, deltas, used, node)
 
 
 def test_compressed_error_feedback_keeps_what_the_codec_dropped():
     """ef_mode='compressed' (proof identities D.1/E.1): e <- Delta + e - cand, so sum(cand) + e = sum(Delta), AA or not."""
-    deltas: dict[int, list] = {n: [] for n in NODES}
-    cands: dict[str, list] = {}
-
-    class Recording(FedLazy):
-        def _resolve(self, server_round, update):  # noqa: ANN001
-            cands.setdefault(update.client_key, []).append(update.delta.astype(np.float64))  # what travelled
-            return super()._resolve(server_round, update)
-
-    def train(msg, context):  # noqa: ANN001
-        local = trained(msg)
-        deltas[msg.metadata.dst_node_id].append(flat_trainable(local) - flat_trainable(global_arrays_of(msg)))
-        return full_model_reply(msg, local, num_examples=10)
-
-    contexts = {n: make_context(n) for n in NODES}
-    lazy = Recording(up_rule="aa", up_tau=2.0, ef_mode="compressed", compressor="topk", topk_ratio=0.25, **SERVER)
-    grid = FakeGrid(NODES, lambda msg: lazy_mod(copy.deepcopy(msg), contexts[msg.metadata.dst_node_id], train))
-    arrays = model_record(tiny_model(2))
-    for r in range(1, 7):
-        new, _ = lazy.aggregate_train(r, list(grid.send_and_receive(lazy.configure_train(r, arrays, ConfigRecord(), grid))))
-        arrays = new or arrays
+    lazy, sent = recording_lazy(record_sent=True, up_rule="aa", up_tau=2.0, ef_mode="compressed", compressor="topk", topk_ratio=0.25)
+    contexts, deltas, _ = run_recording_deltas(lazy, 6)
     assert events(lazy).get("up-aa", 0) > 0
     for node in NODES:
         if deltas[node]:
-            residual = client_vector(contexts[node], RESIDUAL).astype(np.float64)
-            np.testing.assert_allclose(np.sum(cands[f"node-{node}"], axis=0) + residual, np.sum(deltas[node], axis=0), atol=1e-5)
+            assert_error_feedback_balances(contexts, deltas, sent, node)
 
 
 def test_a_memory_mapped_book_resumes_bit_for_bit(tmp_path):
