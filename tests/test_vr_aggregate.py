@@ -302,3 +302,44 @@ def test_quant_table_stays_close_to_fp32(precision):
     q = _toy_run("fedadavr", N=20, M=4, rounds=60, precision=precision)
     tol = {"fp16": 1e-3, "int8": 2e-2, "int4": 2e-1}[precision]
     assert np.linalg.norm(q[-1] - ref[-1]) <= tol * np.linalg.norm(ref[-1])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("weighting", ["sampled-normalised", "horvitz-thompson", "literal", "none"])
+def test_a_streamed_round_equals_the_estimator_and_commits_what_replace_many_stores(precision, weighting):
+    """VRRound (one update at a time, chunked float64 sums across several chunks) gives the boxed estimator
+    written out in float64, leaves the table alone until commit, and then stores what replace_many would."""
+    from pollen.vr.aggregate import VRRound
+
+    rng = np.random.default_rng(7)
+    dim, sizes = 70_001, [1, 40_000, 30_000]
+    table, twin = UpdateTable(dim, sizes, precision), UpdateTable(dim, sizes, precision)
+    for key in range(5):
+        y, w = rng.normal(size=dim).astype(np.float32), float(key + 1)
+        table.replace(key, y, w)
+        twin.replace(key, y, w)
+    before = {k: table.get(k) for k in table.keys()}
+    ys = {k: rng.normal(size=dim).astype(np.float32) for k in (1, 3, 9)}
+    ws = {1: 2.0, 3: 5.0, 9: 1.5}
+    streamed = VRRound(table, dim, weighting=weighting)
+    for k, y in ys.items():
+        streamed.add(k, y.copy(), ws[k])
+    got = streamed.delta(num_clients=12, client_lr=0.5).copy()
+    n = np.array([ws[k] for k in ys])
+    if weighting == "none":
+        want = 0.5 * sum(ws[k] * ys[k].astype(np.float64) for k in ys) / n.sum()
+    else:
+        W = 12 * (sum(float(i + 1) for i in range(5)) - 2.0 - 4.0 + n.sum()) / 6  # N * mean weight of seen clients
+        coef = {"sampled-normalised": n / n.sum(), "horvitz-thompson": (12 / 3) * n / W, "literal": n / W}[weighting]
+        stored = sum(w * before[str(k)].astype(np.float64) for k, w in zip(range(5), [1.0, 2.0, 3.0, 4.0, 5.0]))
+        fresh = sum(c * (ys[k].astype(np.float64) - (before[str(k)] if str(k) in before else 0.0)) for c, k in zip(coef, ys))
+        want = 0.5 * (stored / W + fresh)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for k, row in before.items():  # nothing stored before commit
+        np.testing.assert_array_equal(table.get(k), row)
+    streamed.commit()
+    twin.replace_many(ys, ws)
+    assert table.keys() == twin.keys()
+    for k in twin.keys():
+        np.testing.assert_array_equal(table.get(k), twin.get(k))
+    np.testing.assert_array_equal(table.running_sum, twin.running_sum)

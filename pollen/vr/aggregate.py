@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from pollen import quant
-from pollen.vr.table import ClientKey, EncodedRow, UpdateTable, add_scaled, client_key
+from pollen.vr.table import ClientKey, EncodedRow, UpdateTable, client_key
 
 WEIGHTINGS = ("sampled-normalised", "horvitz-thompson", "literal", "none")
 """Allowed values of ``weighting`` / run-config ``vr-weighting`` (underscores are accepted too)."""
@@ -165,9 +165,9 @@ class VRRound:
         n = float(weight)
         if not np.isfinite(n) or n < 0:
             raise ValueError(f"client weight must be finite and >= 0, got {weight!r}")
-        staged = self.table.encode(y, check_finite=False) if self.stage else None
         if np.shape(y) != (self.dim,):
             raise ValueError(f"update has shape {np.shape(y)}, expected ({self.dim},)")
+        staged = self.table.encode(y, check_finite=False) if self.stage else None
         known = self.weighting != "none" and self.table is not None and self.table.decode_into(k, self.scratch)
         work = np.empty(min(quant.CHUNK, self.dim), dtype=np.float64)
         for lo in range(0, self.dim, quant.CHUNK):
@@ -211,10 +211,15 @@ class VRRound:
             k = population_size(self.table, self.weights, num_clients) / (len(n) * W)
         else:  # literal
             k = 1.0 / W
-        self.total *= k
-        if self.table is not None:
-            add_scaled(self.total, self.table.running_sum, 1.0 / W)
-        np.multiply(self.total, client_lr, out=self.scratch, casting="unsafe")
+        stored = self.table.running_sum if self.table is not None else None
+        work = np.empty(min(quant.CHUNK, self.dim), dtype=np.float64)
+        for lo in range(0, self.dim, quant.CHUNK):
+            hi = min(self.dim, lo + quant.CHUNK)
+            part = np.multiply(self.total[lo:hi], k, out=work[: hi - lo])
+            if stored is not None:
+                part += stored[lo:hi] / W
+            part *= client_lr
+            self.scratch[lo:hi] = part
         return self.scratch
 
     def commit(self) -> None:
