@@ -132,16 +132,16 @@ class VRRound:
     """One round of the variance-reduced aggregate, fed one update at a time (the streaming form).
 
     :meth:`add` takes ``y_i`` as soon as a reply is read and keeps no float vector of it: it adds
-    ``n_i (y_i - D(y_i_old))`` (``n_i y_i`` for a client without a row, or with ``weighting="none"``) to a
-    float64 sum and, with ``stage=True``, encodes ``y_i`` into the table's storage format, to be written by
-    :meth:`commit` after the server step. :meth:`delta` applies the weighting's coefficient, which needs
-    every ``n_i`` of the round, once at the end:
+    ``n_i (y_i - D(y_i_old))`` (``n_i y_i`` for a client without a row, or with ``weighting="none"``) to the
+    round's sum, reading the old row one tensor at a time, and, with ``stage=True``, encodes ``y_i`` into the
+    table's storage format, to be written by :meth:`commit` after the server step. :meth:`delta` applies the
+    weighting's coefficient, which needs every ``n_i`` of the round, once at the end:
 
         r = running_sum_old / W  +  k * sum_i n_i (y_i - D(y_i_old)),   k = 1 / sum_S n  |  N / (M W)  |  1 / W
 
-    Memory beyond the table: the float64 sum (two float32 vectors), one float32 scratch vector and the
-    staged rows in the table's precision (an int4 row is 1/8 of a float32 vector). The table is not touched
-    before :meth:`commit`.
+    Memory beyond the table: the sum (one float32 vector, like FedAMS's running mean; the last step is in
+    float64), one tensor's buffer and the staged rows in the table's precision (an int4 row is 1/8 of a
+    float32 vector). The table is not touched before :meth:`commit`.
     """
 
     def __init__(self, table: UpdateTable | None, dim: int, *, weighting: str = "sampled-normalised", stage: bool = True) -> None:
@@ -149,16 +149,19 @@ class VRRound:
         self.dim = int(dim)
         self.weighting = check_weighting(weighting)
         self.stage = stage and table is not None
-        self.total = np.zeros(self.dim, dtype=np.float64)
-        self.scratch = np.empty(self.dim, dtype=np.float32)
+        self.total = np.zeros(self.dim, dtype=np.float32)
+        self.buffer = table.tensor_buffer() if table is not None else None
         self.weights: dict[str, float] = {}
         self.staged: dict[str, EncodedRow] = {}
+        self._delta: np.ndarray | None = None
 
     def add(self, key: ClientKey, y: np.ndarray, weight: float = 1.0) -> None:
         """Take client ``key``'s ``y`` (float32, length ``dim``) with weight ``n_i``; ``y`` is not kept.
 
         ``y`` must be finite: the caller checks it (:func:`vr_aggregate` does; a strategy's reply reader has).
         """
+        if self._delta is not None:
+            raise RuntimeError("this round's delta was taken; start a new VRRound")
         k = client_key(key)
         if k in self.weights:
             raise ValueError(f"client {k!r} already has an update in this round (duplicate client key)")
@@ -168,66 +171,83 @@ class VRRound:
         if np.shape(y) != (self.dim,):
             raise ValueError(f"update has shape {np.shape(y)}, expected ({self.dim},)")
         staged = self.table.encode(y, check_finite=False) if self.stage else None
-        known = self.weighting != "none" and self.table is not None and self.table.decode_into(k, self.scratch)
-        work = np.empty(min(quant.CHUNK, self.dim), dtype=np.float64)
-        for lo in range(0, self.dim, quant.CHUNK):
-            hi = min(self.dim, lo + quant.CHUNK)
-            part = work[: hi - lo]
-            if known:
-                np.subtract(y[lo:hi], self.scratch[lo:hi], out=part, dtype=np.float64)
-            else:
-                part[...] = y[lo:hi]
-            if n != 1.0:
-                part *= n
-            self.total[lo:hi] += part
+        old = self.table.row_of(k) if self.weighting != "none" and self.table is not None else None
+        work = np.empty(min(quant.CHUNK, self.dim), dtype=np.float32)
+        if old is None:
+            self._accumulate(y, None, 0, n, work)
+        else:
+            for a, b, values in self.table.decoded_tensors(old.data, old.absmax, self.buffer):
+                self._accumulate(y[a:b], values, a, n, work)
         self.weights[k] = n
         if staged is not None:
             self.staged[k] = staged
+
+    def _accumulate(self, y: np.ndarray, old: np.ndarray | None, start: int, n: float, work: np.ndarray) -> None:
+        """``total[start:...] += n * (y - old)`` a chunk at a time (``old`` None: ``n * y``)."""
+        scale = np.float32(n)
+        for lo in range(0, y.size, quant.CHUNK):
+            hi = min(y.size, lo + quant.CHUNK)
+            target = self.total[start + lo : start + hi]
+            if old is None and n == 1.0:
+                target += y[lo:hi]
+                continue
+            part = work[: hi - lo]
+            if old is None:
+                np.multiply(y[lo:hi], scale, out=part)
+            else:
+                np.subtract(y[lo:hi], old[lo:hi], out=part)
+                if n != 1.0:
+                    part *= scale
+            target += part
 
     def __len__(self) -> int:
         return len(self.weights)
 
     def delta(self, *, num_clients: int, client_lr: float = 1.0, total_weight: float | None = None) -> np.ndarray:
-        """``client_lr * r`` as float32, written into (and returned as) this round's scratch vector."""
+        """``client_lr * r`` as float32; the round's sum becomes it (so :meth:`add` is closed afterwards)."""
+        if self._delta is not None:
+            return self._delta
         if not self.weights:
             raise ValueError("vr_aggregate needs at least one update (all sampled clients failed?)")
         n = np.array(list(self.weights.values()), dtype=np.float64)
         if n.sum() <= 0:
             raise ValueError(f"client weights must be finite, >= 0 and not all 0, got {n.tolist()}")
+        stored = None
         if self.weighting == "none":
-            np.multiply(self.total, client_lr / n.sum(), out=self.scratch, casting="unsafe")
-            return self.scratch
-        if int(num_clients) < 1:
-            raise ValueError(f"num_clients={num_clients} must be >= 1")
-        if total_weight is None:
-            W = population_weight(self.table, self.weights, num_clients)
+            k, W = 1.0 / n.sum(), 1.0
         else:
-            W = float(total_weight)
-            if not np.isfinite(W) or W <= 0:
-                raise ValueError(f"total_weight={total_weight!r} must be finite and > 0")
-        if self.weighting == "sampled-normalised":
-            k = 1.0 / n.sum()
-        elif self.weighting == "horvitz-thompson":
-            k = population_size(self.table, self.weights, num_clients) / (len(n) * W)
-        else:  # literal
-            k = 1.0 / W
-        stored = self.table.running_sum if self.table is not None else None
+            if int(num_clients) < 1:
+                raise ValueError(f"num_clients={num_clients} must be >= 1")
+            if total_weight is None:
+                W = population_weight(self.table, self.weights, num_clients)
+            else:
+                W = float(total_weight)
+                if not np.isfinite(W) or W <= 0:
+                    raise ValueError(f"total_weight={total_weight!r} must be finite and > 0")
+            if self.weighting == "sampled-normalised":
+                k = 1.0 / n.sum()
+            elif self.weighting == "horvitz-thompson":
+                k = population_size(self.table, self.weights, num_clients) / (len(n) * W)
+            else:  # literal
+                k = 1.0 / W
+            stored = self.table.running_sum if self.table is not None else None
         work = np.empty(min(quant.CHUNK, self.dim), dtype=np.float64)
         for lo in range(0, self.dim, quant.CHUNK):
             hi = min(self.dim, lo + quant.CHUNK)
-            part = np.multiply(self.total[lo:hi], k, out=work[: hi - lo])
+            part = np.multiply(self.total[lo:hi], k, out=work[: hi - lo], dtype=np.float64)
             if stored is not None:
                 part += stored[lo:hi] / W
             part *= client_lr
-            self.scratch[lo:hi] = part
-        return self.scratch
+            self.total[lo:hi] = part
+        self._delta = self.total
+        return self._delta
 
     def commit(self) -> None:
         """Write the staged rows into the table (after the server step), with their weights."""
         if self.table is None:
             return
         for key, row in self.staged.items():
-            self.table.store(key, row, self.weights[key], scratch=self.scratch)
+            self.table.store(key, row, self.weights[key], buffer=self.buffer)
         self.staged.clear()
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -215,11 +215,11 @@ class UpdateTable:
         _check_weight(weight)
         self.store(key, self.encode(y), weight)
 
-    def store(self, key: ClientKey, row: EncodedRow, weight: float = 1.0, *, scratch: np.ndarray | None = None) -> None:
+    def store(self, key: ClientKey, row: EncodedRow, weight: float = 1.0, *, buffer: np.ndarray | None = None) -> None:
         """Make the encoded ``row`` (from :meth:`encode`) ``key``'s latest update; update the running sum.
 
-        The sum changes by ``weight * D(new) - w_old * D(old)``, each added in float64 a chunk at a time;
-        ``scratch`` (float32, length ``dim``) is reused for the decoded rows, else one is allocated.
+        The sum changes by ``weight * D(new) - w_old * D(old)``, each added in float64, one tensor at a
+        time; ``buffer`` (from :meth:`tensor_buffer`) holds a decoded tensor, else one is allocated.
         """
         k = client_key(key)
         w = _check_weight(weight)
@@ -227,14 +227,13 @@ class UpdateTable:
             raise ValueError(f"an encoded row must be ({self._width},) {self._dtype}; got {row.data.shape} {row.data.dtype}")
         slot = self._index.get(k)
         old_w = 0.0 if slot is None else float(self._weights[slot])
-        if (old_w or w) and scratch is None:
-            scratch = np.empty(self._dim, dtype=np.float32)
+        buffer = self.tensor_buffer() if buffer is None else buffer
         if old_w:  # rows of weight 0 (e.g. the lazy family's bookkeeping) add nothing to the sum
-            self._decode_row(self._data[slot], self._absmax[slot], scratch)
-            add_scaled(self._sum, scratch, -old_w)
+            for a, b, old in self.decoded_tensors(self._data[slot], self._absmax[slot], buffer):
+                add_scaled(self._sum[a:b], old, -old_w)
         if w:
-            new = row.data if self._precision == "fp32" else self._decode_row(row.data, row.absmax, scratch)
-            add_scaled(self._sum, new, w)
+            for a, b, new in self.decoded_tensors(row.data, row.absmax, buffer):
+                add_scaled(self._sum[a:b], new, w)
         if slot is None:
             if len(self._keys) == self.capacity:
                 self._grow(2 * self.capacity)
@@ -245,6 +244,34 @@ class UpdateTable:
         self._data[slot] = row.data
         self._absmax[slot] = row.absmax
         self._weights[slot] = w
+
+    def tensor_buffer(self) -> np.ndarray:
+        """A float32 buffer the size of the largest tensor: what :meth:`decoded_tensors` decodes into."""
+        return np.empty(max(self._sizes), dtype=np.float32)
+
+    def row_of(self, key: ClientKey) -> EncodedRow | None:
+        """``key``'s stored row (views of the table's arrays; do not keep across writes), None if unseen."""
+        slot = self._index.get(client_key(key))
+        return None if slot is None else EncodedRow(self._data[slot], self._absmax[slot])
+
+    def decoded_tensors(self, data: np.ndarray, absmax: np.ndarray, buffer: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
+        """``(start, stop, D(tensor))`` for each tensor of an encoded row, in order.
+
+        For fp32 the values are a view of ``data`` itself; otherwise they are decoded into ``buffer``,
+        which the next step overwrites. So a whole row is read with one tensor's worth of memory.
+        """
+        for t, size in enumerate(self._sizes):
+            a, b = int(self._starts[t]), int(self._starts[t + 1])
+            c, e = int(self._cols[t]), int(self._cols[t + 1])
+            if self._precision == "fp32":
+                yield a, b, data[c:e]
+                continue
+            out = buffer[:size]
+            if self._precision == "fp16":
+                out[...] = data[c:e]
+            else:
+                quant.decode_into(data[c:e], self._precision, float(absmax[t]), size, out)
+            yield a, b, out
 
     def replace_many(self, updates: Mapping[ClientKey, np.ndarray], weights: Mapping[ClientKey, float] | None = None) -> None:
         """:meth:`replace` for every ``key -> y`` in ``updates`` (weights default to 1.0).
@@ -257,9 +284,9 @@ class UpdateTable:
         if missing:
             raise KeyError(f"no weight for client(s) {missing}")
         ws = [_check_weight(1.0 if wmap is None else wmap[k]) for k, _ in items]
-        scratch = np.empty(self._dim, dtype=np.float32)
+        buffer = self.tensor_buffer()
         for (k, v), w in zip(items, ws):
-            self.store(k, self.encode(v), w, scratch=scratch)
+            self.store(k, self.encode(v), w, buffer=buffer)
 
     def row_indices(self, keys: Sequence[ClientKey]) -> list[int]:
         """Row numbers of the keys that already have a row (in the order given)."""
@@ -280,9 +307,10 @@ class UpdateTable:
     def recompute_running_sum(self) -> np.ndarray:
         """The O(N d) recomputation of ``sum_j w_j D(y_j)`` from the stored rows (float64; table unchanged)."""
         total = np.zeros(self._dim, dtype=np.float64)
-        scratch = np.empty(self._dim, dtype=np.float32)
+        buffer = self.tensor_buffer()
         for r in range(len(self._keys)):
-            add_scaled(total, self._decode_row(self._data[r], self._absmax[r], scratch), float(self._weights[r]))
+            for a, b, values in self.decoded_tensors(self._data[r], self._absmax[r], buffer):
+                add_scaled(total[a:b], values, float(self._weights[r]))
         return total
 
     def resync(self) -> None:
