@@ -530,13 +530,8 @@ class UpdateTable:
     def _decode_row(self, row: np.ndarray, absmax: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         if out is None:
             out = np.empty(self._dim, dtype=np.float32)
-        if self._precision in ("fp32", "fp16"):
-            out[...] = row
-            return out
-        for t, size in enumerate(self._sizes):
-            a, b = self._starts[t], self._starts[t + 1]
-            c, e = self._cols[t], self._cols[t + 1]
-            quant.decode_into(row[c:e], self._precision, float(absmax[t]), size, out[a:b])
+        for a, b, values in self.decoded_tensors(row, absmax, self.tensor_buffer()):
+            out[a:b] = values
         return out
 
 
@@ -546,11 +541,6 @@ class EncodedRow:
 
     data: np.ndarray
     absmax: np.ndarray
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this row holds (data and scales)."""
-        return int(self.data.nbytes + self.absmax.nbytes)
 
 
 def add_scaled(total: np.ndarray, x: np.ndarray, weight: float = 1.0) -> None:
