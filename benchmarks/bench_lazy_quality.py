@@ -20,7 +20,7 @@ Tables: final and best accuracy (mean +- sd over seeds), cumulative uplink / dow
 uploads skipped or merged and of downlinks skipped or merged. Plots (seed 1): accuracy vs round, uplink,
 downlink and total bytes, drawn by ``pollen.results.plot_runs`` (``pollen-compare``'s engine).
 
-    python benchmarks/bench_lazy_quality.py [--model mlp|cnn] [--rounds 20] [--seeds 1 2 3] [--rel] [--out DIR] [--report-only]
+    python benchmarks/bench_lazy_quality.py [--model mlp|cnn] [--rounds 20] [--seeds 1 2 3] [--rel] [--out DIR] [--report-only] [--jobs 2]
 
 An MLP run of 20 rounds takes about 45 s here, a CNN run about 14 minutes (3 local epochs of 19 steps for
 50 clients a round: 57 CNN steps per client).
@@ -32,9 +32,10 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
-from inprocess import run_inprocess
+from inprocess import run_inprocess, run_parallel
 
 CLIENTS = 100
 SETUP = {
@@ -174,14 +175,18 @@ def main() -> None:
     parser.add_argument("--plots", default=None, help="folder for the seed-1 plots (default: OUT/plots-MODEL)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--rel", action="store_true", help="also the threshold-0 runs and the table of relative changes")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one process and one torch thread each")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     labels = args.configs or list(CONFIGS)
     print(f"Fashion-MNIST, {args.model}, {CLIENTS} clients (IID, 600 each), 50 per round, 3 local epochs of batch 32, eta_l 0.01, "
           f"FedAMS Option A eta 0.1 eps 1e-3, {args.rounds} rounds, seeds {args.seeds}", flush=True)
+    if not args.report_only:  # seed-major: a partial run already has every method on the first seed
+        calls = [(out, label, args.model, args.rounds, seed) for seed in args.seeds for label in labels]
+        run_parallel(partial(run_once, report_only=False), calls, args.jobs)
     results: dict[str, list[list[dict]]] = {label: [] for label in labels}
-    for seed in args.seeds:  # seed-major: a partial run already has every method on the first seed
+    for seed in args.seeds:
         for label in labels:
             rows = run_once(out, label, args.model, args.rounds, seed, report_only=args.report_only)
             if rows is not None:
