@@ -164,8 +164,11 @@ def print_seeds(out: Path, rounds: int, best: dict, jobs: int = 1) -> None:
             print(f"| {part} | {method} | {rate} | {accs} | {to[0]} | {to[1]} | {to[2]} | {up:.2f} | {down:.2f} | {evals:.0f} | {len(runs)} |", flush=True)
 
 
-def print_skip(out: Path, rounds: int, best: dict, seeds: tuple[int, ...]) -> None:
+def print_skip(out: Path, rounds: int, best: dict, seeds: tuple[int, ...], jobs: int = 1) -> None:
     part = "non-IID (2 shards)"
+    if not REPORT_ONLY:
+        calls = [(out, rounds, "fed-lamb", part, best[("fed-lamb", part)], s, z) for s in seeds for z in (1, 3, 5)]
+        run_parallel(run_once, calls, jobs)
     print(f"\n| method ({part}) | Z | final accuracy | statistic uploads (MB, total) | uplink MB total | v_hat downlink MB total |")
     print("|---|---|---|---|---|---|")
     for method, stat in (("fed-lamb", "pollen.x.v"),):
@@ -187,7 +190,7 @@ def main() -> None:
     parser.add_argument("--skip-seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--grid-out", default=None, help="the grid's runs (default: --out)")
     parser.add_argument("--grid-rounds", type=int, default=None, help="rounds of the grid's runs (default: --rounds)")
-    parser.add_argument("--jobs", type=int, default=1, help="seed runs at once, one process and one torch thread each")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one process and one torch thread each")
     parser.add_argument("--report-only", action="store_true", help="print the tables of the finished runs only")
     args = parser.parse_args()
     global REPORT_ONLY
@@ -204,7 +207,7 @@ def main() -> None:
     if "seeds" in args.stage:
         print_seeds(out, args.rounds, best, args.jobs)
     if "skip" in args.stage:
-        print_skip(out, args.rounds, best, tuple(args.skip_seeds))
+        print_skip(out, args.rounds, best, tuple(args.skip_seeds), args.jobs)
 
 
 if __name__ == "__main__":
