@@ -165,6 +165,20 @@ def print_seeds(out: Path, rounds: int, best: dict, jobs: int = 1) -> None:
             print(f"| {part} | {method} | {rate} | {accs} | {to[0]} | {to[1]} | {to[2]} | {up:.2f} | {down:.2f} | {evals:.0f} | {len(runs)} |", flush=True)
 
 
+def plot_seed_one(out: Path, rounds: int, best: dict, plots: Path) -> None:
+    """Accuracy vs round and vs bytes (``pollen-compare``'s plots), seed 1, one folder per partition."""
+    from pollen.results import plot_runs
+
+    for part in PARTITIONS:
+        runs = {method: rows for method in GRID if (method, part) in best
+                for rows in [run_once(out, rounds, method, part, best[(method, part)], 1)] if rows is not None}
+        if runs:
+            folder = plots / part.split()[0]
+            folder.mkdir(parents=True, exist_ok=True)
+            paths = plot_runs(runs, folder)
+            print(f"plots ({part}, seed 1): {', '.join(str(p) for p in paths)}")
+
+
 def print_skip(out: Path, rounds: int, best: dict, seeds: tuple[int, ...], jobs: int = 1) -> None:
     part = "non-IID (2 shards)"
     if not REPORT_ONLY:
@@ -193,6 +207,7 @@ def main() -> None:
     parser.add_argument("--grid-rounds", type=int, default=None, help="rounds of the grid's runs (default: --rounds)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, one process and one torch thread each")
     parser.add_argument("--report-only", action="store_true", help="print the tables of the finished runs only")
+    parser.add_argument("--plots", default=None, help="folder for the seed-1 plots of the seeds stage (default: OUT/plots)")
     args = parser.parse_args()
     global REPORT_ONLY
     REPORT_ONLY = args.report_only
@@ -207,6 +222,7 @@ def main() -> None:
         print_grid(grid_out, grid_rounds)
     if "seeds" in args.stage:
         print_seeds(out, args.rounds, best, args.jobs)
+        plot_seed_one(out, args.rounds, best, Path(args.plots) if args.plots else out / "plots")
     if "skip" in args.stage:
         print_skip(out, args.rounds, best, tuple(args.skip_seeds), args.jobs)
 
