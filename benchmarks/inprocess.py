@@ -70,7 +70,8 @@ def run_parallel(function: Any, calls: list[tuple], jobs: int) -> None:
     finishes a list of independent runs about ``jobs`` times sooner. Each call gets a process of its own
     (spawned, not forked: no torch or Flower state is shared), and results are left on disk by the
     runs themselves. ``jobs=1`` calls them here, one after another. A call that raises stops the rest
-    and the error is raised here.
+    and the error is raised here. ``function`` must be importable by a new process (a module-level
+    function of a script file or module, not of code fed on standard input): spawn imports it again.
     """
     if jobs <= 1:
         for args in calls:
