@@ -81,7 +81,8 @@ def run_parallel(function: Any, calls: list[tuple], jobs: int) -> None:
     from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
+    fresh = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}  # 3.10 reuses a worker
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, **fresh) as pool:
         futures = [pool.submit(function, *args) for args in calls]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for future in done:
