@@ -170,8 +170,11 @@ def plot_seed_one(out: Path, rounds: int, best: dict, plots: Path) -> None:
     from pollen.results import plot_runs
 
     for part in PARTITIONS:
-        runs = {method: rows for method in GRID if (method, part) in best
-                for rows in [run_once(out, rounds, method, part, best[(method, part)], 1)] if rows is not None}
+        runs = {}
+        for method in GRID:
+            rows = run_once(out, rounds, method, part, best[(method, part)], 1) if (method, part) in best else None
+            if rows is not None:
+                runs[method] = rows
         if runs:
             folder = plots / part.split()[0]
             folder.mkdir(parents=True, exist_ok=True)

@@ -127,15 +127,21 @@ def run_name(label: str, model: str, seed: int) -> str:
     return f"{model}-{slug}-s{seed}"
 
 
-def run_once(out: Path, label: str, model: str, rounds: int, seed: int, *, report_only: bool) -> list[dict] | None:
-    name = run_name(label, model, seed)
+def finished_rows(out: Path, name: str, rounds: int) -> list[dict] | None:
+    """The rows of a run that reached ``rounds``, or None (not started, cut short or of another length)."""
     done = out / name / "metrics.json"
     if done.is_file():
         rows = json.loads(done.read_text())["rows"]
         if rows and rows[-1]["round"] == rounds:
             return rows
-    if report_only:
-        return None
+    return None
+
+
+def run_once(out: Path, label: str, model: str, rounds: int, seed: int, *, report_only: bool) -> list[dict] | None:
+    name = run_name(label, model, seed)
+    rows = finished_rows(out, name, rounds)
+    if rows is not None or report_only:
+        return rows
     started = time.perf_counter()
     rows = run_inprocess({**SETUP, **CONFIGS[label], "model": model, "seed": seed, "num-server-rounds": rounds,
                           "results-dir": str(out), "run-name": name}, CLIENTS)
@@ -183,7 +189,8 @@ def main() -> None:
     print(f"Fashion-MNIST, {args.model}, {CLIENTS} clients (IID, 600 each), 50 per round, 3 local epochs of batch 32, eta_l 0.01, "
           f"FedAMS Option A eta 0.1 eps 1e-3, {args.rounds} rounds, seeds {args.seeds}", flush=True)
     if not args.report_only:  # seed-major: a partial run already has every method on the first seed
-        calls = [(out, label, args.model, args.rounds, seed) for seed in args.seeds for label in labels]
+        calls = [(out, label, args.model, args.rounds, seed) for seed in args.seeds for label in labels
+                 if finished_rows(out, run_name(label, args.model, seed), args.rounds) is None]  # no process just to read a file
         run_parallel(partial(run_once, report_only=False), calls, args.jobs)
     results: dict[str, list[list[dict]]] = {label: [] for label in labels}
     for seed in args.seeds:
