@@ -36,6 +36,7 @@ from tests.deploy_support import lf
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.xdist_group("deploy-e2e"),  # one federation for the module, on one worker
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process helpers read /proc"),
     pytest.mark.skipif(shutil.which("openssl") is None, reason="make_certs.sh needs openssl"),
 ]
