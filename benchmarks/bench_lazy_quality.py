@@ -12,9 +12,11 @@ calibration found to fire (tau = 0.25, 0.5), FedNLACA / FedACA at 1/8 with tau =
 downlink alone (FedBNLACA with both thresholds 0 = FedCAMS + error-fed downlink: up 1/128 with down 1/8, and
 1/128 both ways), and FedBNLACA / FedBACA with up 1/128 tau 1.4, down 1/8 tau 0.65.
 
-With ``--rel``, four more runs per seed at threshold 0 (nothing fires) record the relative change
-``||cand - ref|| / ||ref||`` of every upload and downlink increment against its reference, and a table shows
-their quantiles and the share at or below each threshold: what a threshold would make fire.
+With ``--rel``, runs at threshold 0 (nothing fires) record the relative change ``||cand - ref|| / ||ref||``
+of every upload and downlink increment against its reference, and a table shows their quantiles and the share
+at or below each threshold: what a threshold would make fire. Two are runs of their own (FedNLAA and FedNLACA
+1/8 at 0: the FedAMS and FedCAMS runs are not lazy and record nothing); the two downlink ones are the tau-0
+FedBNLACA runs of the main table, run again if they finished before the relative changes were recorded.
 
 Tables: final and best accuracy (mean +- sd over seeds), cumulative uplink / downlink / total MB, the share of
 uploads skipped or merged and of downlinks skipped or merged. Plots (seed 1): accuracy vs round, uplink,
@@ -83,34 +85,35 @@ CONFIGS = {  # label: run-config
 }
 
 
-#: Runs at threshold 0 (nothing fires) whose recorded relative changes ``||cand - ref|| / ||ref||`` show what
-#: share of uploads / downlinks a threshold would make fire: label -> (run-config, [(direction, what)]).
-REL_CONFIGS = {
-    "rel: uncompressed uploads": ({"strategy": "fednlaa"}, [("up", "uplink, uncompressed")]),
-    "rel: uploads top-k 1/8": ({"strategy": "fednlaca", "compressor": "topk", "topk-ratio": 1 / 8}, [("up", "uplink, top-k 1/8 + EF")]),
-    "rel: up 1/128, down 1/8": ({"strategy": "fedbnlaca", "compressor": "topk", "topk-ratio": 1 / 128, "compressor-down": "topk",
-                                 "topk-ratio-down": 1 / 8}, [("up", "uplink, top-k 1/128 + EF"), ("down", "downlink increments, top-k 1/8")]),
-    "rel: up 1/128, down 1/128": ({"strategy": "fedbnlaca", "compressor": "topk", "topk-ratio": 1 / 128, "compressor-down": "topk",
-                                   "topk-ratio-down": 1 / 128}, [("down", "downlink increments, top-k 1/128")]),
+#: Runs only the ``--rel`` table needs (threshold 0; FedAMS and FedCAMS record no relative changes).
+REL_ONLY_CONFIGS = {
+    "rel: uncompressed uploads": {"strategy": "fednlaa"},
+    "rel: uploads top-k 1/8": {"strategy": "fednlaca", "compressor": "topk", "topk-ratio": 1 / 8},
 }
+#: The ``--rel`` table: label of a threshold-0 run -> [(direction, what its relative changes are)].
+REL_TABLE = {
+    "rel: uncompressed uploads": [("up", "uplink, uncompressed")],
+    "rel: uploads top-k 1/8": [("up", "uplink, top-k 1/8 + EF")],
+    "up 1/128 + down 1/8 (FedBNLACA tau 0)": [("up", "uplink, top-k 1/128 + EF"), ("down", "downlink increments, top-k 1/8")],
+    "up 1/128 + down 1/128 (FedBNLACA tau 0)": [("down", "downlink increments, top-k 1/128")],
+}
+RUN_CONFIGS = {**CONFIGS, **REL_ONLY_CONFIGS}
 TAUS = (0.1, 0.25, 0.5, 0.65, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5)
 
 
-def rel_table(out: Path, model: str, rounds: int, seeds: list[int], report_only: bool) -> None:
+def rel_table(out: Path, model: str, rounds: int, seeds: list[int], report_only: bool, jobs: int) -> None:
     """Quantiles of the relative changes at threshold 0 and the share at or below each threshold."""
     import numpy as np
 
+    if not report_only:
+        calls = [(out, label, model, rounds, seed) for seed in seeds for label in REL_TABLE
+                 if finished_rows(out, run_name(label, model, seed), rounds, with_rel=True) is None]
+        run_parallel(partial(run_once, report_only=False, with_rel=True), calls, jobs)
     print(f"\n| {model}: what the rules compare (threshold 0, nothing fires) | values | rel 10% / 50% / 90% | "
           + " | ".join(f"<= {tau:g}" for tau in TAUS) + " |")
     print("|---|---|---|" + "---|" * len(TAUS))
-    for label, (config, directions) in REL_CONFIGS.items():
-        runs = []
-        for seed in seeds:
-            if label not in CONFIGS:
-                CONFIGS[label] = config
-            rows = run_once(out, label, model, rounds, seed, report_only=report_only)
-            if rows is not None:
-                runs.append(rows)
+    for label, directions in REL_TABLE.items():
+        runs = [rows for seed in seeds if (rows := finished_rows(out, run_name(label, model, seed), rounds, with_rel=True))]
         for direction, what in directions:
             values = np.array([v for rows in runs for row in rows for v in (row.get("lazy_rel") or {}).get(direction, [])])
             if values.size == 0:
@@ -127,23 +130,25 @@ def run_name(label: str, model: str, seed: int) -> str:
     return f"{model}-{slug}-s{seed}"
 
 
-def finished_rows(out: Path, name: str, rounds: int) -> list[dict] | None:
-    """The rows of a run that reached ``rounds``, or None (not started, cut short or of another length)."""
+def finished_rows(out: Path, name: str, rounds: int, *, with_rel: bool = False) -> list[dict] | None:
+    """The rows of a run that reached ``rounds``, or None (not started, cut short or of another length; with
+    ``with_rel``, also a run from before the relative changes were recorded)."""
     done = out / name / "metrics.json"
     if done.is_file():
         rows = json.loads(done.read_text())["rows"]
-        if rows and rows[-1]["round"] == rounds:
+        if rows and rows[-1]["round"] == rounds and (not with_rel or "lazy_rel" in rows[-1]):
             return rows
     return None
 
 
-def run_once(out: Path, label: str, model: str, rounds: int, seed: int, *, report_only: bool) -> list[dict] | None:
+def run_once(out: Path, label: str, model: str, rounds: int, seed: int, *, report_only: bool,
+             with_rel: bool = False) -> list[dict] | None:
     name = run_name(label, model, seed)
-    rows = finished_rows(out, name, rounds)
+    rows = finished_rows(out, name, rounds, with_rel=with_rel)
     if rows is not None or report_only:
         return rows
     started = time.perf_counter()
-    rows = run_inprocess({**SETUP, **CONFIGS[label], "model": model, "seed": seed, "num-server-rounds": rounds,
+    rows = run_inprocess({**SETUP, **RUN_CONFIGS[label], "model": model, "seed": seed, "num-server-rounds": rounds,
                           "results-dir": str(out), "run-name": name}, CLIENTS)
     print(f"  {name}: final {rows[-1]['accuracy']:.4f} in {time.perf_counter() - started:.0f} s", flush=True)
     return rows
@@ -176,7 +181,7 @@ def main() -> None:
     parser.add_argument("--model", default="mlp", choices=("mlp", "cnn"))
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--configs", nargs="*", default=None, help="labels to run (default: all)")
+    parser.add_argument("--configs", nargs="*", default=None, help="labels to run (default: every method of the main table)")
     parser.add_argument("--out", default="/tmp/pollen-lazy-quality")
     parser.add_argument("--plots", default=None, help="folder for the seed-1 plots (default: OUT/plots-MODEL)")
     parser.add_argument("--report-only", action="store_true")
@@ -186,6 +191,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     labels = args.configs or list(CONFIGS)
+    unknown = [label for label in labels if label not in RUN_CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; allowed: {', '.join(repr(label) for label in RUN_CONFIGS)}")
     print(f"Fashion-MNIST, {args.model}, {CLIENTS} clients (IID, 600 each), 50 per round, 3 local epochs of batch 32, eta_l 0.01, "
           f"FedAMS Option A eta 0.1 eps 1e-3, {args.rounds} rounds, seeds {args.seeds}", flush=True)
     if not args.report_only:  # seed-major: a partial run already has every method on the first seed
@@ -211,7 +219,7 @@ def main() -> None:
               f"{up + down:.1f} | {event_share(runs, 'up')} | {event_share(runs, 'down')} |", flush=True)
 
     if args.rel:
-        rel_table(out, args.model, args.rounds, args.seeds, args.report_only)
+        rel_table(out, args.model, args.rounds, args.seeds, args.report_only, args.jobs)
 
     first = {label: runs[0] for label, runs in results.items() if runs}
     if first:
