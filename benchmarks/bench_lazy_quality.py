@@ -19,7 +19,8 @@ at or below each threshold: what a threshold would make fire. Two are runs of th
 FedBNLACA runs of the main table, run again if they finished before the relative changes were recorded.
 
 Tables: final and best accuracy (mean +- sd over seeds), cumulative uplink / downlink / total MB, the share of
-uploads skipped or merged and of downlinks skipped or merged. Plots (seed 1): accuracy vs round, uplink,
+uploads skipped or merged and of downlinks skipped or merged, and with a compressed downlink how far the clients'
+copies lag behind the server's model at the end (median ``||theta - x_i|| / ||theta||``, mean over seeds). Plots (seed 1): accuracy vs round, uplink,
 downlink and total bytes, drawn by ``pollen.results.plot_runs`` (``pollen-compare``'s engine).
 
     python benchmarks/bench_lazy_quality.py [--model mlp|cnn] [--rounds 20] [--seeds 1 2 3] [--rel] [--out DIR] [--report-only] [--jobs 2]
@@ -176,6 +177,29 @@ def event_share(runs: list[list[dict]], direction: str) -> str:
     return ", ".join(parts) or "all sent"
 
 
+def copy_lag(run_dir: Path) -> float | None:
+    """At the end of a run with a compressed downlink: the median over clients of ``||theta - x_i|| / ||theta||``,
+    how far the copy a client would next train from lags behind the server's model (read from the server's
+    mirrors in the run's checkpoint); None for a dense downlink or a run without a checkpoint."""
+    import numpy as np
+
+    from pollen.checkpoint import load_checkpoint
+    from pollen.lazy.book import ClientBook
+
+    path = run_dir / "checkpoint.npz"
+    if not path.is_file():
+        return None
+    strategy = load_checkpoint(path)["strategy"]
+    book_state = strategy.get("book")
+    if not book_state or "x" not in book_state["tables"]:
+        return None
+    theta = np.asarray(strategy["params"], dtype=np.float64)
+    book = ClientBook(theta.size, kinds=tuple(book_state["tables"]))
+    book.load_state_dict(book_state)
+    lags = [np.linalg.norm(theta - book.get("x", key)) / np.linalg.norm(theta) for key in book_state["present"]["x"]]
+    return float(np.median(lags)) if lags else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="mlp", choices=("mlp", "cnn"))
@@ -207,16 +231,19 @@ def main() -> None:
             if rows is not None:
                 results[label].append(rows)
 
-    print(f"\n| method ({args.model}) | seeds | final accuracy | best accuracy | uplink MB | downlink MB | total MB | uploads | downlinks |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"\n| method ({args.model}) | seeds | final accuracy | best accuracy | uplink MB | downlink MB | total MB | uploads | downlinks "
+          "| client copy lag |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, runs in results.items():
         if not runs:
             continue
         up = statistics.mean(r[-1]["cum_uplink_bytes"] for r in runs) / 1e6
         down = statistics.mean(r[-1]["cum_downlink_bytes"] for r in runs) / 1e6
         best = [max(x["accuracy"] for x in r if isinstance(x.get("accuracy"), (int, float))) for r in runs]
+        lags = [lag for seed in args.seeds if (lag := copy_lag(out / run_name(label, args.model, seed))) is not None]
+        lag = f"{statistics.mean(lags):.3f}" if lags else "-"
         print(f"| {label} | {len(runs)} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd(best)} | {up:.1f} | {down:.1f} | "
-              f"{up + down:.1f} | {event_share(runs, 'up')} | {event_share(runs, 'down')} |", flush=True)
+              f"{up + down:.1f} | {event_share(runs, 'up')} | {event_share(runs, 'down')} | {lag} |", flush=True)
 
     if args.rel:
         rel_table(out, args.model, args.rounds, args.seeds, args.report_only, args.jobs)
