@@ -19,9 +19,10 @@ at or below each threshold: what a threshold would make fire. Two are runs of th
 FedBNLACA runs of the main table, run again if they finished before the relative changes were recorded.
 
 Tables: final and best accuracy (mean +- sd over seeds), cumulative uplink / downlink / total MB, the share of
-uploads skipped or merged and of downlinks skipped or merged, and with a compressed downlink how far the clients'
-copies lag behind the server's model at the end (median ``||theta - x_i|| / ||theta||``, mean over seeds). Plots (seed 1): accuracy vs round, uplink,
-downlink and total bytes, drawn by ``pollen.results.plot_runs`` (``pollen-compare``'s engine).
+uploads skipped or merged and of downlinks skipped or merged, and with a compressed downlink how far the
+clients' copies lag behind the server's model at the end (median ``||theta - x_i|| / ||theta||``, mean over
+seeds). Plots (seed 1): accuracy vs round, uplink, downlink and total bytes, drawn by
+``pollen.results.plot_runs`` (``pollen-compare``'s engine).
 
     python benchmarks/bench_lazy_quality.py [--model mlp|cnn] [--rounds 20] [--seeds 1 2 3] [--rel] [--out DIR] [--report-only] [--jobs 2]
 
@@ -241,9 +242,9 @@ def main() -> None:
         down = statistics.mean(r[-1]["cum_downlink_bytes"] for r in runs) / 1e6
         best = [max(x["accuracy"] for x in r if isinstance(x.get("accuracy"), (int, float))) for r in runs]
         lags = [lag for seed in args.seeds if (lag := copy_lag(out / run_name(label, args.model, seed))) is not None]
-        lag = f"{statistics.mean(lags):.3f}" if lags else "-"
+        lag_text = f"{statistics.mean(lags):.3f}" if lags else "-"
         print(f"| {label} | {len(runs)} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd(best)} | {up:.1f} | {down:.1f} | "
-              f"{up + down:.1f} | {event_share(runs, 'up')} | {event_share(runs, 'down')} | {lag} |", flush=True)
+              f"{up + down:.1f} | {event_share(runs, 'up')} | {event_share(runs, 'down')} | {lag_text} |", flush=True)
 
     if args.rel:
         rel_table(out, args.model, args.rounds, args.seeds, args.report_only, args.jobs)
