@@ -241,7 +241,9 @@ def main() -> None:
         up = statistics.mean(r[-1]["cum_uplink_bytes"] for r in runs) / 1e6
         down = statistics.mean(r[-1]["cum_downlink_bytes"] for r in runs) / 1e6
         best = [max(x["accuracy"] for x in r if isinstance(x.get("accuracy"), (int, float))) for r in runs]
-        lags = [lag for seed in args.seeds if (lag := copy_lag(out / run_name(label, args.model, seed))) is not None]
+        compressed_down = "compressor-down" in RUN_CONFIGS[label]  # a dense downlink keeps no mirrors: no checkpoint to read
+        lags = [lag for seed in args.seeds
+                if compressed_down and (lag := copy_lag(out / run_name(label, args.model, seed))) is not None]
         lag_text = f"{statistics.mean(lags):.3f}" if lags else "-"
         print(f"| {label} | {len(runs)} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd(best)} | {up:.1f} | {down:.1f} | "
               f"{up + down:.1f} | {event_share(runs, 'up')} | {event_share(runs, 'down')} | {lag_text} |", flush=True)
