@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from flwr.app import ArrayRecord  # noqa: E402
@@ -27,7 +26,7 @@ from flwr.app import ArrayRecord  # noqa: E402
 from pollen.strategies import FedAMS, RunCheckpoint  # noqa: E402
 from pollen.task.data import dataset_info  # noqa: E402
 from pollen.task.models import build_model  # noqa: E402
-from tests.flower_fakes import FakeGrid, full_model_reply, global_arrays_of  # noqa: E402
+from pollen.testing.fakes import FakeGrid, full_model_reply, global_arrays_of  # noqa: E402
 
 NODES = list(range(1, 11))
 

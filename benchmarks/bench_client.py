@@ -18,15 +18,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from flwr.app import ArrayRecord, Context, RecordDict  # noqa: E402
 
-from pollen import protocol  # noqa: E402
-from pollen.config import AppConfig, defaults_from_pyproject  # noqa: E402
-from pollen.experiment import build_model  # noqa: E402
-from tests.flower_fakes import train_message  # noqa: E402
+from pollen.wire import protocol  # noqa: E402
+from pollen.app.config import AppConfig, defaults_from_pyproject  # noqa: E402
+from pollen.app.experiment import build_model  # noqa: E402
+from pollen.testing.fakes import train_message  # noqa: E402
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 

@@ -17,11 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-try:
-    from pollen.compression import make_codec
-except ModuleNotFoundError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from pollen.compression import make_codec
+from pollen.compression import make_codec
 
 
 def median_seconds(fn, repeats: int) -> float:

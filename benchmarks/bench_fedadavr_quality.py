@@ -3,7 +3,7 @@
 100 clients, 5 per round, Dirichlet(0.5) and a pathological split (2 classes per
 client), LeNet-5: FedAvg, FedAdam, MIFA, FedVARP, FedAdaVR (Adam, Adagrad) and
 FedAdaVR-Quant fp16/int8/int4, same seed and rounds. Each run is pollen's real
-ServerApp and ClientApp in one process (``benchmarks/inprocess.py``).
+ServerApp and ClientApp in one process (``pollen/testing/inprocess.py``).
 
     python benchmarks/bench_fedadavr_quality.py [--rounds 40] [--seed 1]
 """
@@ -14,7 +14,7 @@ import argparse
 import statistics
 import tempfile
 
-from inprocess import run_inprocess
+from pollen.testing.inprocess import run_inprocess
 
 CLIENTS = 100
 SETUP = {

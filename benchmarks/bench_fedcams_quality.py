@@ -2,7 +2,7 @@
 
 FedAMS, FedCAMS-sign, FedCAMS-top-k (1/64, 1/256) and FedCAMS-sign without error
 feedback; same seeds and rounds; 3 seeds. Each run is pollen's real ServerApp and
-ClientApp (with ``compression_mod``) in one process (``benchmarks/inprocess.py``),
+ClientApp (with ``compression_mod``) in one process (``pollen/testing/inprocess.py``),
 so bytes are measured from the records exactly as in a ``flwr run``.
 
     python benchmarks/bench_fedcams_quality.py [--rounds 20] [--seeds 1 2 3]
@@ -14,7 +14,7 @@ import argparse
 import statistics
 import tempfile
 
-from inprocess import run_inprocess
+from pollen.testing.inprocess import run_inprocess
 
 CLIENTS = 100
 SETUP = {

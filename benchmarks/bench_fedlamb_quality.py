@@ -3,7 +3,7 @@
 Fed-LAMB, Mime-LAMB, Fed-AMS, Mime, Adp-Fed and Fed-SGD (spec ``papers/fedlamb.md`` §8.10-8.12),
 IID and non-IID (class-pure shards, 2 per client: 1-2 classes each), the CNN, 50 clients, half per
 round, batch 128, one local epoch. Each run is pollen's real ServerApp and ClientApp in one process
-(``benchmarks/inprocess.py``), so bytes are measured from the records as in a ``flwr run``.
+(``pollen/testing/inprocess.py``), so bytes are measured from the records as in a ``flwr run``.
 
 Three stages, each resumable (a finished run is read back from ``--out``, not redone):
 
@@ -31,7 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
-from inprocess import run_inprocess, run_parallel
+from pollen.testing.inprocess import run_inprocess, run_parallel
 
 CLIENTS = 50
 SETUP = {
@@ -167,7 +167,7 @@ def print_seeds(out: Path, rounds: int, best: dict, jobs: int = 1) -> None:
 
 def plot_seed_one(out: Path, rounds: int, best: dict, plots: Path) -> None:
     """Accuracy vs round and vs bytes (``pollen-compare``'s plots), seed 1, one folder per partition."""
-    from pollen.results import plot_runs
+    from pollen.app.results import plot_runs
 
     for part in PARTITIONS:
         runs = {}

@@ -13,7 +13,7 @@ tau = 4 (W = 11^T/n: 0, K_{4,4}: 0.6, ring: 0.805, I: 1 = stratified FedAMSGrad)
 per round, gossip messages, bytes through the SuperLink against a peer network's, and the relay's
 share of the time (HA-Fed's round minus the same 32 clients' training without gossip,
 ``hafed-nogossip``: W = I with every client uploading). Runs are pollen's real ServerApp and
-ClientApp in one process (``benchmarks/inprocess.py``); each is resumable.
+ClientApp in one process (``pollen/testing/inprocess.py``); each is resumable.
 
     python benchmarks/bench_hafed.py [--rounds 6] [--seeds 1 2 3] [--out DIR]
 
@@ -28,7 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
-from inprocess import run_inprocess
+from pollen.testing.inprocess import run_inprocess
 
 CLIENTS, CLUSTER = 32, 8
 SETUP = {

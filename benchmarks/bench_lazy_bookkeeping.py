@@ -1,7 +1,7 @@
 """The lazy family's per-client bookkeeping at scale: server memory and time per round for 1,000 and 10,000 clients.
 
 FedBNLACA keeps, per client that ever took part, its last upload ``ref_i``, its model mirror ``x_i`` and its
-last downlink increment ``c_prev_i`` (:class:`pollen.lazy.book.ClientBook`, FedAdaVR's table storage).
+last downlink increment ``c_prev_i`` (:class:`pollen.strategies.lazy_book.ClientBook`, FedAdaVR's table storage).
 Model: the papers' Fashion-MNIST CNN size, d = 29,034 (one flat float32 tensor here; the bookkeeping does not
 care about shapes). The book is first filled with N clients' rows (N = 0, 1,000, 10,000; each row written
 through the same ``put`` a round uses), then 10 rounds run with M = 50 sampled clients out of 200 connected
@@ -33,16 +33,15 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flwr.app import ConfigRecord, MetricRecord, RecordDict  # noqa: E402
 
-from pollen import protocol  # noqa: E402
+from pollen.wire import protocol  # noqa: E402
 from pollen.clientside.compression_mod import compression_mod  # noqa: E402
 from pollen.clientside.lazy_mod import lazy_mod  # noqa: E402
 from pollen.strategies import FedCAMS, FedLazy  # noqa: E402
-from pollen.wire import arrays_to_record, record_to_arrays  # noqa: E402
-from tests.flower_fakes import FakeGrid, make_context  # noqa: E402
+from pollen.wire.records import arrays_to_record, record_to_arrays  # noqa: E402
+from pollen.testing.fakes import FakeGrid, make_context  # noqa: E402
 
 D = 29_034
 CONNECTED, M = 200, 50

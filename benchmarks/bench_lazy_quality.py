@@ -5,7 +5,7 @@ round, 3 local epochs of batch 32 at eta_l = 0.01, server FedAMS Option A (eta =
 beta 0.9 / 0.99, no bias correction), top-k over the whole model, applied error feedback, the downlink's
 increment reading, bytes as they cross the wire (pollen's codecs: top-k sends k float32 values and k int32
 indices, the model's metadata and the record framing). Runs are pollen's real ServerApp and ClientApp in one
-process (``benchmarks/inprocess.py``); each is resumable (a finished run is read back, not redone).
+process (``pollen/testing/inprocess.py``); each is resumable (a finished run is read back, not redone).
 
 Methods (``CONFIGS``): FedAMS, FedCAMS (top-k 1/8, 1/128), FedNLAA / FedAA at the thresholds the spec's
 calibration found to fire (tau = 0.25, 0.5), FedNLACA / FedACA at 1/8 with tau = 1.1 / 1.2, the compressed
@@ -22,7 +22,7 @@ Tables: final and best accuracy (mean +- sd over seeds), cumulative uplink / dow
 uploads skipped or merged and of downlinks skipped or merged, and with a compressed downlink how far the
 clients' copies lag behind the server's model at the end (median ``||theta - x_i|| / ||theta||``, mean over
 seeds). Plots (seed 1): accuracy vs round, uplink, downlink and total bytes, drawn by
-``pollen.results.plot_runs`` (``pollen-compare``'s engine).
+``pollen.app.results.plot_runs`` (``pollen-compare``'s engine).
 
     python benchmarks/bench_lazy_quality.py [--model mlp|cnn] [--rounds 20] [--seeds 1 2 3] [--rel] [--out DIR] [--report-only] [--jobs 2]
 
@@ -39,7 +39,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from inprocess import run_inprocess, run_parallel
+from pollen.testing.inprocess import run_inprocess, run_parallel
 
 CLIENTS = 100
 SETUP = {
@@ -184,8 +184,8 @@ def copy_lag(run_dir: Path) -> float | None:
     mirrors in the run's checkpoint); None for a dense downlink or a run without a checkpoint."""
     import numpy as np
 
-    from pollen.checkpoint import load_checkpoint
-    from pollen.lazy.book import ClientBook
+    from pollen.core.checkpoint import load_checkpoint
+    from pollen.strategies.lazy_book import ClientBook
 
     path = run_dir / "checkpoint.npz"
     if not path.is_file():
@@ -253,7 +253,7 @@ def main() -> None:
 
     first = {label: runs[0] for label, runs in results.items() if runs}
     if first:
-        from pollen.results import plot_runs
+        from pollen.app.results import plot_runs
 
         plots = Path(args.plots) if args.plots else out / f"plots-{args.model}"
         plots.mkdir(parents=True, exist_ok=True)

@@ -21,13 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flwr.app import ConfigRecord  # noqa: E402
 
-from pollen import protocol  # noqa: E402
+from pollen.wire import protocol  # noqa: E402
 from pollen.strategies import FedAdaVR, FedAMS  # noqa: E402
-from tests.flower_fakes import FakeGrid, config_of, full_model_reply, global_arrays_of, model_record  # noqa: E402
+from pollen.testing.fakes import FakeGrid, config_of, full_model_reply, global_arrays_of, model_record  # noqa: E402
 
 M = 10
 SHAPES = {"conv1.weight": (6, 1, 5, 5), "conv1.bias": (6,), "conv2.weight": (16, 6, 5, 5), "conv2.bias": (16,),

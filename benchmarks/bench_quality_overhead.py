@@ -3,7 +3,7 @@
 Quality: real Fashion-MNIST (Debian's full set when installed, else the embedded
 subset), 20 clients, Dirichlet(0.5), the papers' small CNN, 10 clients per round,
 30 rounds; pollen's real ServerApp and ClientApp in one process
-(``benchmarks/inprocess.py``: only Ray and the SuperLink are left out).
+(``pollen/testing/inprocess.py``: only Ray and the SuperLink are left out).
 
 Overhead: seconds per round of a ``flwr run`` simulation (Ray, local SuperLink)
 divided by seconds of the same local training (same data, K steps, model, clients
@@ -21,10 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inprocess import PYPROJECT, run_inprocess  # noqa: E402
-from tests.flwr_cli import LocalFlower  # noqa: E402
+from pollen.testing.inprocess import PYPROJECT, run_inprocess  # noqa: E402
+from pollen.testing.flwr_cli import LocalFlower  # noqa: E402
 
 CLIENTS = 20
 COMMON = {
@@ -55,8 +54,8 @@ def plain_pytorch_seconds_per_round(rounds: int) -> float:
     """The same local training in one process: 10 of 20 clients a round, K steps each."""
     import numpy as np
 
-    from pollen.config import AppConfig, defaults_from_pyproject
-    from pollen.experiment import build_model, data_config
+    from pollen.app.config import AppConfig, defaults_from_pyproject
+    from pollen.app.experiment import build_model, data_config
     from pollen.task.data import load_partition
     from pollen.task.device import resolve_device
     from pollen.task.train import train

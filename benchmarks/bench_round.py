@@ -28,14 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flwr.app import ConfigRecord, Context, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAdam  # noqa: E402
 
 from pollen.clientside import compression_mod  # noqa: E402
 from pollen.strategies import FedAdaVR, FedAMS, FedCAMS  # noqa: E402
-from tests.flower_fakes import FakeGrid, full_model_reply, model_record  # noqa: E402
+from pollen.testing.fakes import FakeGrid, full_model_reply, model_record  # noqa: E402
 
 
 def resnet_arrays() -> dict[str, np.ndarray]:

@@ -2,7 +2,7 @@
 
 Real Fashion-MNIST (Debian's files when installed), 20 clients, Dirichlet(0.5), the papers' CNN, 10
 clients per round, K = 20 local steps, FedAMS and FedCAMS (scaled sign), 20 rounds, seeds 1 and 2;
-pollen's real ServerApp and ClientApp in one process (``benchmarks/inprocess.py``). Prints the
+pollen's real ServerApp and ClientApp in one process (``pollen/testing/inprocess.py``). Prints the
 final accuracy with ``outlier-rule=reject`` (the default) and ``off``, and how many honest replies
 the screen rejected.
 
@@ -16,9 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inprocess import run_inprocess  # noqa: E402
+from pollen.testing.inprocess import run_inprocess  # noqa: E402
 
 COMMON = {
     "partitioner": "dirichlet", "dirichlet-alpha": 0.5, "model": "cnn", "fraction-train": 0.5, "min-train-nodes": 10,

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from pollen.optim import SERVER_OPTIMIZERS, make_server_optimizer, segments_from_sizes
 
 D = 11_173_962  # ResNet-18 (CIFAR) trainable parameters, FedCAMS Table 2

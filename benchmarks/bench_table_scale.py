@@ -23,9 +23,8 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from pollen.quant import PRECISIONS
+from pollen.compression.quant import PRECISIONS
 from pollen.vr import UpdateTable, vr_aggregate
 
 LENET = [150, 6, 2400, 16, 30720, 120, 10080, 84, 840, 10]  # conv1 w/b, conv2 w/b, fc1 w/b, fc2 w/b, fc3 w/b

@@ -29,17 +29,17 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from flwr.common import log
 
-from pollen import protocol
+from pollen.wire import protocol
 from pollen.clientside import adaptive_local, compression_mod, gossip, relay_demo  # noqa: F401 (they register steps)
 from pollen.clientside.faults import fault_mod
 from pollen.clientside.lazy_mod import lazy_mod
 from pollen.clientside.compression_mod import client_state_for, compress_update, wants_compression
 from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, StepOutcome, lookup, model_arrays
-from pollen.config import AppConfig, effective_run_config
-from pollen.experiment import build_model, data_config
+from pollen.app.config import AppConfig, effective_run_config
+from pollen.app.experiment import build_model, data_config
 from pollen.gossip import cluster_of
-from pollen.layout import ModelLayout
-from pollen.wire import arrays_to_record, record_to_arrays
+from pollen.core.layout import ModelLayout
+from pollen.wire.records import arrays_to_record, record_to_arrays
 
 app = ClientApp()
 

@@ -19,10 +19,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from pollen import protocol
-from pollen.config import RESUME_MAY_DIFFER, AppConfig, ConfigError
-from pollen.experiment import build_model, build_strategy, client_train_config, data_config
-from pollen.results import RunRecorder, human_bytes
+from pollen.wire import protocol
+from pollen.app.config import RESUME_MAY_DIFFER, AppConfig, ConfigError
+from pollen.app.experiment import build_model, build_strategy, client_train_config, data_config
+from pollen.app.results import RunRecorder, human_bytes
 from pollen.strategies import RunCheckpoint, RunInterrupted
 from pollen.strategies.rounds import SetupError
 

@@ -17,7 +17,7 @@ collect_ignore = []
 if importlib.util.find_spec("torch") is None:
     here = Path(__file__).parent
     collect_ignore = sorted(
-        path.name
-        for path in here.glob("test_*.py")
+        str(path.relative_to(here))
+        for path in here.rglob("test_*.py")
         if path.name in _RUNS_THE_APP or _NEEDS_TORCH.search(path.read_text())
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pollen import protocol
+from pollen.wire import protocol
 from pollen.clientside.steps import (
     LocalWork,
     StepOutcome,
@@ -21,8 +21,8 @@ from pollen.clientside.steps import (
     run_sgd,
     train_metrics,
 )
-from pollen.protocol import ADAPTIVE_LOCAL_STEP as LOCAL_STEP
-from pollen.protocol import (
+from pollen.wire.protocol import ADAPTIVE_LOCAL_STEP as LOCAL_STEP
+from pollen.wire.protocol import (
     CFG_BETA1,
     CFG_BETA2,
     CFG_EPS,
@@ -31,7 +31,7 @@ from pollen.protocol import (
     CFG_TRUST_RATIO,
     CFG_VHAT_VERSION,
 )
-from pollen.wire import record_to_arrays
+from pollen.wire.records import record_to_arrays
 
 V_HAT = "adaptive.v_hat"
 V_HAT_VERSION = "adaptive.v_hat_version"

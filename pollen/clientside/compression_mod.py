@@ -27,13 +27,12 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
-from pollen import protocol
+from pollen.wire import protocol
 from pollen.clientside.state import ClientState
 from pollen.compression import make_codec
-from pollen.config import effective_run_config
 from pollen.compression.error_feedback import ErrorFeedback, compress_with_feedback
-from pollen.layout import ModelLayout
-from pollen.wire import arrays_to_record, payload_to_records, record_to_arrays
+from pollen.core.layout import ModelLayout
+from pollen.wire.records import arrays_to_record, payload_to_records, record_to_arrays
 
 RESIDUAL = "ef-residual"
 
@@ -46,12 +45,12 @@ def wants_compression(config: ConfigRecord | None) -> bool:
 def client_state_for(context: Context, config: ConfigRecord, *, first_message: bool = True) -> ClientState:
     """This node's :class:`ClientState` for the message whose config is ``config``.
 
-    Node-config ``state-dir`` (else run-config ``state-dir``) keeps it in a file that survives a
+    Node-config ``state-dir`` (else run-config ``state-dir``; presets do not set it) keeps it in a file that survives a
     SuperNode restart or a resumed run; ``client-id`` (else ``partition-<id>``) names the file and
     the strategy's ``pollen.run-key`` the run it belongs to.
     """
     node = context.node_config
-    state_dir = str(node.get("state-dir") or effective_run_config(context.run_config).get("state-dir") or "")
+    state_dir = str(node.get("state-dir") or context.run_config.get("state-dir") or "")
     client_id = str(node.get("client-id") or f"partition-{int(node.get('partition-id', 0))}")
     return ClientState(
         context,

@@ -26,25 +26,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from pollen import protocol
+from pollen.wire import protocol
 from pollen.clientside.steps import LocalWork, StepOutcome, local_step, phase
 
-GOSSIP_LOCAL_STEP = "hafed-local"
-GOSSIP_PHASE = "hafed-gossip"
-CFG_TAU = "pollen.gossip.tau"
-CFG_EVERY = "pollen.gossip.every"
-CFG_ACTIVE = "pollen.gossip.active-prob"
-CFG_SEGMENT = "pollen.gossip.segment"
+from pollen.gossip import segment_bounds
+from pollen.wire.protocol import (
+    CFG_GOSSIP_ACTIVE as CFG_ACTIVE,
+    CFG_GOSSIP_EVERY as CFG_EVERY,
+    CFG_GOSSIP_SEGMENT as CFG_SEGMENT,
+    CFG_GOSSIP_TAU as CFG_TAU,
+    GOSSIP_LOCAL_STEP,
+    GOSSIP_PHASE,
+)
+
 POSITION = "gossip.position"
 LOSS = "gossip.loss"  # (sum of minibatch losses, steps) over the round's segments so far
-
-
-def segment_bounds(tau: int, every: int) -> list[tuple[int, int]]:
-    """The iterations ``[start, stop)`` of each segment: a gossip after every ``every`` and after the last."""
-    if tau < 1 or every < 1:
-        raise ValueError(f"tau={tau} and gossip-every={every} must both be >= 1")
-    ends = [*range(every, tau, every), tau]
-    return list(zip([0, *ends[:-1]], ends))
 
 
 def active_iterations(seed: int, client: int, server_round: int, start: int, stop: int, prob: float) -> int:

@@ -32,13 +32,13 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
-from pollen import protocol
+from pollen.wire import protocol
 from pollen.clientside.compression_mod import RESIDUAL, client_state_for
 from pollen.clientside.state import ClientState
 from pollen.compression import decode_payload, make_codec
-from pollen.layout import ModelLayout
+from pollen.core.layout import ModelLayout
 from pollen.lazy.rules import apply_downlink, checksum, judge, uplink_residual
-from pollen.wire import arrays_to_record, payload_to_records, record_to_arrays, records_to_payload
+from pollen.wire.records import arrays_to_record, payload_to_records, record_to_arrays, records_to_payload
 
 COPY_PREFIX = "lazy.x/"  # the stored model copy, one entry per array
 ORDER = "lazy.order"  # the copy's array names (utf-8 bytes): the server's flattening order

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pollen import protocol
+from pollen.wire import protocol
 from pollen.clientside.steps import LocalWork, StepOutcome, load_flat, local_step, model_arrays, phase, run_sgd, train_metrics
-from pollen.wire import record_to_arrays
+from pollen.wire.records import record_to_arrays
 
 X_START = "relay.x_t"
 X_FIRST = "relay.x_i"

@@ -67,8 +67,8 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.common import log
 
-from pollen.atomic import atomic_file
-from pollen.wire import numpy_to_array
+from pollen.core.files import atomic_file
+from pollen.wire.records import numpy_to_array
 
 __all__ = [
     "META_KEY",
@@ -90,7 +90,7 @@ CURRENT = "current"
 PREVIOUS = "previous"
 _SLOTS = (CURRENT, PREVIOUS)
 _ROUND_SUFFIX = ".__round__"
-_NUMERIC_KINDS = "biuf"  # bool, signed and unsigned integers, real floats (as pollen.wire accepts)
+_NUMERIC_KINDS = "biuf"  # bool, signed and unsigned integers, real floats (as pollen.wire.records accepts)
 
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 _MAX_NAME_CHARS = 100

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 from flwr.app import ConfigRecord, Message
 
-from pollen import protocol
+from pollen.wire import protocol
 from pollen.clientside.state import ClientState
-from pollen.layout import ModelLayout
-from pollen.schedule import schedule_factor
+from pollen.core.layout import ModelLayout
+from pollen.optim.schedule import schedule_factor
 
 TRAIN_KEYS = ("local-lr", "local-epochs", "local-steps", "batch-size", "momentum", "weight-decay")
 
@@ -47,7 +47,7 @@ class LocalWork:
         """A local-training setting: the message's config wins over the run-config.
 
         ``local-lr`` is the base rate; the run-config's ``lr-schedule`` scales it for this round
-        (:mod:`pollen.schedule`).
+        (:mod:`pollen.optim.schedule`).
         """
         value = self.config[key] if key in self.config else self.task.cfg[key]
         if key == "local-lr":

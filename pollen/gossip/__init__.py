@@ -29,6 +29,7 @@ from .mixing import (
     mixing_matrix,
     without_absent,
     ring,
+    segment_bounds,
     spectral_gap_rho,
     validate_clusters,
 )

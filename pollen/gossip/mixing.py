@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 __all__ = [
+    "segment_bounds",
     "TOLERANCE",
     "TOPOLOGIES",
     "check_mixing_matrix",
@@ -510,3 +511,11 @@ def validate_clusters(assignment: Mapping[str, int]) -> dict[int, list[str]]:
     if len(set(sizes.values())) != 1:
         raise ValueError(f"clusters must all have the same size; sizes: {sizes}; allowed: equal, non-empty clusters")
     return {c: sorted(groups[c]) for c in range(k)}
+
+
+def segment_bounds(tau: int, every: int) -> list[tuple[int, int]]:
+    """The iterations ``[start, stop)`` of each segment: a gossip after every ``every`` and after the last."""
+    if tau < 1 or every < 1:
+        raise ValueError(f"tau={tau} and gossip-every={every} must both be >= 1")
+    ends = [*range(every, tau, every), tau]
+    return list(zip([0, *ends[:-1]], ends))

@@ -28,20 +28,12 @@ from numbers import Integral
 
 import numpy as np
 
+from pollen.core.layout import segments_from_sizes
+
 from .adam import update_moments
 from .base import OptimizerState, ServerOptimizer, adaptive_step, check_bool
 
 __all__ = ["Lamb", "segments_from_sizes"]
-
-
-def segments_from_sizes(sizes: Iterable[int]) -> list[tuple[int, int]]:
-    """Turn tensor sizes (element counts, in flattening order) into ``(start, stop)`` slices."""
-    segments, start = [], 0
-    for n in sizes:
-        n = int(n)
-        segments.append((start, start + n))
-        start += n
-    return segments
 
 
 class Lamb(ServerOptimizer):

@@ -36,8 +36,8 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from pollen import protocol
-from pollen.layout import ModelLayout
+from pollen.wire import protocol
+from pollen.core.layout import ModelLayout
 from pollen.optim import ServerOptimizer
 from pollen.optim.base import OptimizerState
 from pollen.strategies.accounting import Accounting, RoundStats
@@ -45,7 +45,7 @@ from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec, co
 from pollen.strategies.rounds import RoundLoop
 from pollen.strategies.sampling import ClientSampler
 from pollen.strategies.screening import DEFAULT_MAX_ABS, UpdateScreen, all_finite
-from pollen.wire import arrays_to_record, record_to_arrays
+from pollen.wire.records import arrays_to_record, record_to_arrays
 
 AGGREGATIONS = ("mean", "weighted")
 TRAIN_PHASE = "train"

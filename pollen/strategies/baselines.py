@@ -27,14 +27,14 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedYogi
 
-from pollen import protocol
-from pollen.layout import ModelLayout
+from pollen.wire import protocol
+from pollen.core.layout import ModelLayout
 from pollen.strategies.accounting import Accounting
 from pollen.strategies.registry import register, sampling_kwargs, screening_kwargs
 from pollen.strategies.replies import ReplyRejected, count_records, read_reply
 from pollen.strategies.rounds import RoundLoop
 from pollen.strategies.screening import UpdateScreen
-from pollen.wire import record_to_arrays
+from pollen.wire.records import record_to_arrays
 
 _FLOWER_STATE = ("current_arrays", "m_t", "v_t")
 

@@ -2,7 +2,7 @@
 
 :class:`RunCheckpoint` is what :meth:`pollen.strategies.rounds.RoundLoop.start` writes after every round
 and reads back to resume. The file (``<run dir>/checkpoint.npz``) is written atomically by
-:mod:`pollen.checkpoint` (temporary file, fsync, rename), so a crash while writing leaves the previous
+:mod:`pollen.core.checkpoint` (temporary file, fsync, rename), so a crash while writing leaves the previous
 checkpoint usable, and it is read without pickle. A checkpoint is tied to what wrote it: the strategy
 class and a fingerprint (the app passes its run-config); resuming with another strategy, model or
 setting is refused with one line that says what differs.
@@ -20,8 +20,8 @@ import numpy as np
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.serverapp.strategy import Result
 
-from pollen.checkpoint import CheckpointError, describe_difference, load_checkpoint, save_checkpoint
-from pollen.wire import arrays_to_record, record_to_arrays
+from pollen.core.checkpoint import CheckpointError, describe_difference, load_checkpoint, save_checkpoint
+from pollen.wire.records import arrays_to_record, record_to_arrays
 
 CHECKPOINT_FILE = "checkpoint.npz"
 _RESULT_FIELDS = ("train_metrics_clientapp", "evaluate_metrics_clientapp", "evaluate_metrics_serverapp")

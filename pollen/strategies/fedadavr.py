@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from pollen.layout import ModelLayout
+from pollen.core.layout import ModelLayout
 from pollen.optim import ServerOptimizer, make_server_optimizer
-from pollen.schedule import schedule_factor
+from pollen.optim.schedule import schedule_factor
 from pollen.strategies.base import AdaptiveStrategy, ClientUpdate, ScreenedSink
 from pollen.strategies.registry import register, sampling_kwargs, screening_kwargs
 from pollen.vr import UpdateTable, VARIANTS, get_variant
@@ -55,7 +55,7 @@ class FedAdaVR(AdaptiveStrategy):
     server_lr : float | None
         Server learning rate eta_s; ``None`` takes the variant's (``fedadavr`` 0.01 with Adam,
         ``mifa`` / ``fedvarp`` 1.0 with plain SGD): the papers' values, which also drop in
-        (measured in tests/test_dropin_defaults.py).
+        (measured in tests/e2e/test_dropin_defaults.py).
     client_lr : float (default: 0.01)
         The clients' learning rate eta_c; the table stores ``update / eta_c``.
     client_lr_factor : Callable[[int], float] | None (default: None)

@@ -31,21 +31,21 @@ class FedAMS(AdaptiveStrategy):
 
     The defaults of ``eta`` and ``eps`` are chosen for drop-in use (a Flower project that swaps
     ``FedAvg(...)`` for ``FedAMS(...)`` and changes nothing else), measured in
-    ``tests/test_dropin_defaults.py``; the paper's values are ``eta=1.0, eps=1e-3``, which fit its
+    ``tests/e2e/test_dropin_defaults.py``; the paper's values are ``eta=1.0, eps=1e-3``, which fit its
     setting and made a quickstart-style project diverge. The app's run-config always passes both.
 
     Parameters
     ----------
     eta : float (default: 0.003)
         Server learning rate (the paper's eta), > 0. Default 0.003 (chosen for drop-in use,
-        measured in tests/test_dropin_defaults.py); the paper's value is 1.0.
+        measured in tests/e2e/test_dropin_defaults.py); the paper's value is 1.0.
     beta_1 : float (default: 0.9)
         First-moment coefficient, in [0, 1).
     beta_2 : float (default: 0.99)
         Second-moment coefficient, in [0, 1).
     eps : float (default: 1e-8)
         Option 1: the floor inside the max (> 0). Option 2: added outside the sqrt (>= 0).
-        Default 1e-8 (chosen for drop-in use, measured in tests/test_dropin_defaults.py); the
+        Default 1e-8 (chosen for drop-in use, measured in tests/e2e/test_dropin_defaults.py); the
         paper's value is 1e-3.
     option : int (default: 1)
         1 = FedAMS (eps inside the max), 2 = FedAMSGrad (eps outside the sqrt).

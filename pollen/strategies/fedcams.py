@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pollen import protocol
+from pollen.wire import protocol
 from pollen.compression import CODECS, GRANULARITIES
 from pollen.strategies.fedams import FedAMS, fedams_kwargs
 from pollen.strategies.registry import register
@@ -22,7 +22,7 @@ class FedCAMS(FedAMS):
     """FedAMS with error-feedback-compressed uploads.
 
     The server settings default to :class:`FedAMS`'s drop-in values, ``eta=0.003, eps=1e-8``
-    (chosen for drop-in use, measured in tests/test_dropin_defaults.py with this class and
+    (chosen for drop-in use, measured in tests/e2e/test_dropin_defaults.py with this class and
     ``compression_mod``); the paper's values are ``eta=1.0, eps=1e-3``.
 
     Parameters

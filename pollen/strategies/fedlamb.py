@@ -32,12 +32,12 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from pollen import protocol
+from pollen.wire import protocol
 from pollen.optim import SGD, AdpFedAdam
-from pollen.protocol import (
+from pollen.wire.protocol import (
     ADAPTIVE_LOCAL_STEP as LOCAL_STEP,
 )
-from pollen.protocol import (
+from pollen.wire.protocol import (
     CFG_BETA1,
     CFG_BETA2,
     CFG_EPS,
@@ -49,7 +49,7 @@ from pollen.protocol import (
 from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
 from pollen.strategies.registry import adaptive_kwargs, register
 from pollen.strategies.replies import ClientUpdate, Extra, ReplySpec
-from pollen.wire import arrays_to_record
+from pollen.wire.records import arrays_to_record
 
 SYNC_PHASES = ("first", "last")
 
@@ -99,7 +99,7 @@ class FedLAMB(AdaptiveStrategy):
         ``v_hat``'s initial value and floor, > 0 (Adp-Fed: the server's ``v_0``).
     server_lr : float (default: 0.003)
         Adp-Fed's server learning rate eta_g (> 0); the other variants average models (rate 1).
-        Default 0.003 (chosen for drop-in use, measured in tests/test_dropin_defaults.py); the
+        Default 0.003 (chosen for drop-in use, measured in tests/e2e/test_dropin_defaults.py); the
         paper tunes eta_g in {0.001, 0.01} (its grid: 1e-4 to 0.1).
     weight_decay : float (default: 0.0)
         The local step's decoupled weight decay lambda, >= 0 (clients take it from run-config

@@ -50,24 +50,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from pollen import protocol
-from pollen.clientside.gossip import (
-    CFG_ACTIVE,
-    CFG_EVERY,
-    CFG_SEGMENT,
-    CFG_TAU,
-    GOSSIP_LOCAL_STEP,
-    GOSSIP_PHASE,
-    segment_bounds,
-)
-from pollen.gossip import TOPOLOGIES, gossip_step, mixing_matrix, spectral_gap_rho, validate_clusters, without_absent
+from pollen.wire import protocol
+from pollen.gossip import TOPOLOGIES, gossip_step, mixing_matrix, segment_bounds, spectral_gap_rho, validate_clusters, without_absent
 from pollen.optim import AMSGrad
 from pollen.strategies.accounting import grad_evals_of
 from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
 from pollen.strategies.registry import adaptive_kwargs, register
 from pollen.strategies.replies import ClientUpdate, ReplySpec
 from pollen.strategies.rounds import SetupError
-from pollen.wire import arrays_to_record
+from pollen.wire.records import arrays_to_record
 
 #: The paper's local iterations per round (§9), used when run-config ``local-steps`` is 0.
 PAPER_TAU = 48
@@ -92,7 +83,7 @@ class HAFed(AdaptiveStrategy):
     ----------
     eta : float (default: 0.01)
         Server learning rate (the spec's Fashion-MNIST value; with ``eps`` it also drops in:
-        measured in tests/test_dropin_defaults.py).
+        measured in tests/e2e/test_dropin_defaults.py).
     beta_1, beta_2, eps : float (default: 0.9, 0.99, 1e-8)
         AMSGrad settings (§9).
     eps_mode : str (default: "inside")
@@ -226,11 +217,11 @@ class HAFed(AdaptiveStrategy):
     def train_config(self, server_round: int) -> dict[str, Any]:
         tau = self.local_steps
         return {
-            protocol.CFG_LOCAL_STEP: GOSSIP_LOCAL_STEP,
-            CFG_TAU: tau,
-            CFG_EVERY: self.gossip_every if self.topology != "identity" else tau,
-            CFG_ACTIVE: self.active_prob,
-            CFG_SEGMENT: 0,
+            protocol.CFG_LOCAL_STEP: protocol.GOSSIP_LOCAL_STEP,
+            protocol.CFG_GOSSIP_TAU: tau,
+            protocol.CFG_GOSSIP_EVERY: self.gossip_every if self.topology != "identity" else tau,
+            protocol.CFG_GOSSIP_ACTIVE: self.active_prob,
+            protocol.CFG_GOSSIP_SEGMENT: 0,
             "momentum": 0.0,  # plain local SGD (spec §8 A5); a momentum buffer would not survive a gossip step
             "weight-decay": 0.0,
         }
@@ -248,8 +239,8 @@ class HAFed(AdaptiveStrategy):
         for index in range(len(self.segments)):
             if index > 0:
                 contents = self._gossip_contents(server_round, {n: u for n, u in current.items() if n not in gone}, index)
-                replies = self.exchange(server_round, grid, contents, phase=GOSSIP_PHASE, timeout=step_timeout)
-            phase = TRAIN_PHASE if index == 0 else GOSSIP_PHASE
+                replies = self.exchange(server_round, grid, contents, phase=protocol.GOSSIP_PHASE, timeout=step_timeout)
+            phase = TRAIN_PHASE if index == 0 else protocol.GOSSIP_PHASE
             asked = set(self._asked.get((server_round, phase), []))
             gone |= asked - {reply.metadata.src_node_id for reply in replies}  # silent: not asked again this round
             updates = self._screen_step(server_round, self.collect(server_round, replies, phase=phase, spec=ReplySpec()), current)
@@ -338,7 +329,7 @@ class HAFed(AdaptiveStrategy):
     def _gossip_contents(self, server_round: int, current: dict[int, ClientUpdate], index: int) -> dict[int, RecordDict]:
         """Each client's mixed model (trainables and buffers) as the next segment's start."""
         contents = {}
-        config = ConfigRecord({**self.train_config(server_round), CFG_SEGMENT: index})
+        config = ConfigRecord({**self.train_config(server_round), protocol.CFG_GOSSIP_SEGMENT: index})
         if self.layout.buffer_keys:
             config[protocol.CFG_BUFFER_KEYS] = protocol.join_keys(self.layout.buffer_keys)
         for node, update in current.items():

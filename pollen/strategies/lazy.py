@@ -16,7 +16,7 @@ Lazy (NLA) and accelerated (AA) aggregation on FedAMS (Option A: ``v_hat = max(v
   (Variant B) and ``"literal"`` (Variant C, error feedback on raw models; fails by design).
 
 The aggregate is ``(1/|S_t|) sum_i used_i`` over the replies (a skipped client counts through its reused
-vector). Per-client vectors live in a :class:`~pollen.lazy.book.ClientBook` (FedAdaVR's table storage;
+vector). Per-client vectors live in a :class:`~pollen.strategies.lazy_book.ClientBook` (FedAdaVR's table storage;
 RAM or memory-mapped); absent clients keep everything on both sides. The client side is
 :func:`pollen.clientside.lazy_mod.lazy_mod`.
 
@@ -31,14 +31,14 @@ from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from pollen import protocol
+from pollen.wire import protocol
 from pollen.compression import CODECS, GRANULARITIES, make_codec
-from pollen.lazy.book import ClientBook
+from pollen.strategies.lazy_book import ClientBook
 from pollen.lazy.rules import DOWNLINK_MODES, EF_MODES, REF_MODES, RULES, check_choice, check_tau, checksum, downlink_step, norm64, replay
 from pollen.strategies.base import ReplyRejected, ReplySpec
 from pollen.strategies.fedams import FedAMS, fedams_kwargs
 from pollen.strategies.registry import register
-from pollen.wire import arrays_to_record, payload_to_records
+from pollen.wire.records import arrays_to_record, payload_to_records
 
 #: Every event of a round the family counts (results column ``lazy_events``).
 EVENTS = ("up-send", "up-skip", "up-aa", "up-flags", "down-dense", "down-full", "down-send", "down-skip", "down-aa", "down-keep", "down-flags", "resync")

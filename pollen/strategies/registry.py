@@ -6,7 +6,7 @@ Each strategy module registers its names next to the class they build::
     def _build_fedams(cfg):
         return FedAMS(**sampling_kwargs(cfg), eta=cfg["server-lr"], ...)
 
-so the names the run-config allows (``pollen.config``) and the README's table come from the modules
+so the names the run-config allows (``pollen.app.config``) and the README's table come from the modules
 that define them, not from copies. A builder takes the validated run-config (a mapping of
 kebab-case keys) and returns a Flower ``Strategy``.
 """

@@ -27,12 +27,12 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from pollen import protocol
+from pollen.wire import protocol
 from pollen.optim import SGD
 from pollen.strategies.base import AdaptiveStrategy
 from pollen.strategies.registry import adaptive_kwargs, register
 from pollen.strategies.replies import ClientUpdate, Extra, ReplySpec
-from pollen.wire import arrays_to_record
+from pollen.wire.records import arrays_to_record
 
 RELAY_PHASE = "relay-mix"
 FIRST_HALF_STEP = "relay-first-half"

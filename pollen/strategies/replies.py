@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 
-from pollen import protocol
+from pollen.wire import protocol
 from pollen.compression import decode_payload
-from pollen.layout import ModelLayout
+from pollen.core.layout import ModelLayout
 from pollen.strategies.screening import vector_stats
-from pollen.wire import record_to_arrays, records_to_payload
+from pollen.wire.records import record_to_arrays, records_to_payload
 
 #: Largest weight (``num-examples``) a reply may claim; keeps weighted sums finite in float64.
 MAX_WEIGHT = 1e12

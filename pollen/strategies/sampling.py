@@ -20,7 +20,7 @@ from flwr.app import Message, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from pollen import protocol
+from pollen.wire import protocol
 
 IDENTIFY_TIMEOUT_S = 60.0
 MAX_CLIENT_ID_LENGTH = 256

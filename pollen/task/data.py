@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from pollen.atomic import atomic_file
+from pollen.core.files import atomic_file
 from pollen.task import partitions as _partitions_module
 from pollen.task import sources as _sources_module
 from pollen.task.partitions import (

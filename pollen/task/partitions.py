@@ -156,7 +156,7 @@ def _all_partitions(part, num_partitions: int) -> list[np.ndarray]:
     The public path is ``part.load_partition(pid)`` per partition (a ``select`` each: about 10 ms).
     The partitioners that assign all partitions at once keep the assignment in
     ``_partition_id_to_indices`` (positions in ``part.dataset``); reading that is 10x faster and gives
-    the same indices (tests/test_data_partitions.py checks the two agree).
+    the same indices (tests/unit/test_data_partitions.py checks the two agree).
     """
     first = _read_idx(part.load_partition(0))  # decides the assignment of every partition
     mapping = getattr(part, "_partition_id_to_indices", None)

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from pollen import quant
+from pollen.compression import quant
 from pollen.vr.table import ClientKey, EncodedRow, UpdateTable, client_key
 
 WEIGHTINGS = ("sampled-normalised", "horvitz-thompson", "literal", "none")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pollen.atomic import atomic_file, write_bytes_atomically
+from pollen.core.files import atomic_file, write_bytes_atomically
 from pollen.vr.table import UpdateTable
 
 

@@ -1,7 +1,7 @@
 """The stored-update table of FedAdaVR / FedVARP / MIFA (spec ``papers/fedadavr.md`` section 3.3).
 
 One row per client that has ever replied: the client's latest update ``y_j`` (its model update divided by
-the client learning rate), quantised per tensor with :mod:`pollen.quant`. A client that was never seen reads
+the client learning rate), quantised per tensor with :mod:`pollen.compression.quant`. A client that was never seen reads
 as zeros and owns no row. The table also keeps, incrementally,
 
     running_sum = sum_j w_j * D(y_j)        (float64, length d)
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from pollen import quant
+from pollen.compression import quant
 
 ClientKey = str | int
 
@@ -59,7 +59,7 @@ class UpdateTable:
         Sizes of the tensors that make up the flat vector, in order (they must sum to ``dim``). Each tensor
         gets its own quantisation scale. Default: one tensor of size ``dim``.
     precision : str, default "fp32"
-        Storage precision, one of ``pollen.quant.PRECISIONS`` (``fp32 | fp16 | int8 | int4``).
+        Storage precision, one of ``pollen.compression.quant.PRECISIONS`` (``fp32 | fp16 | int8 | int4``).
     path : str or os.PathLike, optional
         If given, the data array is a memory-mapped file at this path (created or overwritten; it grows as
         capacity doubles and is left in place by :meth:`close`). Otherwise the table lives in RAM.

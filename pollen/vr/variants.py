@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pollen.quant import check_precision
+from pollen.compression.quant import check_precision
 from pollen.vr.aggregate import check_weighting
 
 

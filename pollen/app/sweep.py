@@ -1,0 +1,230 @@
+"""``pollen-sweep``: run a preset's methods x seeds (x one swept setting) in simulation, then write a report.
+
+    pollen-sweep fedcams-cpu                                   # every method of the preset, seeds 1 2 3
+    pollen-sweep fedbaca-cpu --methods fedams fedbnlaca --seeds 1 2 --set num-server-rounds=10
+    pollen-sweep fedcams-cpu --methods fedcams-topk --sweep topk-ratio=0.125,0.0078125 --target 0.8
+
+Each run is a real ``flwr run <app> --stream --federation-config num-supernodes=<preset's> --run-config ...``
+(its exact command is kept in the report). Runs land in ``<out>/runs/<run-name>``; a run whose
+``metrics.json`` already reaches the last round is not run again, so an interrupted sweep resumes where it
+stopped. One progress line per run, with an estimate of the time left. The report (``<out>/report.md``,
+``report.json``, the accuracy plots vs round and vs cumulative uplink / downlink / total bytes, and
+``commands.sh``) is written by :mod:`pollen.app.compare`, the same engine as ``pollen-compare``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pollen.app.compare import write_report
+from pollen.app.preset import Preset, PresetError, load_preset, tomllib
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run of a sweep: its group label (method and swept value), seed, run-config and folder."""
+
+    group: str
+    seed: int
+    config: dict[str, Any]
+    run_dir: Path
+
+    @property
+    def rounds(self) -> int:
+        return int(self.config["num-server-rounds"])
+
+
+def toml_value(value: Any) -> str:
+    """A run-config value as ``flwr run --run-config`` reads it (TOML)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """``key=value`` with a TOML value (``0.5``, ``true``, ``'topk'``); a bare word is a string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"{text!r} is not key=value")
+    try:
+        return key, tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key, raw
+
+
+def plan(preset: Preset, methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str, Any],
+         sweep: tuple[str, list[Any]] | None, out: Path) -> list[PlannedRun]:
+    """Every run of the sweep, method-major within each seed (a partial sweep has every method on seed 1)."""
+    runs = []
+    values = sweep[1] if sweep else [None]
+    for seed in seeds:
+        for method in methods:
+            for value in values:
+                group = method if sweep is None else f"{method} {sweep[0]}={value}"
+                name = f"{method}-s{seed}" if sweep is None else f"{method}-{sweep[0]}-{value}-s{seed}"
+                config = {**preset.method_config(method), **settings, "seed": seed, "run-name": name, "results-dir": str(out / "runs")}
+                if sweep is not None:
+                    config[sweep[0]] = value
+                runs.append(PlannedRun(group, seed, config, out / "runs" / name))
+    return runs
+
+
+def is_finished(run: PlannedRun) -> bool:
+    """Whether the run's folder holds a finished run of exactly this config (else it is run again)."""
+    metrics, written = run.run_dir / "metrics.json", run.run_dir / "config.json"
+    if not (metrics.is_file() and written.is_file()):
+        return False
+    try:
+        rows = json.loads(metrics.read_text())["rows"]
+        config = json.loads(written.read_text())
+    except (ValueError, KeyError):
+        return False
+    if any(config.get(key) != value for key, value in run.config.items()):
+        return False  # the same name with other settings (a changed --set): not this run
+    return bool(rows) and rows[-1].get("round") == run.rounds
+
+
+def snapshot_app(app: Path, dest: Path) -> Path:
+    """The files ``flwr run`` would pack from ``app`` (its bundle), extracted to ``dest``, made once per sweep.
+
+    Every run of the sweep then uses the same code even if the checkout changes meanwhile, and Flower does not
+    walk the whole checkout (a virtual environment inside it included) at every run.
+    """
+    import io
+    import warnings
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        fab = build_fab_from_disk(Path(app))
+    if dest.exists():
+        shutil.rmtree(dest)
+    with zipfile.ZipFile(io.BytesIO(fab)) as archive:
+        for name in archive.namelist():
+            if not name.startswith(".info/"):  # the bundle's manifest, written again when flwr builds it
+                target = dest / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(archive.read(name))
+    return dest
+
+
+def flwr_executable() -> str:
+    """The ``flwr`` of this Python environment (next to its interpreter), else the one on PATH."""
+    beside = Path(sys.executable).with_name("flwr")
+    return str(beside) if beside.is_file() else (shutil.which("flwr") or "flwr")
+
+
+def flwr_command(run: PlannedRun, app: str, supernodes: int) -> list[str]:
+    overrides = " ".join(f"{key}={toml_value(value)}" for key, value in run.config.items())
+    return [flwr_executable(), "run", app, "--stream", "--federation-config", f"num-supernodes={supernodes}", "--run-config", overrides]
+
+
+def run_with_flwr(command: list[str], log_path: Path) -> int:
+    """Run one ``flwr run`` and keep its output next to the results; the exit code."""
+    bin_dir = str(Path(sys.executable).parent)  # flwr starts flower-superlink from PATH: this environment's
+    env = {**os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        try:
+            return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode
+        except OSError as err:  # no flwr executable: say so in the run's log and fail the run
+            log.write(f"cannot start {command[0]!r}: {err}\n")
+            return 127
+
+
+def execute(runs: list[PlannedRun], *, app: str, supernodes: int, runner: Callable[[list[str], Path], int] = run_with_flwr,
+            say: Callable[[str], None] = print) -> list[str]:
+    """Run what is not finished yet, one progress line per run; returns the failures (one line each)."""
+    todo = [run for run in runs if not is_finished(run)]
+    say(f"{len(runs)} runs, {len(runs) - len(todo)} already finished, {len(todo)} to run")
+    failures, spent = [], []
+    for index, run in enumerate(todo, start=1):
+        command = flwr_command(run, app, supernodes)
+        started = time.perf_counter()
+        code = runner(command, run.run_dir.parent / f"{run.run_dir.name}.log")
+        spent.append(time.perf_counter() - started)
+        left = (len(todo) - index) * sum(spent) / len(spent)
+        if code == 0 and is_finished(run):
+            final = json.loads((run.run_dir / "metrics.json").read_text())["rows"][-1].get("accuracy")
+            outcome = f"final accuracy {final:.4f}" if isinstance(final, (int, float)) else "finished"
+        else:
+            outcome = f"FAILED (exit {code}; see {run.run_dir.name}.log)"
+            failures.append(f"{run.run_dir.name}: exit {code}")
+        say(f"[{index}/{len(todo)}] {run.group} seed {run.seed}: {outcome} in {spent[-1]:.0f} s; about {left / 60:.0f} min left")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("preset", help="a preset name (pollen/app/presets) or a path to a preset .toml file")
+    parser.add_argument("--methods", nargs="+", help="labels of the preset's [methods] (default: all)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config values for every run")
+    parser.add_argument("--sweep", metavar="KEY=V1,V2,...", help="one setting to sweep")
+    parser.add_argument("--target", type=float, default=None, help="accuracy for the rounds-to-target column")
+    parser.add_argument("--supernodes", type=int, default=None, help="simulated SuperNodes (default: the preset's)")
+    parser.add_argument("--app", default=".", help="the Flower app directory (default: .); runs use a snapshot of it")
+    parser.add_argument("--out", type=Path, default=None, help="default: results/sweeps/<preset>")
+    parser.add_argument("--report-only", action="store_true", help="write the report of the finished runs, run nothing")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = parser.parse_args(argv)
+    try:
+        preset = load_preset(args.preset)
+        methods = args.methods or list(preset.methods)
+        unknown = [m for m in methods if m not in preset.methods]
+        if unknown:
+            raise PresetError(f"preset '{preset.name}' has no method {unknown[0]!r}; it has: {', '.join(preset.methods)}")
+        settings = dict(parse_assignment(text) for text in args.set)
+        sweep = None
+        if args.sweep:
+            key, raw = args.sweep.split("=", 1) if "=" in args.sweep else (args.sweep, "")
+            values = [parse_assignment(f"{key}={part}")[1] for part in raw.split(",") if part]
+            if not values:
+                raise ValueError(f"--sweep {args.sweep!r} names no values; e.g. --sweep topk-ratio=0.125,0.0078125")
+            sweep = (key, values)
+    except (PresetError, ValueError) as err:
+        print(f"pollen-sweep: {err}", file=sys.stderr)
+        return 2
+    out = (args.out or Path("results") / "sweeps" / preset.name).resolve()
+    supernodes = args.supernodes or preset.supernodes
+    runs = plan(preset, methods, args.seeds, settings, sweep, out)
+    commands = [shlex.join(flwr_command(run, args.app, supernodes)) for run in runs]
+    if args.dry_run:
+        print("\n".join(commands))
+        return 0
+    print(f"{preset.title} ({preset.size} size, {supernodes} SuperNodes, needs {preset.needs})")
+    failures = []
+    if not args.report_only:
+        app = str(snapshot_app(Path(args.app), out / "app"))
+        failures = execute(runs, app=app, supernodes=supernodes)
+    groups: dict[str, list[Path]] = {}
+    for run in runs:
+        if is_finished(run):
+            groups.setdefault(run.group, []).append(run.run_dir)
+    if groups:
+        title = f"{preset.title}: {len(runs)} runs ({', '.join(methods)} x seeds {' '.join(map(str, args.seeds))})"
+        table = write_report(groups, out, title=title, commands=commands, target=args.target)
+        print(table)
+        print(f"\nreport: {out / 'report.md'}")
+    for line in failures:
+        print(f"failed: {line}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""Names of the records and config entries that pollen's server and clients exchange.
+
+One place for the wire vocabulary, so the strategies, the client-side mods and the
+ClientApp cannot drift apart. Flower-free (plain strings).
+
+A train message from a pollen strategy carries the usual Flower pair
+``{"arrays": ArrayRecord (global model), "config": ConfigRecord}``; the config may
+ask the client to upload a compressed update instead of its full model. A reply is
+either Flower's ordinary ``{"arrays": full local model, "metrics": ...}`` (what any
+existing ClientApp sends) or pollen's compressed form:
+
+- ``UPDATE_RECORD``: ArrayRecord holding the codec's payload arrays,
+- ``UPDATE_META_RECORD``: ConfigRecord with the codec name and dimension,
+- ``BUFFERS_RECORD``: ArrayRecord with the non-trainable arrays, uncompressed,
+- ``"metrics"``: MetricRecord with at least ``num-examples``.
+
+Methods that move more than the model add named extras, in either direction: each extra vector
+travels in its own ArrayRecord ``pollen.x.<name>`` holding one array ``"value"`` (so its bytes are
+counted under its own name), and one-bit flags travel as booleans in the ConfigRecord
+``pollen.flags``. A round with more than one exchange sends its later messages with the message type
+``train.pollen_phase`` and the phase name in the config (``pollen.phase``).
+"""
+
+ARRAYS_RECORD = "arrays"
+CONFIG_RECORD = "config"
+METRICS_RECORD = "metrics"
+
+UPDATE_RECORD = "pollen.update"
+UPDATE_META_RECORD = "pollen.update-meta"
+BUFFERS_RECORD = "pollen.buffers"
+IDENTITY_RECORD = "pollen.identity"
+CLIENT_INFO_RECORD = "pollen.client-info"
+CLIENT_STATE_PREFIX = "pollen."
+FLAGS_RECORD = "pollen.flags"
+EXTRA_RECORD_PREFIX = "pollen.x."
+EXTRA_ARRAY = "value"
+
+# Message type of a mid-round exchange (a second, third... message of one training round); the
+# ClientApp routes it with ``@app.train("pollen_phase")`` and dispatches on CFG_PHASE.
+PHASE_MESSAGE_TYPE = "train.pollen_phase"
+
+# ConfigRecord keys sent by the server in a train message.
+CFG_SERVER_ROUND = "server-round"
+CFG_CODEC = "pollen.codec"
+CFG_TOPK_RATIO = "pollen.topk-ratio"
+CFG_ERROR_FEEDBACK = "pollen.error-feedback"
+CFG_GRANULARITY = "pollen.granularity"
+CFG_BUFFER_KEYS = "pollen.buffer-keys"
+CFG_PHASE = "pollen.phase"
+CFG_PHASE_INDEX = "pollen.phase-index"
+CFG_LOCAL_STEP = "pollen.local-step"
+CFG_RUN_KEY = "pollen.run-key"
+CFG_GIVEN_KEYS = "pollen.given-keys"  # run-config keys the user set over a preset (the ClientApp resolves it alike)
+# The Fed-LAMB family's train config (pollen.strategies.fedlamb <-> pollen.clientside.adaptive_local).
+CFG_VHAT_VERSION = "pollen.v-hat-version"
+CFG_SYNC = "pollen.sync"
+CFG_STAT = "pollen.stat"
+CFG_TRUST_RATIO = "pollen.trust-ratio"
+CFG_BETA1 = "pollen.beta1"
+CFG_BETA2 = "pollen.beta2"
+CFG_EPS = "pollen.eps"
+ADAPTIVE_LOCAL_STEP = "adaptive-local"
+# HA-Fed: the local step, the gossip phase and their settings
+GOSSIP_LOCAL_STEP = "hafed-local"
+GOSSIP_PHASE = "hafed-gossip"
+CFG_GOSSIP_TAU = "pollen.gossip.tau"
+CFG_GOSSIP_EVERY = "pollen.gossip.every"
+CFG_GOSSIP_ACTIVE = "pollen.gossip.active-prob"
+CFG_GOSSIP_SEGMENT = "pollen.gossip.segment"
+# The lazy / bidirectional family (pollen.strategies.lazy <-> pollen.clientside.lazy_mod).
+CFG_LAZY_UP_RULE = "pollen.lazy.up-rule"  # none | nla | aa; its presence marks a lazy-family message
+CFG_LAZY_UP_TAU = "pollen.lazy.up-tau"
+CFG_LAZY_UP_CODEC = "pollen.lazy.up-codec"
+CFG_LAZY_UP_TOPK = "pollen.lazy.up-topk"
+CFG_LAZY_EF_MODE = "pollen.lazy.ef-mode"
+CFG_LAZY_REF_SUM = "pollen.lazy.ref-sum"  # checksum of the server's copy of the client's last upload
+CFG_LAZY_DOWN = "pollen.lazy.down"  # dense | full | send | skip | aa | keep
+CFG_LAZY_APPLY = "pollen.lazy.apply"  # add | set
+CFG_LAZY_X_SUM = "pollen.lazy.x-sum"  # checksum of the client's model after applying the downlink
+CFG_LAZY_LAST_ROUND = "pollen.lazy.last-round"  # the round of the client's last reply the server applied (0: none)
+DOWN_RECORD = "pollen.down"
+DOWN_META_RECORD = "pollen.down-meta"
+DOWN_BUFFERS_RECORD = "pollen.down-buffers"
+FLAG_SKIP = "lazy-skip"
+FLAG_AA = "lazy-aa"
+FLAG_RESYNC = "lazy-resync"
+
+# Keys of UPDATE_META_RECORD.
+META_CODEC = "codec"
+META_DIM = "dim"
+META_GRANULARITY = "granularity"
+
+# Keys of IDENTITY_RECORD / the identify query.
+QUERY_IDENTIFY = "query.pollen_identify"
+IDENTITY_CLIENT_ID = "client-id"
+IDENTITY_CLUSTER_ID = "cluster-id"
+
+NUM_EXAMPLES = "num-examples"
+
+
+def extra_record(name: str) -> str:
+    """Record name of the extra vector ``name`` (e.g. ``pollen.x.v_hat``), in either direction."""
+    return EXTRA_RECORD_PREFIX + name
+
+
+def join_keys(keys: tuple[str, ...] | list[str]) -> str:
+    """Encode a list of array names for a ConfigRecord (names never hold a newline)."""
+    return "\n".join(keys)
+
+
+def split_keys(joined: str) -> tuple[str, ...]:
+    return tuple(name for name in joined.split("\n") if name)

@@ -1,0 +1,61 @@
+"""The ServerApp's per-round reporter: evaluation cadence, rows, and what a skipped round records."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from flwr.app import ArrayRecord
+from torch.utils.data import DataLoader, TensorDataset
+
+from pollen.app.config import AppConfig, defaults_from_pyproject
+from pollen.app.results import RunRecorder
+from pollen.server_app import RoundReporter
+from pollen.strategies.accounting import Accounting
+from pollen.testing.flwr_cli import REPO
+
+
+class _Strategy:
+    def __init__(self) -> None:
+        self.accounting = Accounting()
+
+
+def test_eval_every_evaluates_on_schedule_and_after_the_last_round(tmp_path):
+    cfg = AppConfig.from_run_config(
+        {**defaults_from_pyproject(str(REPO / "pyproject.toml")), "eval-every": 2, "num-server-rounds": 5, "device": "cpu"}
+    )
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    loader = DataLoader(TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,))), batch_size=4)
+    strategy = _Strategy()
+    for r in range(1, 6):
+        stats = strategy.accounting.round(r)
+        stats.uplink_bytes, stats.downlink_bytes, stats.sampled, stats.replies = 100 * r, 1000, 2, 2
+    recorder = RunRecorder(tmp_path / "run", cfg.as_dict())
+    reporter = RoundReporter(cfg, strategy, recorder, model, loader)
+    arrays = ArrayRecord(model.state_dict())
+    results = [reporter(r, arrays) for r in range(0, 6)]
+    evaluated = [r for r, res in enumerate(results) if res is not None]
+    assert evaluated == [0, 2, 4, 5]
+    rows = json.loads((tmp_path / "run" / "metrics.json").read_text())["rows"]
+    assert [row["round"] for row in rows] == [0, 1, 2, 3, 4, 5]
+    assert rows[1]["accuracy"] is None and isinstance(rows[2]["accuracy"], float)
+    assert [row["cum_uplink_bytes"] for row in rows] == [0, 100, 300, 600, 1000, 1500]
+    assert rows[5]["cum_downlink_bytes"] == 5000
+
+
+def test_the_round_log_names_each_record_kind_only_when_there_is_more_than_the_model():
+    from pollen.server_app import _records_in_words
+
+    plain = {"arrays": 1000, "metrics": 50, "pollen.client-info": 40}
+    assert _records_in_words(plain, {"arrays": 1000, "config": 80}) == ""
+    words = _records_in_words({**plain, "pollen.x.v": 2000}, {"arrays": 1000, "config": 80, "pollen.x.v_hat": 2000})
+    assert words == "up arrays 1.00 KB, v 2.00 KB | down arrays 1.00 KB, v_hat 2.00 KB"
+    assert "hafed-gossip/arrays 3.00 KB" in _records_in_words(plain, {"arrays": 1000, "hafed-gossip/arrays": 3000})
+
+
+def test_round_log_names_the_lazy_family_events():
+    from pollen.server_app import _events_in_words
+
+    events = {"up-send": 3, "up-skip": 2, "up-flags": 2, "down-full": 1, "down-send": 3, "down-skip": 1, "down-flags": 1, "resync": 1}
+    assert _events_in_words(events) == "uplink send 3, skip 2 (2 flags) | downlink full 1, send 3, skip 1 (1 flags) | resync requests 1"
+    assert _events_in_words({"up-send": 4, "down-dense": 4}) == "uplink send 4 | downlink dense 4"

@@ -1,0 +1,232 @@
+"""FedAdaVR as a Flower strategy: table bookkeeping, identities, drop-outs, state (fedadavr.md §3.3-3.5)."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord
+
+from pollen.optim import make_server_optimizer
+from pollen.strategies import FedAdaVR
+from pollen.testing.fakes import (
+    TRAINABLE,
+    FakeGrid,
+    flat_trainable,
+    full_model_reply,
+    global_arrays_of,
+    model_record,
+    named_arrays,
+    run_train_round,
+    tiny_model,
+)
+
+pytestmark = pytest.mark.flower_compat
+
+CLIENT_LR = 0.1
+NODES = [11, 12, 13, 14, 15, 16]
+
+
+def delta_of(key: str, rnd: int, dim: int) -> np.ndarray:
+    seed = int(key.split("-")[-1]) * 100 + rnd
+    return np.random.default_rng(seed).normal(0, 0.05, dim).astype(np.float32)
+
+
+def make_client(ids: dict[int, str], drop: set[int] = frozenset(), rnd_of=lambda: 0):  # noqa: ANN001, ANN201
+    def client(msg):  # noqa: ANN001, ANN202
+        node = msg.metadata.dst_node_id
+        if node in drop:
+            return None
+        x = global_arrays_of(msg)
+        flat = flat_trainable(x).astype(np.float32) + delta_of(ids[node], rnd_of(), 19)
+        start = 0
+        out = dict(x)
+        for name in TRAINABLE:
+            size = x[name].size
+            out[name] = flat[start:start + size].reshape(x[name].shape).astype(np.float32)
+            start += size
+        return full_model_reply(msg, out, num_examples=10)
+
+    return client
+
+
+def strategy(**kwargs) -> FedAdaVR:  # noqa: ANN003
+    options = dict(variant="fedadavr", server_optimizer="adam", server_lr=0.01, client_lr=CLIENT_LR,
+                   fraction_train=0.5, fraction_evaluate=0.0, min_train_nodes=3, seed=3)
+    options.update(kwargs)
+    return FedAdaVR(**options)
+
+
+def test_round_one_is_fedavg_aggregate_then_adam_step():
+    """With an empty table the VR aggregate is the plain weighted mean (spec §6.A)."""
+    ids = {n: f"partition-{i}" for i, n in enumerate(NODES)}
+    grid = FakeGrid(NODES, make_client(ids, rnd_of=lambda: 1), client_ids=ids)
+    s = strategy()
+    x0 = tiny_model(0)
+    arrays, _, replies = run_train_round(s, grid, 1, model_record(x0))
+    sampled = [ids[r.metadata.src_node_id] for r in replies]
+    mean_delta = np.mean([delta_of(k, 1, 19) for k in sampled], axis=0).astype(np.float32)
+    opt = make_server_optimizer("adam", eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True)
+    _, step = opt.update(opt.init(19), mean_delta)
+    want = flat_trainable(x0) + step
+    np.testing.assert_allclose(flat_trainable(named_arrays(arrays)), want, rtol=1e-5, atol=1e-7)
+    for key in sampled:  # rows hold update / eta_c after the step
+        np.testing.assert_allclose(s.table.get(key), delta_of(key, 1, 19) / CLIENT_LR, rtol=1e-5, atol=1e-6)
+    assert s.table.known_clients == 3
+    assert s.accounting.rounds[1].server_state_bytes == s.table.memory_bytes() > 0
+
+
+def test_dropped_client_keeps_its_row_and_the_sum_stays_consistent():
+    ids = {n: f"partition-{i}" for i, n in enumerate(NODES)}
+    current = {"round": 1}
+    s = strategy(table_precision="int8")
+    grid = FakeGrid(NODES, make_client(ids, rnd_of=lambda: current["round"]), client_ids=ids)
+    arrays = model_record(tiny_model(0))
+    for r in (1, 2):
+        current["round"] = r
+        arrays, _, _ = run_train_round(s, grid, r, arrays)
+    before = {key: s.table.get(key).copy() for key in s.table.keys()}
+    # round 3: every sampled node but one replies
+    current["round"] = 3
+    messages = list(s.configure_train(3, arrays, ConfigRecord(), grid))
+    dropped = messages[0].metadata.dst_node_id
+    grid.client_fn = make_client(ids, drop={dropped}, rnd_of=lambda: 3)
+    replies = list(grid.send_and_receive(messages, timeout=1.0))
+    new_arrays, _ = s.aggregate_train(3, replies)
+    assert new_arrays is not None
+    stats = s.accounting.rounds[3]
+    assert stats.failures == 1 and any("no reply" in reason for reason in stats.failure_reasons)
+    key = ids[dropped]
+    if key in before:
+        np.testing.assert_array_equal(s.table.get(key), before[key])
+    else:
+        np.testing.assert_array_equal(s.table.get(key), np.zeros(19, np.float32))
+    np.testing.assert_allclose(s.table.running_sum, s.table.recompute_running_sum(), rtol=0, atol=1e-9)
+
+
+def test_rows_follow_the_client_id_across_a_reconnect():
+    """A SuperNode that reconnects gets a new node id; its row is found by its client id."""
+    ids = {11: "partition-0", 12: "partition-1", 13: "partition-2"}
+    s = strategy(fraction_train=1.0)
+    grid = FakeGrid(list(ids), make_client(ids, rnd_of=lambda: 1), client_ids=ids)
+    arrays, _, _ = run_train_round(s, grid, 1, model_record(tiny_model(0)))
+    # partition-1 comes back as node 99
+    ids2 = {11: "partition-0", 99: "partition-1", 13: "partition-2"}
+    grid2 = FakeGrid(list(ids2), make_client(ids2, rnd_of=lambda: 2), client_ids=ids2)
+    run_train_round(s, grid2, 2, arrays)
+    assert s.table.known_clients == 3
+    np.testing.assert_allclose(s.table.get("partition-1"), delta_of("partition-1", 2, 19) / CLIENT_LR, rtol=1e-5, atol=1e-5)
+
+
+def test_state_dict_roundtrip_includes_the_table():
+    ids = {n: f"partition-{i}" for i, n in enumerate(NODES)}
+    current = {"round": 1}
+    grid = FakeGrid(NODES, make_client(ids, rnd_of=lambda: current["round"]), client_ids=ids)
+    a, b = strategy(table_precision="int4"), strategy(table_precision="int4")
+    arrays = model_record(tiny_model(0))
+    for r in (1, 2):
+        current["round"] = r
+        arrays, _, _ = run_train_round(a, grid, r, arrays)
+    b.load_state_dict(pickle.loads(pickle.dumps(a.state_dict())))
+    current["round"] = 3
+    out_a, _, _ = run_train_round(a, grid, 3, arrays)
+    out_b, _, _ = run_train_round(b, grid, 3, arrays)
+    np.testing.assert_array_equal(flat_trainable(named_arrays(out_a)), flat_trainable(named_arrays(out_b)))
+    for key in a.table.keys():
+        np.testing.assert_array_equal(a.table.get(key), b.table.get(key))
+
+
+def test_memory_mapped_table_on_disk(tmp_path):
+    ids = {n: f"partition-{i}" for i, n in enumerate(NODES)}
+    path = tmp_path / "table.bin"
+    s = strategy(table_path=str(path), table_precision="fp16")
+    grid = FakeGrid(NODES, make_client(ids, rnd_of=lambda: 1), client_ids=ids)
+    run_train_round(s, grid, 1, model_record(tiny_model(0)))
+    assert path.is_file() and path.stat().st_size > 0
+    assert s.table.known_clients == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(variant="nope"), "variant"),
+        (dict(server_optimizer="rmsprop"), "server_optimizer"),
+        (dict(client_lr=0.0), "client_lr"),
+        (dict(num_clients=0), "num_clients"),
+        (dict(vr_weighting="odd"), "weighting"),
+    ],
+)
+def test_bad_settings_are_refused(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        strategy(**kwargs)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_streamed_rounds_equal_a_plain_transcription_of_the_boxed_estimator(precision, monkeypatch):
+    """Rounds 2.. stream each reply into the aggregate and a staged row (no per-reply vector kept);
+    the model and table still follow r = mean_S(y_i - D(y_i_old)) + sum_j p_j D(y_j_old), Adam on eta_c r,
+    rows replaced after the step, over five rounds with a client dropping out in one of them."""
+    streamed = []
+    original = FedAdaVR.round_sink
+    monkeypatch.setattr(FedAdaVR, "round_sink", lambda self, rnd, bound: streamed.append(rnd) or original(self, rnd, bound))
+    ids = {n: f"partition-{i}" for i, n in enumerate(NODES)}
+    current = {"round": 1, "drop": set()}
+    grid = FakeGrid(NODES, lambda msg: make_client(ids, current["drop"], lambda: current["round"])(msg), client_ids=ids)
+    s = strategy(table_precision=precision)
+    arrays = model_record(tiny_model(0))
+    x = flat_trainable(tiny_model(0)).astype(np.float64)
+    opt = make_server_optimizer("adam", eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True)
+    opt_state = opt.init(19)
+    table: dict[str, np.ndarray] = {}
+    for rnd in range(1, 6):
+        current["round"], current["drop"] = rnd, ({NODES[2], NODES[3]} if rnd == 4 else set())
+        sent = flat_trainable(named_arrays(arrays)).astype(np.float32)
+        arrays, _, replies = run_train_round(s, grid, rnd, arrays)
+        replied = [ids[r.metadata.src_node_id] for r in replies if r.has_content()]
+        ys = {ids[r.metadata.src_node_id]: (flat_trainable(global_arrays_of(r)).astype(np.float32) - sent) / np.float32(CLIENT_LR)
+              for r in replies if r.has_content()}
+        population = len(NODES)  # every node identified itself in round 1
+        r_vec = sum(table.values(), np.zeros(19)) / population
+        r_vec = r_vec + np.mean([ys[k].astype(np.float64) - table.get(k, 0.0) for k in replied], axis=0)
+        opt_state, step = opt.update(opt_state, (CLIENT_LR * r_vec).astype(np.float32))
+        x = x + step
+        for k in replied:
+            table[k] = _stored(ys[k], s, precision)
+        np.testing.assert_allclose(flat_trainable(named_arrays(arrays)), x, rtol=1e-6, atol=1e-7)
+        for k, row in table.items():
+            np.testing.assert_array_equal(s.table.get(k), row.astype(np.float32))
+    assert streamed == [2, 3, 4, 5]
+    np.testing.assert_allclose(s.table.running_sum, s.table.recompute_running_sum(), rtol=0, atol=1e-9)
+
+
+def _stored(y: np.ndarray, s: FedAdaVR, precision: str) -> np.ndarray:
+    """What the table holds for ``y``: each tensor quantised on its own (pollen.compression.quant's scheme)."""
+    from pollen.compression import quant
+
+    parts = [quant.dequantize(quant.quantize(y[a:b], precision)) for a, b in s.layout.segments]
+    return np.concatenate(parts).astype(np.float64)
+
+
+def test_a_skipped_streamed_round_leaves_the_table_as_it_was():
+    """Replies read (and staged) in a round that is then skipped (fewer than min_replies) change no row."""
+    ids = {n: f"partition-{i}" for i, n in enumerate(NODES)}
+    current = {"round": 1, "drop": set()}
+    grid = FakeGrid(NODES, lambda msg: make_client(ids, current["drop"], lambda: current["round"])(msg), client_ids=ids)
+    s = strategy(table_precision="int8", min_replies=3)
+    arrays = model_record(tiny_model(0))
+    for rnd in (1, 2):
+        current["round"] = rnd
+        arrays, _, _ = run_train_round(s, grid, rnd, arrays)
+    before = {k: s.table.get(k) for k in s.table.keys()}
+    running = s.table.running_sum.copy()
+    current["round"], current["drop"] = 3, set(NODES[:4])
+    messages = list(s.configure_train(3, arrays, ConfigRecord(), grid))
+    replies = list(grid.send_and_receive(messages, timeout=1.0))
+    assert sum(r.has_content() for r in replies) < 3
+    out, _ = s.aggregate_train(3, replies)
+    assert out is None
+    assert sorted(s.table.keys()) == sorted(before)
+    for k, row in before.items():
+        np.testing.assert_array_equal(s.table.get(k), row)
+    np.testing.assert_array_equal(s.table.running_sum, running)

@@ -1,0 +1,1 @@
+"""Unit tests of the Flower-free layers: core, math (optim, compression, vr, gossip, lazy) and task."""

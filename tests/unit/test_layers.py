@@ -1,0 +1,114 @@
+"""The package's layers as folders: every import points down (or sideways inside the math layer).
+
+Each top-level entry of ``pollen/`` belongs to one layer (``DESIGN.md``):
+
+- core (``core``): numpy and the standard library;
+- math (``optim``, ``compression``, ``vr``, ``gossip``, ``lazy``) and task (``task``): no Flower;
+- wire (``wire``): the records and names both sides of Flower share;
+- Flower glue (``strategies``, ``clientside``);
+- app (``app``, ``server_app``, ``client_app``);
+- ``testing``: the harness (fake grid, in-process runner, local federation), which nothing in the
+  product imports.
+
+The walk reads every ``import`` in every module, also those inside functions, so a lazy import
+cannot hide an upward arrow.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "pollen"
+
+MATH = {"optim", "compression", "vr", "gossip", "lazy"}
+BELOW_GLUE = {"core", "wire", "task", *MATH}
+APP_MAY_IMPORT = {"core", "wire", "task", "strategies", "clientside", "app", "server_app", "client_app", *MATH}
+
+#: What each top-level entry may import from pollen (itself included).
+ALLOWED: dict[str, set[str]] = {
+    "core": {"core"},
+    "optim": {"core", "optim"},
+    "compression": {"core", "compression"},
+    "vr": {"core", "compression", "vr"},
+    "gossip": {"core", "gossip"},
+    "lazy": {"core", "compression", "lazy"},
+    "task": {"core", "task"},
+    "wire": {"core", "compression", "wire"},
+    "clientside": {"clientside", *BELOW_GLUE},
+    "strategies": {"strategies", *BELOW_GLUE},
+    "app": APP_MAY_IMPORT,
+    "server_app": APP_MAY_IMPORT,
+    "client_app": APP_MAY_IMPORT,
+    "testing": APP_MAY_IMPORT | {"testing"},
+}
+#: Layers that must run without Flower installed.
+FLOWER_FREE = {"core", "task", *MATH}
+
+
+def _imports(path: Path, root: Path) -> list[tuple[int, str]]:
+    """Every imported module name in ``path`` (a module under ``root``), with its line (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = ["pollen", *path.relative_to(root).parent.parts]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module == "pollen":  # from pollen import x: x is the entry
+                found += [(node.lineno, f"pollen.{alias.name}") for alias in node.names]
+            else:
+                found.append((node.lineno, module))
+    return found
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE or p.name != "__init__.py")
+
+
+def test_every_top_level_entry_has_a_layer() -> None:
+    entries = {p.name.removesuffix(".py") for p in PACKAGE.iterdir() if p.name not in {"__init__.py", "__pycache__", "py.typed"}}
+    assert entries <= set(ALLOWED), f"unplaced entries in pollen/: {sorted(entries - set(ALLOWED))}"
+
+
+def _violations(path: Path, root: Path = PACKAGE) -> list[str]:
+    """The imports of ``path`` that point above its layer, or at Flower from a Flower-free layer."""
+    entry = path.relative_to(root).parts[0].removesuffix(".py")
+    allowed = ALLOWED[entry]
+    wrong = []
+    for line, module in _imports(path, root):
+        parts = module.split(".")
+        if parts[0] == "pollen" and len(parts) > 1 and parts[1] not in allowed:
+            wrong.append(f"line {line}: {module}")
+        if entry in FLOWER_FREE and parts[0] == "flwr":
+            wrong.append(f"line {line}: {module} (this layer is Flower-free)")
+    return wrong
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_point_down(path: Path) -> None:
+    wrong = _violations(path)
+    assert not wrong, f"{path.relative_to(PACKAGE)} imports above its layer: {wrong}"
+
+
+def test_the_walk_sees_upward_and_flower_imports(tmp_path: Path) -> None:
+    """The checker itself: function-level imports of the app, of testing and of Flower from the math layer."""
+    module = tmp_path / "optim" / "probe.py"
+    module.parent.mkdir()
+    module.write_text("def f():\n    from pollen.app import config\n    import flwr\n    from ..testing import fakes\n")
+    assert _violations(module, tmp_path) == [
+        "line 2: pollen.app",
+        "line 3: flwr (this layer is Flower-free)",
+        "line 4: pollen.testing",
+    ]
+    assert _violations(tmp_path / "optim" / "probe.py", tmp_path)
+    fine = tmp_path / "optim" / "fine.py"
+    fine.write_text("from pollen.core.layout import ModelLayout\nfrom . import base\nimport numpy\n")
+    assert _violations(fine, tmp_path) == []
