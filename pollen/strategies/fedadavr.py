@@ -31,7 +31,8 @@ from pollen.strategies.base import AdaptiveStrategy, ClientUpdate, ScreenedSink
 from pollen.strategies.registry import register, sampling_kwargs, screening_kwargs
 from pollen.vr import UpdateTable, VARIANTS, get_variant
 from pollen.vr.aggregate import VRRound
-from pollen.vr.journal import TableJournal
+from pollen.strategies.declared import PART
+from pollen.strategies.vr_store import StoredUpdates
 from pollen.vr.aggregate import check_weighting
 
 OPTIMIZERS = ("adagrad", "adam", "adabelief", "yogi", "lamb", "sgd")
@@ -78,6 +79,8 @@ class FedAdaVR(AdaptiveStrategy):
         defaults to True here because rows need stable client ids.
     """
 
+    state_fields = {"store": PART}
+
     def __init__(
         self,
         *,
@@ -116,9 +119,7 @@ class FedAdaVR(AdaptiveStrategy):
             raise ValueError(f"num_clients={num_clients!r} is out of range; allowed: an integer >= 1 or None")
         self.num_clients = num_clients
         self.lamb_layerwise = lamb_layerwise
-        self.table: UpdateTable | None = None
-        self.journal: TableJournal | None = None
-        self.table_generation = 0
+        self.store = StoredUpdates(self.table_precision, table_path) if spec.uses_table else None
         self._round: VRRound | None = None
         # Build once now so bad optimiser settings fail at construction, not in round 1.
         make_server_optimizer(self.optimizer_name, **self._optimizer_kwargs(None))
@@ -139,13 +140,14 @@ class FedAdaVR(AdaptiveStrategy):
     def build_optimizer(self, layout: ModelLayout) -> ServerOptimizer:
         return make_server_optimizer(self.optimizer_name, **self._optimizer_kwargs(layout))
 
+    @property
+    def table(self) -> UpdateTable | None:
+        """The stored-update table (``None`` for variants without one, or before round 1)."""
+        return self.store.table if self.store is not None else None
+
     def on_layout(self, layout: ModelLayout) -> None:
-        if self.variant.uses_table and self.table is None:
-            sizes = [stop - start for start, stop in layout.segments]
-            self.table = UpdateTable(layout.dim, sizes, self.table_precision, path=self.table_path)
-            if self.table_path is not None:
-                self.journal = TableJournal(self.table_path)
-                self.journal.commit(self.table, 0)
+        if self.store is not None:
+            self.store.ensure(layout)
 
     def extra_summary(self) -> dict[str, Any]:
         return {
@@ -187,7 +189,7 @@ class FedAdaVR(AdaptiveStrategy):
         return self._round_delta(server_round, vr_round)
 
     def _round_delta(self, server_round: int, vr_round: VRRound) -> np.ndarray:
-        known = self.table.known_clients if self.table is not None else 0
+        known = self.store.known_clients if self.store is not None else 0
         num_clients = max(self.num_clients or 0, len(self.sampler.known_clients), known, len(vr_round))
         return vr_round.delta(num_clients=num_clients, client_lr=self.client_lr_at(server_round))
 
@@ -197,40 +199,8 @@ class FedAdaVR(AdaptiveStrategy):
         if self.table is None:
             return
         if updates and vr_round is not None and vr_round.staged:
-            if self.journal is not None:  # a table on disk: keep the rows it overwrites until the checkpoint
-                self.journal.begin(self.table, server_round, list(vr_round.staged))
-            vr_round.commit()
-            if self.journal is not None:
-                self.journal.commit(self.table, server_round)
-            self.table_generation = server_round
+            self.store.write(server_round, vr_round)
         self.accounting.round(server_round).server_state_bytes = self.table.memory_bytes()
-
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        if self.table is not None:
-            state["table"] = self.table.state_dict(include_data=self.table_path is None)
-            state["table_generation"] = self.table_generation
-            if self.journal is not None:
-                state["table_id"] = self.journal.table_id
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        if "table" in state:
-            self.table_generation = int(state.get("table_generation", 0))
-            on_disk = "data" not in state["table"]
-            if on_disk and self.table_path is None:
-                raise ValueError("the state's table lives in a file; pass table_path= (run-config table-path) to resume it")
-            if on_disk:  # the file must be this state's, at this state's round (or one ahead with its undo log)
-                self.journal = TableJournal(self.table_path, table_id=str(state.get("table_id", "")))
-                self.journal._read()  # refuse a file without a journal before attaching it
-            self.table = UpdateTable.from_state_dict(state["table"], path=self.table_path)
-            if on_disk:
-                self.journal.recover(self.table, self.table_generation)
-            elif self.table_path is not None:
-                self.journal = TableJournal(self.table_path)
-                self.journal.commit(self.table, self.table_generation)
-
 
 class _VRSink(ScreenedSink):
     """A streamed FedAdaVR round: each screened update goes into the round's :class:`VRRound`."""

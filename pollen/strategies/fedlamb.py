@@ -47,6 +47,7 @@ from pollen.wire.protocol import (
     CFG_VHAT_VERSION,
 )
 from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
+from pollen.strategies.declared import COUNT, COUNTS, VECTOR
 from pollen.strategies.registry import adaptive_kwargs, register
 from pollen.strategies.replies import ClientUpdate, Extra, ReplySpec
 from pollen.wire.records import arrays_to_record
@@ -113,6 +114,7 @@ class FedLAMB(AdaptiveStrategy):
     """
 
     streaming = False  # the extras of every reply are needed after the step
+    state_fields = {"v_hat": VECTOR, "v": VECTOR, "v_hat_version": COUNT, "client_versions": COUNTS}
 
     def __init__(
         self,
@@ -234,7 +236,7 @@ class FedLAMB(AdaptiveStrategy):
             self.v_hat_version += 1
 
     def _asked_train_nodes(self, server_round: int) -> list[int]:
-        return list(self._asked.get((server_round, TRAIN_PHASE), []))
+        return self.replies.asked(server_round, TRAIN_PHASE)
 
     def extra_summary(self) -> dict[str, Any]:
         if self.variant.stat is None:
@@ -246,21 +248,9 @@ class FedLAMB(AdaptiveStrategy):
         }
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        if self.v_hat is not None:
-            state.update(v_hat=self.v_hat.copy(), v=self.v.copy(), v_hat_version=self.v_hat_version)
-        state["client_versions"] = dict(self.client_versions)
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        if "v_hat" in state:
-            v_hat, v = np.asarray(state["v_hat"], dtype=np.float32), np.asarray(state["v"], dtype=np.float32)
-            if v_hat.shape != (self.layout.dim,) or v.shape != v_hat.shape or not (v_hat >= self.eps).all():
-                raise ValueError("state v_hat / v do not fit the model (or v_hat < eps)")
-            self.v_hat, self.v, self.v_hat_version = v_hat.copy(), v.copy(), int(state["v_hat_version"])
-        self.client_versions = {str(k): int(v) for k, v in state.get("client_versions", {}).items()}
+    def check_state(self) -> None:
+        if self.v_hat is not None and (self.v is None or not (self.v_hat >= self.eps).all()):
+            raise ValueError("state v_hat / v do not fit the model (or v_hat < eps)")
 
 
 def _fedlamb_builder(variant: str):  # noqa: ANN202

@@ -229,7 +229,7 @@ class HAFed(AdaptiveStrategy):
     def mid_round(self, server_round: int, grid: Grid, replies: list[Message], timeout: float) -> list[Message]:
         """Relay every gossip step; keep the uploaders' final mixed models for :meth:`aggregate_train`."""
         stats = self.accounting.round(server_round)
-        trained = list(self._asked.get((server_round, TRAIN_PHASE), []))
+        trained = self.replies.asked(server_round, TRAIN_PHASE)
         uploaders = set(self._uploaders.get(server_round, []))
         down_per_start = stats.downlink_bytes / len(trained) if trained else 0.0
         current = {node: self._start_of_round(node) for node in trained}  # the server's copy of each model
@@ -241,7 +241,7 @@ class HAFed(AdaptiveStrategy):
                 contents = self._gossip_contents(server_round, {n: u for n, u in current.items() if n not in gone}, index)
                 replies = self.exchange(server_round, grid, contents, phase=protocol.GOSSIP_PHASE, timeout=step_timeout)
             phase = TRAIN_PHASE if index == 0 else protocol.GOSSIP_PHASE
-            asked = set(self._asked.get((server_round, phase), []))
+            asked = set(self.replies.asked(server_round, phase))
             gone |= asked - {reply.metadata.src_node_id for reply in replies}  # silent: not asked again this round
             updates = self._screen_step(server_round, self.collect(server_round, replies, phase=phase, spec=ReplySpec()), current)
             grad_evals += sum(grad_evals_of(u.metrics) for u in updates)
@@ -272,7 +272,7 @@ class HAFed(AdaptiveStrategy):
             if self.screen.judge(move, limit)[0] == "accept":
                 kept.append(update)
             else:
-                self._reject(self.accounting.round(server_round), update.node_id, self.screen.reason(move, limit))
+                self.replies.reject(server_round, update.node_id, self.screen.reason(move, limit))
         return kept
 
     def _start_of_round(self, node: int) -> ClientUpdate:
@@ -289,7 +289,7 @@ class HAFed(AdaptiveStrategy):
     def aggregate_train(self, server_round: int, replies: Any) -> tuple[ArrayRecord | None, Any]:
         """The server step on the uploaders' mixed models (the round's replies were read in :meth:`mid_round`)."""
         stats = self.accounting.round(server_round)
-        updates = self._screen_updates(server_round, self._final.pop(server_round, []), stats)
+        updates = self.screened(server_round, self._final.pop(server_round, []))
         result = self.apply_updates(server_round, updates)
         stats.grad_evals = self._grad_evals.pop(server_round, stats.grad_evals)  # every client trained
         self._uploaders.pop(server_round, None)
@@ -335,7 +335,7 @@ class HAFed(AdaptiveStrategy):
         for node, update in current.items():
             named = self.layout.unflatten(self.params + update.delta)
             named.update(update.buffers)
-            arrays = arrays_to_record({key: named[key] for key in self._key_order})
+            arrays = self.model.record_of(named)
             contents[node] = RecordDict({protocol.ARRAYS_RECORD: arrays, protocol.CONFIG_RECORD: config})
         return contents
 

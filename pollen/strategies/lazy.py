@@ -36,6 +36,7 @@ from pollen.compression import CODECS, GRANULARITIES, make_codec
 from pollen.strategies.lazy_book import ClientBook
 from pollen.lazy.rules import DOWNLINK_MODES, EF_MODES, REF_MODES, RULES, check_choice, check_tau, checksum, downlink_step, norm64, replay
 from pollen.strategies.base import ReplyRejected, ReplySpec
+from pollen.strategies.declared import COUNTS, PART
 from pollen.strategies.fedams import FedAMS, fedams_kwargs
 from pollen.strategies.registry import register
 from pollen.wire.records import arrays_to_record, payload_to_records
@@ -101,6 +102,7 @@ class FedLazy(FedAMS):
     """
 
     streaming = False  # each reply is resolved against its client's stored copies before the mean
+    state_fields = {"book": PART, "last_round": COUNTS}
     reply_spec = ReplySpec(flags=(protocol.FLAG_SKIP, protocol.FLAG_AA, protocol.FLAG_RESYNC), update="optional")
 
     def __init__(
@@ -238,8 +240,8 @@ class FedLazy(FedAMS):
 
     def _buffers_record(self) -> ArrayRecord:
         cached = getattr(self, "_buffers_cache", None)
-        if cached is None or cached[0] is not self._last_returned:
-            self._buffers_cache = (self._last_returned, arrays_to_record(self.buffers))
+        if cached is None or cached[0] is not self.model.last_returned:
+            self._buffers_cache = (self.model.last_returned, arrays_to_record(self.buffers))
         return self._buffers_cache[1]
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Any) -> Iterable[Message]:
@@ -249,19 +251,18 @@ class FedLazy(FedAMS):
     # ------------------------------------------------------------------ uplink
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Resolve each reply against its client's stored copies, screen, then FedAMS's step on the mean."""
-        stats = self.accounting.round(server_round)
-        phase = self._current_phase.get(server_round, "train")
+        phase = self.replies.phase_of(server_round)
         usable, commits = [], {}
         for update in self.collect(server_round, replies, phase=phase):
             try:
                 commits[id(update)] = self._resolve(server_round, update)
             except Exception as err:  # noqa: BLE001 - nothing of the client's is kept; its copies of a round back still match
                 reason = str(err) if isinstance(err, ReplyRejected) else f"cannot be applied: {type(err).__name__}: {err}"
-                self._reject(stats, update.node_id, reason)
+                self.replies.reject(server_round, update.node_id, reason)
                 continue
             usable.append(update)
         self._pending = {}
-        kept = self._screen_updates(server_round, usable, stats)
+        kept = self.screened(server_round, usable)
         for update in kept:
             self._commit(server_round, update.client_key, *commits[id(update)])
         return self.apply_updates(server_round, kept, None)
@@ -317,21 +318,6 @@ class FedLazy(FedAMS):
                 self.book.put(kind_, key, pending[name])
         self.last_round[key] = server_round
 
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        if self.book is not None:
-            state["book"] = self.book.state_dict()
-        state["last_round"] = dict(self.last_round)
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        if "book" in state:
-            self.book = None
-            self.on_layout(self.layout)
-            self.book.load_state_dict(state["book"])
-        self.last_round = {str(k): int(v) for k, v in state.get("last_round", {}).items()}
 
 
 def _builder(method: str):  # noqa: ANN202

@@ -20,6 +20,7 @@ It is part of the strategy's saved state (resume stays exact).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -86,6 +87,29 @@ class UpdateScreen:
         if self.rule == "clip":
             return "clip", bound / norm
         return "reject", 0.0
+
+    def filter(self, updates: list[Any], on_reject: Callable[[Any, str], None]) -> list[Any]:
+        """The updates that pass the screen, for a round that kept every update.
+
+        The bound is the history's, else each update is judged against the median of the others'
+        norms. An outlier is handed to ``on_reject`` with the reason and left out; with
+        ``rule="clip"`` it is scaled down to the bound in place instead. Updates without a delta
+        (a flag-only reply) pass. ``updates`` need ``delta``, ``norm`` (and whatever ``on_reject``
+        reads).
+        """
+        with_delta = [u for u in updates if u.delta is not None]
+        bound = self.bound()
+        bounds = [bound] * len(with_delta) if bound is not None else self.within_round_bounds([u.norm for u in with_delta])
+        rejected = set()
+        for update, limit in zip(with_delta, bounds):
+            verdict, scale = self.judge(update.norm, limit)
+            if verdict == "reject":
+                rejected.add(id(update))
+                on_reject(update, self.reason(update.norm, limit))
+            elif verdict == "clip":
+                update.delta = update.delta * np.float32(scale)
+                update.norm *= scale
+        return [u for u in updates if id(u) not in rejected]
 
     def reason(self, norm: float, bound: float) -> str:
         return f"update norm {norm:.3g} exceeds {bound:.3g} ({self.factor:g} x the reference norm; outlier screen)"

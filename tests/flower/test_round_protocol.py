@@ -503,7 +503,7 @@ def test_streaming_and_kept_paths_give_the_same_bits_and_a_bounded_reduction_err
         for d, w in zip(deltas, weights):
             streaming(ClientUpdate("c", 1, d.copy(), {}, w, None))
         kept = FedAMS(aggregation="weighted" if weighted else "mean")
-        kept.layout = type("L", (), {"dim": 10_000})()
+        kept.model.layout = type("L", (), {"dim": 10_000})()
         kept_mean = kept.aggregate_deltas(1, [ClientUpdate("c", 1, d, {}, w, None) for d, w in zip(deltas, weights)])
         got = streaming.mean()
         assert got.tobytes() == kept_mean.tobytes()

@@ -1,0 +1,214 @@
+"""Reply collection: who was asked in each phase of a round, one reply each, rejections with reasons.
+
+One :class:`ReplyCollector` serves every strategy, pollen's own and Flower's metered baselines, so
+a guarantee about replies is written once:
+
+- a reply counts only if its node was asked in that phase of that round, and only once (a
+  duplicate, an unsampled node's or a previous round's reply is a failure with a reason);
+- every rejection is counted in the round's :class:`~pollen.strategies.accounting.RoundStats` and
+  logged with the client's stable id;
+- a node that was asked and did not answer is a failure too ("no reply before the timeout");
+- :meth:`ReplyCollector.read` judges each reply once with
+  :func:`~pollen.strategies.replies.read_reply` against the method's
+  :class:`~pollen.strategies.replies.ReplySpec`; a reply that cannot be trusted never reaches a sink.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+from flwr.app import Message, MetricRecord, RecordDict
+from flwr.common import log
+
+from pollen.core.layout import ModelLayout
+from pollen.strategies.accounting import Accounting
+from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec, count_records, read_reply
+from pollen.strategies.sampling import ClientSampler
+from pollen.wire import protocol
+
+TRAIN_PHASE = "train"
+EVALUATE_PHASE = "evaluate"
+
+#: The longest a device name reported by a client may be before it is ignored.
+_MAX_DEVICE_NAME = 64
+
+
+def reason_of(err: BaseException) -> str:
+    """A short, one-line reason for a rejected reply."""
+    text = str(err).replace("\n", " ")
+    reason = text if isinstance(err, ReplyRejected | ValueError) and text else f"{type(err).__name__}: {text}"
+    return reason[:200]
+
+
+def positive_weight(metrics: Mapping[str, Any] | None, key: str) -> float | None:
+    """``metrics[key]`` when it is a number in ``(0, 1e12]``, else ``None`` (a client's claim, checked)."""
+    value = metrics.get(key) if metrics is not None else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e12:
+        return None
+    return float(value)
+
+
+class ReplyCollector:
+    """The round's book of asked nodes and the one reader of replies.
+
+    Parameters
+    ----------
+    sampler : ClientSampler
+        Maps node ids to stable client ids (for reasons and per-client state).
+    accounting : Callable[[], Accounting]
+        Returns the strategy's current accounting (replaced on ``load_state_dict``).
+    """
+
+    def __init__(self, sampler: ClientSampler, accounting: Callable[[], Accounting]) -> None:
+        self.sampler = sampler
+        self._accounting = accounting
+        self._asked: dict[tuple[int, str], list[int]] = {}
+        self._phase: dict[int, str] = {}
+        self.client_devices: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ the book
+    def ask(self, server_round: int, phase: str, nodes: Iterable[int]) -> None:
+        """Record that ``nodes`` were sent a message of ``phase`` in ``server_round``."""
+        self._asked[(server_round, phase)] = list(nodes)
+        if phase != EVALUATE_PHASE:
+            self._phase[server_round] = phase
+
+    def asked(self, server_round: int, phase: str = TRAIN_PHASE) -> list[int]:
+        """The nodes asked in ``phase`` of ``server_round`` (empty when none were)."""
+        return list(self._asked.get((server_round, phase), []))
+
+    def phase_of(self, server_round: int) -> str:
+        """The last training phase sent in ``server_round``: its replies are the ones aggregated."""
+        return self._phase.get(server_round, TRAIN_PHASE)
+
+    def forget(self, server_round: int) -> None:
+        """Drop the book of ``server_round`` and every earlier round (a late reply is then unasked)."""
+        for key in [key for key in self._asked if key[0] <= server_round]:
+            del self._asked[key]
+        for done in [r for r in self._phase if r <= server_round]:
+            del self._phase[done]
+
+    # ------------------------------------------------------------------ judging
+    def reject(self, server_round: int, node: int, reason: str) -> None:
+        """Count ``node``'s reply in ``server_round`` as a failure, with ``reason`` logged."""
+        client = self.sampler.key(node)
+        self._accounting().round(server_round).fail(f"{client}: {reason}")
+        log(WARNING, "\t> rejected reply from %s (node %d): %s", client, node, reason)
+
+    def from_asked(self, server_round: int, phase: str, replies: Iterable[Message]) -> list[Message]:
+        """Replies from nodes asked in this phase, one each; the rest are failures with a reason."""
+        asked = set(self._asked.get((server_round, phase), []))
+        kept, seen = [], set()
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if node not in asked:
+                self.reject(server_round, node, f"reply from a node not asked in {phase} of round {server_round}")
+            elif node in seen:
+                self.reject(server_round, node, f"second reply in {phase} of round {server_round}")
+            else:
+                seen.add(node)
+                kept.append(reply)
+        return kept
+
+    def missing(self, server_round: int, phase: str, replies: Iterable[Message]) -> None:
+        """Count every node asked in ``phase`` that is not among ``replies`` as a failure."""
+        answered = {reply.metadata.src_node_id for reply in replies}
+        for node in self._asked.get((server_round, phase), []):
+            if node not in answered:
+                self.reject(server_round, node, f"no reply before the timeout ({phase})")
+
+    def read(  # noqa: PLR0913 - the reader's settings, passed through
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+        *,
+        phase: str,
+        spec: ReplySpec,
+        layout: ModelLayout,
+        params: np.ndarray,
+        arrayrecord_key: str,
+        weighted_by_key: str,
+        weight_required: bool,
+        max_abs: float,
+        scratch: np.ndarray | None = None,
+        sink: Callable[[ClientUpdate], None] | None = None,
+    ) -> list[ClientUpdate]:
+        """Read every reply of ``phase`` once against ``spec``; rejected ones are failures with a reason.
+
+        Counts each reply's bytes by record. With a ``sink``, each update is handed to it as soon
+        as it is read (into ``scratch``, one reused buffer) and its vector is not kept; the sink may
+        reject it by raising ``ReplyRejected``.
+        """
+        stats = self._accounting().round(server_round)
+        prefix = "" if phase == TRAIN_PHASE else f"{phase}/"
+        replies = self.from_asked(server_round, phase, replies)
+        updates: list[ClientUpdate] = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            try:
+                if not reply.has_error():
+                    stats.add_uplink(count_records(reply), prefix)
+                update = read_reply(
+                    reply,
+                    client_key=self.sampler.key(node),
+                    layout=layout,
+                    params=params,
+                    spec=spec,
+                    arrayrecord_key=arrayrecord_key,
+                    weighted_by_key=weighted_by_key,
+                    weight_required=weight_required,
+                    max_abs=max_abs,
+                    scratch=scratch if sink is not None else None,
+                )
+                if sink is not None:
+                    sink(update)
+            except Exception as err:  # noqa: BLE001 - every failure is a rejected reply, never a crash
+                self.reject(server_round, node, reason_of(err))
+                continue
+            self.note_device(node, reply.content)
+            updates.append(update)
+        self.missing(server_round, phase, replies)
+        return updates
+
+    def evaluation_metrics(
+        self, server_round: int, replies: Iterable[Message], weighted_by_key: str
+    ) -> tuple[list[MetricRecord], list[float]]:
+        """The metrics and weights of the usable evaluation replies of ``server_round``.
+
+        A failed or malformed evaluation reply is skipped with a logged reason (evaluation never
+        fails a round); bytes are counted.
+        """
+        stats = self._accounting().round(server_round)
+        records, weights = [], []
+        for reply in self.from_asked(server_round, EVALUATE_PHASE, replies):
+            node = reply.metadata.src_node_id
+            try:
+                if reply.has_error():
+                    raise ReplyRejected(f"client error: {reply.error.reason}")
+                stats.eval_uplink_bytes += sum(count_records(reply).values())
+                metrics = reply.content.metric_records.get(protocol.METRICS_RECORD)
+                if metrics is None:
+                    metrics = next(iter(reply.content.metric_records.values()), None)
+                if metrics is None:
+                    continue
+                weight = metrics.get(weighted_by_key, 1)
+                if isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 < weight < 1e12:
+                    records.append(metrics)
+                    weights.append(float(weight))
+            except Exception as err:  # noqa: BLE001 - evaluation never crashes the server either
+                log(WARNING, "\t> evaluation reply from %s (node %d) skipped: %s", self.sampler.key(node), node, reason_of(err))
+        self._asked.pop((server_round, EVALUATE_PHASE), None)
+        return records, weights
+
+    # ------------------------------------------------------------------ client info
+    def note_device(self, node: int, content: RecordDict) -> None:
+        """Log the device a client trained on (pollen's ClientApp reports it), once per change."""
+        info = content.config_records.get(protocol.CLIENT_INFO_RECORD)
+        device = info.get("device") if info is not None else None
+        client = self.sampler.key(node)
+        if isinstance(device, str) and len(device) < _MAX_DEVICE_NAME and self.client_devices.get(client) != device:
+            self.client_devices[client] = device
+            log(INFO, "\t> %s trains on %s", client, device)

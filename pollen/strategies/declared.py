@@ -1,0 +1,63 @@
+"""State by declaration: a strategy names what it keeps; the base writes, reads and checks it.
+
+A strategy class sets ``state_fields = {"v_hat": VECTOR, "client_versions": COUNTS, "book": PART}``
+(attribute name -> kind). :class:`~pollen.strategies.base.AdaptiveStrategy` writes each declared
+attribute into ``state_dict()`` and restores it in ``load_state_dict()`` with the kind's checks,
+the way torch's ``Optimizer.state_dict`` serialises ``self.state`` for every optimiser: no strategy
+writes its own serialisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from pollen.strategies.screening import all_finite
+
+#: A flat float32 vector of the model's trainable dimension, finite (or ``None`` before the model is known).
+VECTOR = "vector"
+#: A whole number >= 0.
+COUNT = "count"
+#: Client id -> a whole number >= 0 (per-client bookkeeping).
+COUNTS = "counts"
+#: A collaborator with its own ``state_dict()`` / ``load_state_dict()``.
+PART = "part"
+KINDS = (VECTOR, COUNT, COUNTS, PART)
+
+
+def save_field(kind: str, value: Any) -> Any:
+    """The plain form of ``value`` (numpy arrays copied, a part through its ``state_dict``)."""
+    if kind == VECTOR:
+        return np.array(value, dtype=np.float32, copy=True)
+    if kind == COUNT:
+        return int(value)
+    if kind == COUNTS:
+        return {str(k): int(v) for k, v in value.items()}
+    if kind == PART:
+        return value.state_dict()
+    raise ValueError(f"state kind {kind!r} is unknown; allowed: {', '.join(KINDS)}")
+
+
+def _whole(name: str, value: Any) -> int:
+    number = np.asarray(value)
+    if number.shape != () or number.dtype.kind not in "iu" or int(number) < 0:
+        raise ValueError(f"state '{name}' = {value!r} is not a whole number >= 0")
+    return int(number)
+
+
+def load_field(kind: str, name: str, plain: Any, *, dim: int | None) -> Any:
+    """The value of a declared field from its plain form; ``ValueError`` when it cannot be used."""
+    if kind == VECTOR:
+        vector = np.asarray(plain)
+        if vector.dtype != np.float32 or vector.shape != (dim,) or not all_finite(vector):
+            raise ValueError(f"state '{name}' must be {dim} finite float32 values, got {vector.shape} {vector.dtype}")
+        return np.array(vector)
+    if kind == COUNT:
+        return _whole(name, plain)
+    if kind == COUNTS:
+        if not isinstance(plain, Mapping):
+            raise ValueError(f"state '{name}' must map client ids to whole numbers")
+        return {str(k): _whole(f"{name}[{k}]", v) for k, v in plain.items()}
+    raise ValueError(f"state kind {kind!r} cannot be loaded as a value; allowed: {', '.join(KINDS[:3])}")

@@ -1,0 +1,97 @@
+"""The downlink and mid-round transport: messages to nodes, each counted in bytes once.
+
+:class:`Transport` builds a round's train messages from one shared ``RecordDict`` (or per-node
+content), sends the further messages of a multi-phase round (:meth:`Transport.exchange`), records
+whom it asked in the :class:`~pollen.strategies.collector.ReplyCollector`, and counts the bytes of
+every record it sends (a record shared by several messages is measured once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from pollen.strategies.accounting import Accounting, RoundStats
+from pollen.strategies.collector import ReplyCollector
+from pollen.wire import protocol
+
+
+def count_sent(stats: RoundStats, messages: list[Message], prefix: str = "") -> None:
+    """Count each message's records once per message sent (a shared record is measured once)."""
+    measured: dict[int, int] = {}
+    for message in messages:
+        sizes = {}
+        for name, record in message.content.items():
+            if id(record) not in measured:
+                measured[id(record)] = int(record.count_bytes())
+            sizes[name] = measured[id(record)]
+        stats.add_downlink(sizes, prefix)
+
+
+class Transport:
+    """Sends a strategy's messages and keeps the book of whom it asked.
+
+    Parameters
+    ----------
+    replies : ReplyCollector
+        Where each phase's asked nodes are recorded and its replies are filtered.
+    accounting : Callable[[], Accounting]
+        Returns the strategy's current accounting.
+    configrecord_key : str
+        Name of the config record in a message (Flower's default ``"config"``).
+    """
+
+    def __init__(self, replies: ReplyCollector, accounting: Callable[[], Accounting], configrecord_key: str) -> None:
+        self.replies = replies
+        self._accounting = accounting
+        self.configrecord_key = configrecord_key
+        self._phases_sent: dict[int, int] = {}
+
+    def train_messages(
+        self, server_round: int, nodes: list[int], content_for: Callable[[int], RecordDict]
+    ) -> list[Message]:
+        """One train message per node with ``content_for(node)``; asked nodes recorded, bytes counted."""
+        self.replies.ask(server_round, "train", nodes)
+        messages = [Message(content=content_for(node), message_type="train", dst_node_id=node) for node in nodes]
+        count_sent(self._accounting().round(server_round), messages)
+        return messages
+
+    def exchange(
+        self,
+        server_round: int,
+        grid: Grid,
+        contents: Mapping[int, RecordDict],
+        *,
+        phase: str,
+        timeout: float,
+    ) -> list[Message]:
+        """Send ``contents[node]`` to each node as a mid-round message of ``phase``; return the replies.
+
+        The messages have type ``train.pollen_phase`` and carry ``pollen.phase``, the phase's index
+        and the round in their config record (added here when missing), so pollen's ClientApp can
+        route them. Bytes both ways are counted under ``<phase>/<record>``; only one reply per asked
+        node is kept (others are failures with a logged reason).
+        """
+        stats = self._accounting().round(server_round)
+        phase_index = self._phases_sent[server_round] = self._phases_sent.get(server_round, 0) + 1
+        messages = []
+        for node, content in contents.items():
+            content = RecordDict(dict(content.items()))
+            config = ConfigRecord(dict(content.config_records.get(self.configrecord_key, ConfigRecord())))
+            config[protocol.CFG_PHASE] = phase
+            config[protocol.CFG_PHASE_INDEX] = phase_index
+            config[protocol.CFG_SERVER_ROUND] = server_round
+            content[self.configrecord_key] = config
+            messages.append(Message(content=content, message_type=protocol.PHASE_MESSAGE_TYPE, dst_node_id=node))
+        self.replies.ask(server_round, phase, contents)
+        count_sent(stats, messages, prefix=f"{phase}/")
+        stats.exchange_messages += len(messages)
+        replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
+        return self.replies.from_asked(server_round, phase, replies)
+
+    def forget(self, server_round: int) -> None:
+        """Drop the phase counter of ``server_round`` (the round is over)."""
+        for done in [r for r in self._phases_sent if r <= server_round]:
+            del self._phases_sent[done]
