@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from logging import WARNING
 from typing import Any
 
@@ -31,7 +31,10 @@ from pollen.wire import protocol
 from pollen.core.layout import ModelLayout
 from pollen.strategies.accounting import Accounting
 from pollen.strategies.registry import register, sampling_kwargs, screening_kwargs
+from pollen.strategies.collector import EVALUATE_PHASE, TRAIN_PHASE, ReplyCollector, positive_weight, reason_of
 from pollen.strategies.replies import ReplyRejected, count_records, read_reply
+from pollen.strategies.sampling import ClientSampler
+from pollen.strategies.transport import count_sent
 from pollen.strategies.rounds import RoundLoop
 from pollen.strategies.screening import UpdateScreen
 from pollen.wire.records import record_to_arrays
@@ -40,12 +43,19 @@ _FLOWER_STATE = ("current_arrays", "m_t", "v_t")
 
 
 class Metered(RoundLoop):
-    """Mixin: count messages and bytes around a Flower strategy's own steps, screen replies, keep state."""
+    """Mixin: count messages and bytes around a Flower strategy's own steps, screen replies, keep state.
+
+    Replies go through the same :class:`~pollen.strategies.collector.ReplyCollector` as pollen's
+    strategies (asked nodes per round, one reply each, rejections with reasons, silent nodes counted)
+    and the same :class:`~pollen.strategies.screening.UpdateScreen`; an outlier is rejected (Flower's
+    aggregation cannot take a clipped reply).
+    """
 
     def __init__(self, *args, outlier_rule: str = "reject", outlier_factor: float = 10.0, **kwargs) -> None:  # noqa: D107
         super().__init__(*args, **kwargs)
         self.accounting = Accounting()
         self.screen = UpdateScreen(rule=outlier_rule, factor=outlier_factor)
+        self.replies = ReplyCollector(ClientSampler(), lambda: self.accounting)
         self._started: dict[int, float] = {}
         self._layout: ModelLayout | None = None
         self._params: np.ndarray | None = None
@@ -59,45 +69,39 @@ class Metered(RoundLoop):
             self._layout = ModelLayout.from_arrays(named)
         self._params = self._layout.flatten(named)
         messages = list(super().configure_train(server_round, arrays, config, grid))
+        self.replies.ask(server_round, TRAIN_PHASE, [message.metadata.dst_node_id for message in messages])
         stats = self.accounting.round(server_round)
         stats.sampled = len(messages)
-        for message in messages:
-            stats.add_downlink({name: int(record.count_bytes()) for name, record in message.content.items()})
+        count_sent(stats, messages)
         return messages
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        received = list(replies)
         stats = self.accounting.round(server_round)
-        usable, norms = [], []
+        received = self.replies.from_asked(server_round, TRAIN_PHASE, replies)
+        judged: list[tuple[Message, float]] = []
         for reply in received:
-            node = reply.metadata.src_node_id
             try:
                 if not reply.has_error():
                     stats.add_uplink(count_records(reply))
-                norms.append(self._screen(reply))
+                judged.append((reply, self._judge(reply)))
             except Exception as err:  # noqa: BLE001 - a bad reply is a failure, never a crash
-                reason = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
-                stats.fail(f"node {node}: {reason}"[:200])
-                log(WARNING, "\t> rejected reply from node %d: %s", node, reason[:200])
-                continue
-            usable.append(reply)
-        usable = self._without_outliers(usable, norms, stats)
-        usable = self._same_metric_names(
-            usable, lambda reply, why: stats.fail(f"node {reply.metadata.src_node_id}: {why}")
-        )
+                self.replies.reject(server_round, reply.metadata.src_node_id, reason_of(err))
+        judged = self._without_outliers(server_round, judged)
+        judged = self._same_metric_names(server_round, judged, "")
+        usable = [reply for reply, _ in judged]
         for reply in usable:
             update_bytes = reply.content.array_records[protocol.ARRAYS_RECORD].count_bytes()
             stats.uplink_update_bytes += update_bytes
             stats.uplink_fp32_bytes += update_bytes
         stats.replies = len(usable)
-        for _ in range(stats.sampled - len(received)):
-            stats.fail("no reply before the timeout")
+        self.replies.missing(server_round, TRAIN_PHASE, received)
+        self.replies.forget(server_round)
         try:
             result = super().aggregate_train(server_round, usable)
             if usable:
-                self.screen.observe(self._round_norms)
+                self.screen.observe([norm for _, norm in judged])
         except Exception as err:  # noqa: BLE001 - Flower's own checks raise; the round fails, the run goes on
             stats.fail(f"aggregation failed: {type(err).__name__}: {err}")
             log(WARNING, "aggregate_train: Flower's aggregation failed (%s); the model is unchanged", err)
@@ -105,35 +109,34 @@ class Metered(RoundLoop):
         stats.train_metrics = dict(result[1] or {})
         if result[0] is not None:
             stats.count_grad_evals([reply.content.metric_records.get(protocol.METRICS_RECORD) for reply in usable])
-        stats.train_seconds = time.perf_counter() - self._started.get(server_round, time.perf_counter())
+        stats.train_seconds = time.perf_counter() - self._started.pop(server_round, time.perf_counter())
         return result
 
-    def _without_outliers(self, replies: list[Message], norms: list[float], stats: Any) -> list[Message]:
-        """pollen's outlier screen (history bound, else each against the others' median)."""
+    def _without_outliers(self, server_round: int, judged: list[tuple[Message, float]]) -> list[tuple[Message, float]]:
+        """pollen's outlier screen (history bound, else each against the others' median); outliers rejected."""
         bound = self.screen.bound()
+        norms = [norm for _, norm in judged]
         bounds = [bound] * len(norms) if bound is not None else self.screen.within_round_bounds(norms)
-        kept, kept_norms = [], []
-        for reply, norm, limit in zip(replies, norms, bounds):
+        kept = []
+        for (reply, norm), limit in zip(judged, bounds):
             if self.screen.judge(norm, limit)[0] == "accept":
-                kept.append(reply)
-                kept_norms.append(norm)
+                kept.append((reply, norm))
             else:  # Flower's aggregation cannot take a clipped reply; an outlier is rejected
-                stats.fail(f"node {reply.metadata.src_node_id}: {self.screen.reason(norm, limit)}"[:200])
-                log(WARNING, "\t> rejected reply from node %d: %s", reply.metadata.src_node_id, self.screen.reason(norm, limit))
-        self._round_norms = kept_norms
+                self.replies.reject(server_round, reply.metadata.src_node_id, self.screen.reason(norm, limit))
         return kept
 
-    def _screen(self, reply: Message) -> float:
+    def _judge(self, reply: Message) -> float:
         """The update's norm; ``ReplyRejected`` when Flower's aggregation must not see this reply."""
         content = reply.content
+        if reply.has_error():
+            raise ReplyRejected(f"client error: {reply.error.reason}")
         if len(content.array_records) != 1 or protocol.ARRAYS_RECORD not in content.array_records:
             raise ReplyRejected(f"reply must carry exactly one ArrayRecord, '{protocol.ARRAYS_RECORD}'")
         if len(content.metric_records) != 1:
             raise ReplyRejected("reply must carry exactly one MetricRecord")
         metrics = next(iter(content.metric_records.values()))
-        weight = metrics.get(protocol.NUM_EXAMPLES)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1e12:
-            raise ReplyRejected(f"metrics lack a positive '{protocol.NUM_EXAMPLES}' (got {weight!r})")
+        if positive_weight(metrics, protocol.NUM_EXAMPLES) is None:
+            raise ReplyRejected(f"metrics lack a positive '{protocol.NUM_EXAMPLES}' (got {metrics.get(protocol.NUM_EXAMPLES)!r})")
         if self._layout is None or self._params is None:
             return 0.0
         update = read_reply(
@@ -141,44 +144,50 @@ class Metered(RoundLoop):
         )
         return update.norm
 
-    @staticmethod
-    def _same_metric_names(replies: list[Message], on_reject: Callable[[Message, str], None]) -> list[Message]:
+    def _same_metric_names(self, server_round: int, judged: list[tuple[Message, float]], phase: str) -> list[tuple[Message, float]]:
         """Keep the replies whose metric names agree with most others (Flower raises on a mix)."""
-        if not replies:
-            return replies
-        names = [frozenset(next(iter(r.content.metric_records.values())).keys()) for r in replies]
+        if not judged:
+            return judged
+        names = [frozenset(next(iter(reply.content.metric_records.values())).keys()) for reply, _ in judged]
         common = Counter(names).most_common(1)[0][0]
         kept = []
-        for reply, keys in zip(replies, names):
+        for item, keys in zip(judged, names):
             if keys == common:
-                kept.append(reply)
+                kept.append(item)
+            elif phase == EVALUATE_PHASE:
+                log(WARNING, "\t> evaluation reply from node %d skipped: metric names differ from the round's other replies", item[0].metadata.src_node_id)
             else:
-                on_reject(reply, "metric names differ from the round's other replies")
+                self.replies.reject(server_round, item[0].metadata.src_node_id, "metric names differ from the round's other replies")
         return kept
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        messages = list(super().configure_evaluate(server_round, arrays, config, grid))
+        self.replies.ask(server_round, EVALUATE_PHASE, [message.metadata.dst_node_id for message in messages])
+        return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         stats = self.accounting.round(server_round)
         usable = []
-        for reply in replies:
+        for reply in self.replies.from_asked(server_round, EVALUATE_PHASE, replies):
             try:
                 if reply.has_error():
                     continue
                 stats.eval_uplink_bytes += sum(count_records(reply).values())
                 metrics = list(reply.content.metric_records.values())
-                weight = metrics[0].get(protocol.NUM_EXAMPLES) if len(metrics) == 1 else None
-                if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1e12:
+                if len(metrics) != 1 or positive_weight(metrics[0], protocol.NUM_EXAMPLES) is None:
                     raise ReplyRejected(f"evaluation metrics lack a positive '{protocol.NUM_EXAMPLES}'")
                 if not all(isinstance(v, (int, float)) and np.isfinite(v) for v in metrics[0].values() if not isinstance(v, list)):
                     raise ReplyRejected("evaluation metrics hold non-finite values")
             except Exception as err:  # noqa: BLE001
                 log(WARNING, "\t> evaluation reply from node %d skipped: %s", reply.metadata.src_node_id, err)
                 continue
-            usable.append(reply)
-        usable = self._same_metric_names(
-            usable, lambda reply, why: log(WARNING, "\t> evaluation reply from node %d skipped: %s", reply.metadata.src_node_id, why)
-        )
+            usable.append((reply, 0.0))
+        usable = self._same_metric_names(server_round, usable, EVALUATE_PHASE)
+        self.replies.forget(server_round)
         try:
-            aggregated = super().aggregate_evaluate(server_round, usable)
+            aggregated = super().aggregate_evaluate(server_round, [reply for reply, _ in usable])
         except Exception as err:  # noqa: BLE001
             log(WARNING, "aggregate_evaluate: Flower's aggregation failed (%s)", err)
             aggregated = None
