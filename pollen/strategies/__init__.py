@@ -12,6 +12,7 @@ from pollen.strategies.checkpointing import RunCheckpoint
 from pollen.strategies.fedadavr import FedAdaVR
 from pollen.strategies.fedams import FedAMS
 from pollen.strategies.fedcams import FedCAMS
+from pollen.strategies.fedopt import FedOpt
 from pollen.strategies.fedlamb import FedLAMB
 from pollen.strategies.hafed import HAFed
 from pollen.strategies.lazy import FedLazy
@@ -20,6 +21,7 @@ from pollen.strategies.relay_demo import RelayAverage
 from pollen.strategies.replies import ClientUpdate, Extra, ReplyRejected, ReplySpec
 from pollen.strategies.rounds import RunInterrupted
 from pollen.strategies.sampling import ClientSampler
+from pollen.strategies.uplink import Uplink
 
 __all__ = [
     "Accounting",
@@ -31,6 +33,7 @@ __all__ = [
     "FedAdaVR",
     "FedLazy",
     "FedCAMS",
+    "FedOpt",
     "FedLAMB",
     "HAFed",
     "MeteredFedAdagrad",
@@ -40,6 +43,7 @@ __all__ = [
     "RelayAverage",
     "ReplyRejected",
     "ReplySpec",
+    "Uplink",
     "RoundStats",
     "RunCheckpoint",
     "RunInterrupted",

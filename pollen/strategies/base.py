@@ -49,6 +49,7 @@ from pollen.strategies.sampling import ClientSampler
 from pollen.strategies.screening import DEFAULT_MAX_ABS, UpdateScreen, all_finite
 from pollen.strategies.sinks import AGGREGATIONS, RunningMean, ScreenedSink, aggregate_metrics, mean_of, weights_of
 from pollen.strategies.transport import Transport
+from pollen.strategies.uplink import Uplink
 from pollen.wire import protocol
 
 __all__ = ["AGGREGATIONS", "TRAIN_PHASE", "AdaptiveStrategy", "ClientUpdate", "ReplyRejected", "ReplySpec", "RunningMean", "ScreenedSink", "aggregate_metrics"]
@@ -105,6 +106,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         Hard limit on any coordinate of an update (always on).
     min_replies : int (default: 1)
         Fewer usable replies than this and the round is skipped (model unchanged), with a reason.
+    uplink : Uplink | None (default: None)
+        What clients upload (:class:`~pollen.strategies.uplink.Uplink`: codec, error feedback,
+        granularity); ``None`` asks for nothing and takes full models (any Flower ClientApp).
     transactional : bool (default: True)
         Keep a copy of the model and optimiser state during the server step and put it back if the
         step fails or produces non-finite values (the round then counts as failed).
@@ -141,6 +145,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         max_abs_update: float = DEFAULT_MAX_ABS,
         min_replies: int = 1,
         transactional: bool = True,
+        uplink: Uplink | None = None,
     ) -> None:
         _check_fraction("fraction_train", fraction_train, allow_zero=False)
         if not isinstance(min_replies, int) or isinstance(min_replies, bool) or min_replies < 1:
@@ -168,6 +173,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         self.configrecord_key = configrecord_key
         self.min_replies = min_replies
         self.transactional = transactional
+        if uplink is not None and not isinstance(uplink, Uplink):
+            raise ValueError(f"uplink={uplink!r} is not an Uplink; allowed: pollen.strategies.Uplink(...) or None")
+        self.uplink = uplink
         self.opt_state: OptimizerState | None = None
 
         self.model = GlobalModel(buffer_keys)
@@ -225,6 +233,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         log(INFO, "\t├──> %s settings:", type(self).__name__)
         if self.optimizer is not None:
             log(INFO, "\t│\t├── server optimiser: %s %s", self.optimizer.name, self.optimizer.hyperparameters())
+        if self.uplink is not None:
+            log(INFO, "\t│\t├── uplink: %s", self.uplink.describe())
         for key, value in self.extra_summary().items():
             log(INFO, "\t│\t├── %s: %s", key, value)
         log(INFO, "\t│\t├── aggregation: %s (weight key '%s')", self.aggregation, self.weighted_by_key)
@@ -259,6 +269,13 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def train_config(self, server_round: int) -> dict[str, Any]:
         """Hook: extra config entries sent to clients (e.g. the codec to upload with)."""
         return {}
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        """Everything a train message's config adds for this method: :meth:`train_config` and the uplink's."""
+        config = dict(self.train_config(server_round))
+        if self.uplink is not None:
+            config.update(self.uplink.train_config())
+        return config
 
     def node_content(self, server_round: int, node: int, shared: RecordDict) -> RecordDict:
         """Hook: what ``node`` receives in this round's train message.
@@ -323,7 +340,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         config[protocol.CFG_SERVER_ROUND] = server_round
         if self.layout.buffer_keys:  # Flower cannot count the bytes of an empty string
             config[protocol.CFG_BUFFER_KEYS] = protocol.join_keys(self.layout.buffer_keys)
-        for key, value in self.train_config(server_round).items():
+        for key, value in self.round_config(server_round).items():
             config[key] = value
         shared = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         messages = self.transport.train_messages(server_round, nodes, lambda node: self.node_content(server_round, node, shared))

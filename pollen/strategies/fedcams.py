@@ -12,16 +12,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pollen.wire import protocol
-from pollen.compression import CODECS, GRANULARITIES
+from pollen.compression import CODECS
 from pollen.strategies.fedams import FedAMS, fedams_kwargs
 from pollen.strategies.registry import register
+from pollen.strategies.uplink import Uplink
 
 
 class FedCAMS(FedAMS):
-    """FedAMS with error-feedback-compressed uploads.
+    """FedAMS with error-feedback-compressed uploads: ``FedAMS(uplink=Uplink(compressor, ...))``.
 
-    The server settings default to :class:`FedAMS`'s drop-in values, ``eta=0.003, eps=1e-8``
+    Kept as a class for the drop-in name; everything it adds is the :class:`Uplink` it hands to
+    :class:`FedAMS`. The server settings default to FedAMS's drop-in values, ``eta=0.003, eps=1e-8``
     (chosen for drop-in use, measured in tests/e2e/test_dropin_defaults.py with this class and
     ``compression_mod``); the paper's values are ``eta=1.0, eps=1e-3``.
 
@@ -52,31 +53,24 @@ class FedCAMS(FedAMS):
     ) -> None:
         if compressor not in CODECS:
             raise ValueError(f"compressor={compressor!r} is unknown; allowed: {', '.join(CODECS)}")
-        if not 0.0 < topk_ratio <= 1.0:
-            raise ValueError(f"topk_ratio={topk_ratio!r} is out of range; allowed: a number in (0, 1]")
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"granularity={granularity!r} is unknown; allowed: {', '.join(GRANULARITIES)}")
-        super().__init__(**kwargs)
-        self.compressor = compressor
-        self.topk_ratio = float(topk_ratio)
-        self.error_feedback = bool(error_feedback)
-        self.granularity = granularity
+        uplink = Uplink(codec=compressor, topk_ratio=topk_ratio, error_feedback=error_feedback, granularity=granularity)
+        super().__init__(uplink=uplink, **kwargs)
 
-    def extra_summary(self) -> dict[str, Any]:
-        summary = super().extra_summary()
-        summary["uplink"] = (
-            f"{self.compressor} (top-k ratio {self.topk_ratio:g}) granularity={self.granularity} "
-            f"error feedback={'on' if self.error_feedback else 'off'}"
-        )
-        return summary
+    @property
+    def compressor(self) -> str:
+        return self.uplink.codec
 
-    def train_config(self, server_round: int) -> dict[str, Any]:
-        return {
-            protocol.CFG_CODEC: self.compressor,
-            protocol.CFG_TOPK_RATIO: self.topk_ratio,
-            protocol.CFG_ERROR_FEEDBACK: self.error_feedback,
-            protocol.CFG_GRANULARITY: self.granularity,
-        }
+    @property
+    def topk_ratio(self) -> float:
+        return self.uplink.topk_ratio
+
+    @property
+    def error_feedback(self) -> bool:
+        return self.uplink.error_feedback
+
+    @property
+    def granularity(self) -> str:
+        return self.uplink.granularity
 
 
 @register("fedcams", "pollen.strategies.FedCAMS")

@@ -393,7 +393,7 @@ def test_constructor_rejects_bad_arguments(build, argument):
 def test_constructor_accepts_the_edges():
     FedAMS(fraction_train=1.0, fraction_evaluate=0.0, option=2, eps=0.0)
     FedCAMS(compressor="topk", topk_ratio=1.0, granularity="tensor", error_feedback=False)
-    assert FedCAMS(compressor="none").train_config(1)[protocol.CFG_CODEC] == "none"
+    assert FedCAMS(compressor="none").round_config(1)[protocol.CFG_CODEC] == "none"
 
 
 # --------------------------------------------------------------------------- Flower's own baselines
