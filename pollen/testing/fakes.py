@@ -69,6 +69,11 @@ class FakeGrid(Grid):
         and the strategy falls back to ``node-<id>``.
     cluster_ids : mapping node -> str, optional
         The cluster id each node reports with its client id (HA-Fed).
+    keep_history : bool (default: True)
+        Keep every message sent and received in ``sent`` / ``calls`` / ``replies`` (what tests inspect).
+        ``False`` behaves like a real ServerApp: nothing outlives the round that used it, so a benchmark
+        does not page-fault every round on fresh memory (a grid that keeps every message made Flower's
+        FedAdam look twice as slow: 907 vs 428 ms on the same replies).
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class FakeGrid(Grid):
         *,
         client_ids: Mapping[int, str] | None = None,
         cluster_ids: Mapping[int, str] | None = None,
+        keep_history: bool = True,
     ) -> None:
         self.node_ids = list(node_ids)
         self.client_fn = client_fn
@@ -87,6 +93,7 @@ class FakeGrid(Grid):
         self.calls: list[list[Message]] = []  # one list per send_and_receive call
         self.replies: list[Message] = []  # every reply handed back, in order
         self.timeouts: list[float | None] = []
+        self.keep_history = keep_history
 
     # -- what the strategies use
     def get_node_ids(self) -> Iterable[int]:
@@ -94,19 +101,22 @@ class FakeGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         messages = list(messages)
-        self.calls.append(messages)
-        self.timeouts.append(timeout)
+        if self.keep_history:
+            self.calls.append(messages)
+            self.timeouts.append(timeout)
         replies = []
         for msg in messages:
             self._stamp(msg)
-            self.sent.append(msg)
+            if self.keep_history:
+                self.sent.append(msg)
             if msg.metadata.message_type == protocol.QUERY_IDENTIFY:
                 reply = self._identify(msg)
             else:
                 reply = self.client_fn(msg)
             if reply is not None:
                 replies.append(reply)
-        self.replies.extend(replies)
+        if self.keep_history:
+            self.replies.extend(replies)
         return replies
 
     # -- the rest of Flower's Grid interface, minimal
