@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pollen.optim.lamb import segments_from_sizes
+from pollen.optim.transforms import segments_from_sizes
 
 # PyTorch names the non-trainable state of normalisation layers with these suffixes.
 BUFFER_NAME_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")

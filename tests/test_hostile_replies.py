@@ -261,8 +261,8 @@ def test_transactional_step_rolls_back_a_failing_optimiser(monkeypatch):
     before = state_arrays(strategy)
     real = strategy.optimizer.update
 
-    def half_then_fail(state, delta, params):  # noqa: ANN001, ANN202
-        real(state, delta, params)  # moments already overwritten in place...
+    def half_then_fail(state, delta, params, *, into=None, out=None):  # noqa: ANN001, ANN202
+        real(state, delta, params, into=into, out=out)  # the spare state and the step vector written...
         raise RuntimeError("device lost")  # ...then the step fails
 
     monkeypatch.setattr(strategy.optimizer, "update", half_then_fail)

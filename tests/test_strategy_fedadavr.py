@@ -68,7 +68,7 @@ def test_round_one_is_fedavg_aggregate_then_adam_step():
     sampled = [ids[r.metadata.src_node_id] for r in replies]
     mean_delta = np.mean([delta_of(k, 1, 19) for k in sampled], axis=0).astype(np.float32)
     opt = make_server_optimizer("adam", eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True)
-    _, step = opt.update(opt.init(19), mean_delta)
+    step, _ = opt.update(opt.init(19), mean_delta)
     want = flat_trainable(x0) + step
     np.testing.assert_allclose(flat_trainable(named_arrays(arrays)), want, rtol=1e-5, atol=1e-7)
     for key in sampled:  # rows hold update / eta_c after the step
@@ -189,7 +189,7 @@ def test_streamed_rounds_equal_a_plain_transcription_of_the_boxed_estimator(prec
         population = len(NODES)  # every node identified itself in round 1
         r_vec = sum(table.values(), np.zeros(19)) / population
         r_vec = r_vec + np.mean([ys[k].astype(np.float64) - table.get(k, 0.0) for k in replied], axis=0)
-        opt_state, step = opt.update(opt_state, (CLIENT_LR * r_vec).astype(np.float32))
+        step, opt_state = opt.update(opt_state, (CLIENT_LR * r_vec).astype(np.float32))
         x = x + step
         for k in replied:
             table[k] = _stored(ys[k], s, precision)

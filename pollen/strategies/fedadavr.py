@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from pollen.layout import ModelLayout
-from pollen.optim import ServerOptimizer, make_server_optimizer
+from pollen.optim import Transform, make_server_optimizer
 from pollen.schedule import schedule_factor
 from pollen.strategies.base import AdaptiveStrategy, ClientUpdate, ScreenedSink
 from pollen.strategies.registry import register, sampling_kwargs, screening_kwargs
@@ -136,7 +136,7 @@ class FedAdaVR(AdaptiveStrategy):
                 kwargs["layerwise"] = False
         return kwargs
 
-    def build_optimizer(self, layout: ModelLayout) -> ServerOptimizer:
+    def build_optimizer(self, layout: ModelLayout) -> Transform:
         return make_server_optimizer(self.optimizer_name, **self._optimizer_kwargs(layout))
 
     def on_layout(self, layout: ModelLayout) -> None:

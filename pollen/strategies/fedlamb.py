@@ -13,7 +13,7 @@ denominator is a *global* second moment ``v_hat`` that the server keeps and broa
   from its LAMB variant in exactly that one component (§4.5);
 - ``fed-sgd``: plain local SGD (no momentum), ``x <- mean_i x_i`` (§4.5 a);
 - ``adp-fed``: plain local SGD and the server Adam of Algorithm 2 on ``mean_i (x_i - x)``
-  (:class:`~pollen.optim.adpfed.AdpFedAdam`: ``v_0 = eps``, no bias correction; §4.5 d).
+  (:func:`~pollen.optim.adpfed_adam`: ``v_0 = eps``, no bias correction; §4.5 d).
 
 ``v_hat`` starts at ``eps`` and only grows; it is sent to a client only when that client does not hold
 the current version (a per-client downlink), and a client that lost it (a failed reply) gets it again.
@@ -33,7 +33,7 @@ import numpy as np
 from flwr.app import RecordDict
 
 from pollen import protocol
-from pollen.optim import SGD, AdpFedAdam
+from pollen.optim import adpfed_adam, sgd
 from pollen.protocol import (
     ADAPTIVE_LOCAL_STEP as LOCAL_STEP,
 )
@@ -143,9 +143,9 @@ class FedLAMB(AdaptiveStrategy):
         kwargs.setdefault("identify_clients", True)
         chosen = VARIANTS[variant]
         if chosen.server_adam:
-            optimizer = AdpFedAdam(eta=server_lr, beta1=beta_1, beta2=beta_2, v0=eps)
+            optimizer = adpfed_adam(eta=server_lr, beta1=beta_1, beta2=beta_2, v0=eps)
         else:
-            optimizer = SGD(eta=1.0)
+            optimizer = sgd(eta=1.0)
         super().__init__(optimizer=optimizer, **kwargs)
         self.variant = chosen
         self.streaming = chosen.stat is None  # no extras to keep: replies are summed as they are read
