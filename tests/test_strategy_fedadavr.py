@@ -147,6 +147,30 @@ def test_memory_mapped_table_on_disk(tmp_path):
     assert s.table.known_clients == 3
 
 
+@pytest.mark.parametrize("name", ["adagrad", "adam", "adabelief", "yogi", "lamb", "sgd"])
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_server_optimizer_gets_the_settings_of_appendix_b(name, layerwise):
+    """Built by name only (no branch per optimiser), each gets what the paper's Appendix B gives it:
+    eta and eps; beta1, beta2 and bias correction for the Adam family; LAMB the model's segments."""
+    from pollen.layout import ModelLayout
+    from pollen.optim import BY_NAME
+
+    s = FedAdaVR(server_optimizer=name, server_lr=0.02, beta_1=0.8, beta_2=0.95, eps=1e-6, lamb_layerwise=layerwise)
+    layout = ModelLayout.from_arrays(tiny_model(0), None)
+    want = {"eta": 0.02}
+    if name != "sgd":
+        want["eps"] = 1e-6
+    if name not in ("sgd", "adagrad"):
+        want.update(beta1=0.8, beta2=0.95, bias_correction=True)
+    if name == "lamb":
+        want.update(segments=layout.segments, layerwise=layerwise)
+    built = s.build_optimizer(layout)
+    assert built.name == name
+    assert built.hyperparameters() == BY_NAME[name](**want).hyperparameters()
+    if name == "adagrad":
+        assert built.hyperparameters()["beta1"] == 0.0  # FedAdaVR's Alg. 3: no first moment
+
+
 @pytest.mark.parametrize(
     "kwargs, word",
     [

@@ -19,13 +19,14 @@ SuperNode reconnects; clients that cannot say fall back to ``node-<id>``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from pollen.layout import ModelLayout
-from pollen.optim import Transform, make_server_optimizer
+from pollen.optim import BY_NAME, Transform, make_server_optimizer
 from pollen.schedule import schedule_factor
 from pollen.strategies.base import AdaptiveStrategy, ClientUpdate, ScreenedSink
 from pollen.strategies.registry import register, sampling_kwargs, screening_kwargs
@@ -51,7 +52,8 @@ class FedAdaVR(AdaptiveStrategy):
         ``mifa``, ``novr``, ``noopt``. It sets the defaults below; explicit
         arguments win.
     server_optimizer : str | None
-        ``adagrad | adam | adabelief | yogi | lamb | sgd`` (paper's Appendix B).
+        ``adagrad | adam | adabelief | yogi | lamb | sgd`` (paper's Appendix B), built by
+        :func:`pollen.optim.make_server_optimizer` with the settings below that it takes.
     server_lr : float | None
         Server learning rate eta_s; ``None`` takes the variant's (``fedadavr`` 0.01 with Adam,
         ``mifa`` / ``fedvarp`` 1.0 with plain SGD): the papers' values, which also drop in
@@ -62,7 +64,9 @@ class FedAdaVR(AdaptiveStrategy):
         The clients' schedule (run-config ``lr-schedule``): round ``r`` uses
         ``client_lr * client_lr_factor(r)``, so the table stays in gradient units when it decays.
     beta_1, beta_2, eps : float
-        Optimiser settings (paper: 0.9, 0.999, 1e-8, eps outside the sqrt).
+        Optimiser settings (paper: 0.9, 0.999, 1e-8, eps outside the sqrt). ``beta_1`` and ``beta_2``
+        (with bias correction, Appendix B) go to the optimisers with a second-moment decay ``beta2``
+        (Adam, Yogi, AdaBelief, LAMB); Adagrad (Alg. 3) takes ``eps`` only, SGD neither.
     vr_weighting : str | None
         ``sampled-normalised`` (default), ``horvitz-thompson``, ``literal`` or ``none``.
     table_precision : str | None
@@ -120,21 +124,25 @@ class FedAdaVR(AdaptiveStrategy):
         self.journal: TableJournal | None = None
         self.table_generation = 0
         self._round: VRRound | None = None
-        # Build once now so bad optimiser settings fail at construction, not in round 1.
+        # Build once now so bad optimiser settings fail at construction, not in round 1 (a transform
+        # holds no state; the one used is built with the model's layout, for LAMB's per-tensor norms).
         make_server_optimizer(self.optimizer_name, **self._optimizer_kwargs(None))
 
     def _optimizer_kwargs(self, layout: ModelLayout | None) -> dict[str, Any]:
-        if self.optimizer_name == "sgd":
-            return {"eta": self.server_lr}
-        kwargs: dict[str, Any] = {"eta": self.server_lr, "eps": self.eps}
-        if self.optimizer_name != "adagrad":
-            kwargs.update(beta1=self.beta_1, beta2=self.beta_2, bias_correction=True)
-        if self.optimizer_name == "lamb":
-            kwargs["layerwise"] = self.lamb_layerwise
-            kwargs["segments"] = layout.segments if layout is not None else None
-            if layout is None:
-                kwargs["layerwise"] = False
-        return kwargs
+        """This strategy's settings that the chosen optimiser has a parameter for (read off its alias):
+        ``eta`` and ``eps``; ``beta1``, ``beta2`` and Appendix B's bias correction where it has a
+        second-moment decay ``beta2``; LAMB's per-tensor ``segments`` (whole-model norms until the
+        layout is known)."""
+        accepted = inspect.signature(BY_NAME[self.optimizer_name]).parameters
+        settings: dict[str, Any] = {"eta": self.server_lr, "eps": self.eps}
+        if "beta2" in accepted:
+            settings.update(beta1=self.beta_1, beta2=self.beta_2, bias_correction=True)
+        if "segments" in accepted:
+            settings.update(
+                segments=layout.segments if layout is not None else None,
+                layerwise=self.lamb_layerwise and layout is not None,
+            )
+        return {key: value for key, value in settings.items() if key in accepted}
 
     def build_optimizer(self, layout: ModelLayout) -> Transform:
         return make_server_optimizer(self.optimizer_name, **self._optimizer_kwargs(layout))
