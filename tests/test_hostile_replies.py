@@ -107,8 +107,8 @@ STRATEGIES = {
     "fednlaca": lambda: FedLazy(up_rule="nla", up_tau=1.2, compressor="topk", topk_ratio=0.25, eta=0.3, fraction_evaluate=0.0),
     "fedbaca": lambda: FedLazy(up_rule="aa", up_tau=1.2, compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="aa",
                                down_tau=1.0, eta=0.3, fraction_evaluate=0.0),
-    "fedadavr-int4": lambda: FedAdaVR(table_precision="int4", server_lr=0.05, fraction_evaluate=0.0),
-    "fedadavr-fp32": lambda: FedAdaVR(server_lr=0.05, fraction_evaluate=0.0),
+    "fedadavr-int4": lambda: FedAdaVR(table_precision="int4", eta=0.05, fraction_evaluate=0.0),
+    "fedadavr-fp32": lambda: FedAdaVR(eta=0.05, fraction_evaluate=0.0),
     "flower-fedavg": lambda: MeteredFedAvg(fraction_evaluate=0.0, min_available_nodes=2),
     "flower-fedadam": lambda: MeteredFedAdam(fraction_evaluate=0.0, min_available_nodes=2),
 }
@@ -280,7 +280,7 @@ def test_transactional_step_rolls_back_a_failing_optimiser(monkeypatch):
 def test_two_nodes_claiming_one_client_id_are_kept_apart():
     ids = dict(IDS)
     ids[NODES[1]] = ids[NODES[0]]  # a second SuperNode with the same client-id
-    strategy = FedAdaVR(server_lr=0.05, fraction_evaluate=0.0)
+    strategy = FedAdaVR(eta=0.05, fraction_evaluate=0.0)
     strategy.start(grid=FakeGrid(NODES, lambda m: honest_reply(m, {}), client_ids=ids), initial_arrays=model_record(tiny_model(2)), num_rounds=1)
     assert strategy.node_keys[NODES[0]] == IDS[NODES[0]]
     assert strategy.node_keys[NODES[1]] == f"node-{NODES[1]}"

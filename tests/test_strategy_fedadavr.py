@@ -52,7 +52,7 @@ def make_client(ids: dict[int, str], drop: set[int] = frozenset(), rnd_of=lambda
 
 
 def strategy(**kwargs) -> FedAdaVR:  # noqa: ANN003
-    options = dict(variant="fedadavr", server_optimizer="adam", server_lr=0.01, client_lr=CLIENT_LR,
+    options = dict(variant="fedadavr", server_optimizer="adam", eta=0.01, client_lr=CLIENT_LR,
                    fraction_train=0.5, fraction_evaluate=0.0, min_train_nodes=3, seed=3)
     options.update(kwargs)
     return FedAdaVR(**options)
@@ -155,7 +155,7 @@ def test_server_optimizer_gets_the_settings_of_appendix_b(name, layerwise):
     from pollen.layout import ModelLayout
     from pollen.optim import BY_NAME
 
-    s = FedAdaVR(server_optimizer=name, server_lr=0.02, beta_1=0.8, beta_2=0.95, eps=1e-6, lamb_layerwise=layerwise)
+    s = FedAdaVR(server_optimizer=name, eta=0.02, beta_1=0.8, beta_2=0.95, eps=1e-6, lamb_layerwise=layerwise)
     layout = ModelLayout.from_arrays(tiny_model(0), None)
     want = {"eta": 0.02}
     if name != "sgd":

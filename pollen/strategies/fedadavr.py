@@ -54,8 +54,8 @@ class FedAdaVR(AdaptiveStrategy):
     server_optimizer : str | None
         ``adagrad | adam | adabelief | yogi | lamb | sgd`` (paper's Appendix B), built by
         :func:`pollen.optim.make_server_optimizer` with the settings below that it takes.
-    server_lr : float | None
-        Server learning rate eta_s; ``None`` takes the variant's (``fedadavr`` 0.01 with Adam,
+    eta : float | None
+        Server learning rate eta_s (run-config ``server-lr``); ``None`` takes the variant's (``fedadavr`` 0.01 with Adam,
         ``mifa`` / ``fedvarp`` 1.0 with plain SGD): the papers' values, which also drop in
         (measured in tests/test_dropin_defaults.py).
     client_lr : float (default: 0.01)
@@ -87,7 +87,7 @@ class FedAdaVR(AdaptiveStrategy):
         *,
         variant: str = "fedadavr",
         server_optimizer: str | None = None,
-        server_lr: float | None = None,
+        eta: float | None = None,
         client_lr: float = 0.01,
         beta_1: float = 0.9,
         beta_2: float = 0.999,
@@ -107,7 +107,7 @@ class FedAdaVR(AdaptiveStrategy):
         self.optimizer_name = server_optimizer or spec.optimizer
         if self.optimizer_name not in OPTIMIZERS:
             raise ValueError(f"server_optimizer={self.optimizer_name!r} is unknown; allowed: {', '.join(OPTIMIZERS)}")
-        self.server_lr = float(server_lr if server_lr is not None else spec.server_lr)
+        self.eta = float(eta if eta is not None else spec.server_lr)
         if not client_lr > 0:
             raise ValueError(f"client_lr={client_lr!r} is out of range; allowed: a number > 0")
         self.client_lr = float(client_lr)
@@ -134,7 +134,7 @@ class FedAdaVR(AdaptiveStrategy):
         second-moment decay ``beta2``; LAMB's per-tensor ``segments`` (whole-model norms until the
         layout is known)."""
         accepted = inspect.signature(BY_NAME[self.optimizer_name]).parameters
-        settings: dict[str, Any] = {"eta": self.server_lr, "eps": self.eps}
+        settings: dict[str, Any] = {"eta": self.eta, "eps": self.eps}
         if "beta2" in accepted:
             settings.update(beta1=self.beta_1, beta2=self.beta_2, bias_correction=True)
         if "segments" in accepted:
@@ -159,7 +159,7 @@ class FedAdaVR(AdaptiveStrategy):
         return {
             "variant": f"{self.variant.name} (weighting {self.vr_weighting}, "
             f"{'equal' if self.variant.equal_weights else 'example'} weights)",
-            "server optimiser": f"{self.optimizer_name} eta_s={self.server_lr:g} eta_c={self.client_lr:g}",
+            "server optimiser": f"{self.optimizer_name} eta_s={self.eta:g} eta_c={self.client_lr:g}",
             "table": f"{self.table_precision} in {'RAM' if self.table_path is None else self.table_path}"
             if self.variant.uses_table
             else "none",
@@ -266,7 +266,7 @@ def _fedadavr_builder(variant: str):  # noqa: ANN202
             **sampling_kwargs(cfg),
             variant=variant,
             server_optimizer=cfg["server-optimizer"] if adaptive else None,
-            server_lr=cfg["server-lr"],
+            eta=cfg["server-lr"],
             client_lr=cfg["local-lr"],
             client_lr_factor=lambda server_round: schedule_factor(cfg, server_round),
             beta_1=cfg["beta1"],

@@ -97,8 +97,9 @@ class FedLAMB(AdaptiveStrategy):
         in [0, 1).
     eps : float (default: 1e-8)
         ``v_hat``'s initial value and floor, > 0 (Adp-Fed: the server's ``v_0``).
-    server_lr : float (default: 0.003)
-        Adp-Fed's server learning rate eta_g (> 0); the other variants average models (rate 1).
+    eta : float (default: 0.003)
+        Adp-Fed's server learning rate eta_g (> 0; run-config ``server-lr``); the other variants
+        average models (rate 1).
         Default 0.003 (chosen for drop-in use, measured in tests/test_dropin_defaults.py); the
         paper tunes eta_g in {0.001, 0.01} (its grid: 1e-4 to 0.1).
     weight_decay : float (default: 0.0)
@@ -124,7 +125,7 @@ class FedLAMB(AdaptiveStrategy):
         weight_decay: float = 0.0,
         sync_every: int = 1,
         sync_phase: str = "first",
-        server_lr: float = 0.003,
+        eta: float = 0.003,
         **kwargs: Any,
     ) -> None:
         if variant not in VARIANTS:
@@ -143,7 +144,7 @@ class FedLAMB(AdaptiveStrategy):
         kwargs.setdefault("identify_clients", True)
         chosen = VARIANTS[variant]
         if chosen.server_adam:
-            optimizer = adpfed_adam(eta=server_lr, beta1=beta_1, beta2=beta_2, v0=eps)
+            optimizer = adpfed_adam(eta=eta, beta1=beta_1, beta2=beta_2, v0=eps)
         else:
             optimizer = sgd(eta=1.0)
         super().__init__(optimizer=optimizer, **kwargs)
@@ -274,7 +275,7 @@ def _fedlamb_builder(variant: str):  # noqa: ANN202
             weight_decay=cfg["weight-decay"],
             sync_every=cfg["sync-every"],
             sync_phase=cfg["sync-phase"],
-            server_lr=cfg["server-lr"],
+            eta=cfg["server-lr"],
         )
 
     return build
