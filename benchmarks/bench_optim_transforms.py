@@ -90,7 +90,9 @@ def numpy_adam(d: int, eta: float = 0.1, b1: float = 0.9, b2: float = 0.99, eps:
     return step
 
 
-def numpy_lamb(d: int, segments, eta: float = 0.01, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8):  # noqa: ANN001, ANN201
+def numpy_lamb(  # noqa: ANN201
+    d: int, segments, eta: float = 0.01, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8  # noqa: ANN001
+):
     s = {"m": np.zeros(d, F32), "v": np.zeros(d, F32), "t": 0}
 
     def step(delta: np.ndarray, params: np.ndarray) -> np.ndarray:
@@ -129,7 +131,10 @@ def main() -> None:
     print(line.format("np.copyto of one d-vector (yardstick)", t_copy * 1e3, 1.0))
 
     cases = {
-        "amsgrad (eps_mode=max)": (make_server_optimizer("amsgrad", eta=1.0, eps=1e-3, eps_mode="max"), numpy_amsgrad(d)),
+        "amsgrad (eps_mode=max)": (
+            make_server_optimizer("amsgrad", eta=1.0, eps=1e-3, eps_mode="max"),
+            numpy_amsgrad(d),
+        ),
         "adam": (make_server_optimizer("adam", eta=0.1, eps=1e-3), numpy_adam(d)),
         "lamb (62 segments)": (
             make_server_optimizer("lamb", eta=0.01, segments=segments, eps=1e-8, beta2=0.999, bias_correction=True),

@@ -107,7 +107,8 @@ def _old_adabelief(s, d, p, t, eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_
     return _old_adaptive_step(s["m"], s["z"], eta=eta, eps=eps, t=t, b1=beta1, b2=beta2, bc=bias_correction)
 
 
-def _old_lamb(s, d, p, t, eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True, segments=None, layerwise=True):
+def _old_lamb(s, d, p, t, eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True, segments=None,
+              layerwise=True):
     _old_moments(s, d, beta1, beta2)
     r_hat = _old_adaptive_step(s["m"], s["v"], eta=1.0, eps=eps, t=t, b1=beta1, b2=beta2, bc=bias_correction)
     for start, stop in segments if layerwise else ((0, d.shape[0]),):

@@ -103,7 +103,10 @@ def adabelief(
     inner_eps: bool = False,
 ) -> Chain:
     """AdaBelief as FedAdaVR App. B, Alg. 5 (``inner_eps=True``: the original's ``+ eps`` inside ``z``)."""
-    return chain(scale_by_belief(beta1=beta1, beta2=beta2, eps=eps, bias_correction=bias_correction, inner_eps=inner_eps), scale(eta))
+    return chain(
+        scale_by_belief(beta1=beta1, beta2=beta2, eps=eps, bias_correction=bias_correction, inner_eps=inner_eps),
+        scale(eta),
+    )
 
 
 @_alias
@@ -118,7 +121,11 @@ def lamb(
     layerwise: bool = True,
 ) -> Chain:
     """LAMB as FedAdaVR App. B, Alg. 7: Adam's direction (rate 1), the per-tensor trust ratio, then ``eta``."""
-    return chain(scale_by_adam(beta1=beta1, beta2=beta2, eps=eps, bias_correction=bias_correction), scale_by_trust_ratio(segments=segments, layerwise=layerwise), scale(eta))
+    return chain(
+        scale_by_adam(beta1=beta1, beta2=beta2, eps=eps, bias_correction=bias_correction),
+        scale_by_trust_ratio(segments=segments, layerwise=layerwise),
+        scale(eta),
+    )
 
 
 @_alias
@@ -133,14 +140,20 @@ def amsgrad(
     max_stabilisation: bool = True,
 ) -> Chain:
     """FedAMS (``eps_mode="max"``, Option 1), FedAMSGrad (``"add"``, Option 2), HA-Fed's (``"inside"``)."""
-    return chain(scale_by_amsgrad(beta1=beta1, beta2=beta2, eps=eps, eps_mode=eps_mode, bias_correction=bias_correction, max_stabilisation=max_stabilisation), scale(eta))
+    return chain(
+        scale_by_amsgrad(
+            beta1=beta1, beta2=beta2, eps=eps, eps_mode=eps_mode,
+            bias_correction=bias_correction, max_stabilisation=max_stabilisation,
+        ),
+        scale(eta),
+    )
 
 
 @_alias
 def adpfed_adam(
     *, eta: float = 0.01, beta1: float = 0.9, beta2: float = 0.999, v0: float = 1e-8, floor: float = 1e-16
 ) -> Chain:
-    """Adp-Fed's server Adam (Fed-LAMB paper, Alg. 2): ``v_0 = v0``, no bias correction, nothing added to ``sqrt(v)``."""
+    """Adp-Fed's server Adam (Fed-LAMB paper, Alg. 2): ``v_0 = v0``, no bias correction, no ``eps`` in the step."""
     return chain(scale_by_adpfed(beta1=beta1, beta2=beta2, v0=v0, floor=floor), scale(eta))
 
 

@@ -249,7 +249,9 @@ class Transform(abc.ABC):
         the block size.
         """
         if not isinstance(state, OptState):
-            raise ValueError(f"{self.name}: state is a {type(state).__name__}; allowed: an OptState from init() or update()")
+            raise ValueError(
+                f"{self.name}: state is a {type(state).__name__}; allowed: an OptState from init() or update()"
+            )
         self.check_state(state)
         delta = self._as_vector("delta", delta, state.dim)
         n = delta.shape[0]
@@ -410,8 +412,6 @@ class Transform(abc.ABC):
         if into is state:
             raise ValueError(f"{self.name}: into is the state itself; allowed: a spare state (see spare_like)")
         self.check_state(into, n)
-        if into.dim is None and self.slot_names:
-            raise ValueError(f"{self.name}: into has no slots")
         slots: dict[str, np.ndarray] = {}
         for k in self.slot_names:
             a = into.slots[k]

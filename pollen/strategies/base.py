@@ -593,7 +593,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         scratch = self._scratch_vector() if self.layout is not None else None
         if scratch is delta:
             scratch = None
-        step, new_state = self.optimizer.update(self.opt_state, delta, self.params, into=self._spare_state, out=scratch)
+        step, new_state = self.optimizer.update(
+            self.opt_state, delta, self.params, into=self._spare_state, out=scratch
+        )
         new_params = self._spare_params
         if new_params is None or new_params.shape != self.params.shape or new_params is self.params:
             new_params = np.empty_like(self.params)

@@ -55,8 +55,8 @@ class FedAdaVR(AdaptiveStrategy):
         ``adagrad | adam | adabelief | yogi | lamb | sgd`` (paper's Appendix B), built by
         :func:`pollen.optim.make_server_optimizer` with the settings below that it takes.
     eta : float | None
-        Server learning rate eta_s (run-config ``server-lr``); ``None`` takes the variant's (``fedadavr`` 0.01 with Adam,
-        ``mifa`` / ``fedvarp`` 1.0 with plain SGD): the papers' values, which also drop in
+        Server learning rate eta_s (run-config ``server-lr``); ``None`` takes the variant's
+        (``fedadavr`` 0.01 with Adam, ``mifa`` / ``fedvarp`` 1.0 with plain SGD): the papers' values, which also drop in
         (measured in tests/test_dropin_defaults.py).
     client_lr : float (default: 0.01)
         The clients' learning rate eta_c; the table stores ``update / eta_c``.
