@@ -74,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     makes = {
         "FedAMS": lambda f: FedAMS(eta=0.1, fraction_train=f, fraction_evaluate=0.0, min_train_nodes=M, identify_clients=True),
-        "FedAdaVR int4": lambda f: FedAdaVR(table_precision="int4", server_lr=0.01, fraction_train=f, fraction_evaluate=0.0, min_train_nodes=M),
+        "FedAdaVR int4": lambda f: FedAdaVR(table_precision="int4", eta=0.01, fraction_train=f, fraction_evaluate=0.0, min_train_nodes=M),
     }
     print(f"{'strategy':<14} {'N':>6} {'s/round':>8} {'RSS r10 MB':>11} {'RSS end MB':>11} {'table MB':>9}")
     for name, make in makes.items():

@@ -132,8 +132,8 @@ def main() -> None:
         ("pollen FedAMS, dense", lambda: FedAMS(eta=0.1, **common), dense),
         ("pollen FedCAMS, sign", lambda: FedCAMS(compressor="sign", eta=0.1, **common), ReplyBank(arrays, nodes, "sign")),
         ("pollen FedCAMS, top-k 1/64", lambda: FedCAMS(compressor="topk", eta=0.1, **common), ReplyBank(arrays, nodes, "topk")),
-        ("pollen FedAdaVR, int4 table", lambda: FedAdaVR(table_precision="int4", server_lr=0.01, **common), dense),
-        ("pollen FedAdaVR, fp32 table", lambda: FedAdaVR(table_precision="fp32", server_lr=0.01, **common), dense),
+        ("pollen FedAdaVR, int4 table", lambda: FedAdaVR(table_precision="int4", eta=0.01, **common), dense),
+        ("pollen FedAdaVR, fp32 table", lambda: FedAdaVR(table_precision="fp32", eta=0.01, **common), dense),
     ]
     yardstick = copyto_seconds(dim)
     print(f"d = {dim:,}, {len(nodes)} replies per round; one np.copyto of a d-vector: {1e3 * yardstick:.1f} ms")
@@ -151,8 +151,8 @@ def main() -> None:
         for name, make in (
             ("Flower FedAdam", lambda: FedAdam(**settings)),
             ("pollen FedAMS", lambda: FedAMS(eta=0.1, **settings)),
-            ("pollen FedAdaVR int4", lambda: FedAdaVR(table_precision="int4", server_lr=0.01, **settings)),
-            ("pollen FedAdaVR fp32", lambda: FedAdaVR(table_precision="fp32", server_lr=0.01, **settings)),
+            ("pollen FedAdaVR int4", lambda: FedAdaVR(table_precision="int4", eta=0.01, **settings)),
+            ("pollen FedAdaVR fp32", lambda: FedAdaVR(table_precision="fp32", eta=0.01, **settings)),
         ):
             strategy = make()
             vectors = peak_vectors(strategy, arrays, bank, member_nodes, dim)

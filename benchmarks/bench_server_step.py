@@ -5,7 +5,8 @@ Times, as the median of a few repeats:
   (b) the amsgrad update alone,
   (c) every other server optimiser's update alone,
 each divided by the time of one ``np.copyto`` of a d-vector (a memory-bandwidth yardstick)
-timed right before it (the printed ratio is the median of those paired ratios).
+timed right before it (the printed ratio is the median of those paired ratios). Updates run as a
+strategy runs them: the step into a reused vector, the new state into the spare state (double-buffered).
 
 Run: ``python benchmarks/bench_server_step.py [--repeats 7]``; takes well under a minute.
 """
@@ -49,6 +50,19 @@ def paired(fn, yardstick, repeats: int) -> tuple[float, float]:
         times.append(t)
         ratios.append(t / t_ref)
     return statistics.median(times), statistics.median(ratios)
+
+
+def stepper(opt, delta_of, params: np.ndarray | None = None):  # noqa: ANN001, ANN201
+    """One server step per call, as ``AdaptiveStrategy.apply_server_step`` takes it: the step into one
+    reused vector, the new state into the spare state (the one discarded a call before)."""
+    held = {"state": opt.init(D), "spare": None}
+    out = np.empty(D, dtype=np.float32)
+
+    def run() -> None:
+        _, new = opt.update(held["state"], delta_of(), params, into=held["spare"], out=out)
+        held["spare"], held["state"] = held["state"], new
+
+    return run
 
 
 def mean_into(acc: np.ndarray, replies: list[np.ndarray], block: int | None = None) -> np.ndarray:
@@ -96,13 +110,12 @@ def main() -> None:
     print(line.format(f"mean of {N_REPLIES} replies (blocked, {block} elements)", t_mean * 1e3, r_mean))
 
     opt = make_server_optimizer("amsgrad", eta=1.0, eps=1e-3, eps_mode="max")
-    state = opt.init(D)
     delta = mean_into(acc, replies).copy()
-    t_a, r_a = paired(lambda: opt.update(state, mean_into(acc, replies)), copy, args.repeats)
+    t_a, r_a = paired(stepper(opt, lambda: mean_into(acc, replies)), copy, args.repeats)
     print(line.format(f"(a) mean of {N_REPLIES} replies + amsgrad update", t_a * 1e3, r_a))
-    t_a, r_a = paired(lambda: opt.update(state, mean_into(acc, replies, block)), copy, args.repeats)
+    t_a, r_a = paired(stepper(opt, lambda: mean_into(acc, replies, block)), copy, args.repeats)
     print(line.format("(a) same, blocked mean", t_a * 1e3, r_a))
-    t_b, r_b = paired(lambda: opt.update(state, delta), copy, args.repeats)
+    t_b, r_b = paired(stepper(opt, lambda: delta), copy, args.repeats)
     print(line.format("(b) amsgrad update alone (FedAMS, Option 1)", t_b * 1e3, r_b))
 
     segments = segments_from_sizes([D // 62] * 61 + [D - 61 * (D // 62)])  # ~ResNet-18's 62 tensors
@@ -117,8 +130,7 @@ def main() -> None:
     print("other optimisers, update alone:")
     for label, (name, kw) in configs.items():
         o = make_server_optimizer(name, **kw)
-        s = o.init(D)
-        t, r = paired(lambda: o.update(s, delta, params=params), copy, max(3, args.repeats // 2))
+        t, r = paired(stepper(o, lambda: delta, params), copy, max(3, args.repeats // 2))
         print(line.format(f"    {label}", t * 1e3, r))
 
 if __name__ == "__main__":

@@ -37,8 +37,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from pollen.core.layout import ModelLayout
-from pollen.optim import ServerOptimizer
-from pollen.optim.base import OptimizerState
+from pollen.optim import OptState, Transform
 from pollen.strategies.accounting import Accounting
 from pollen.strategies.collector import EVALUATE_PHASE, TRAIN_PHASE, ReplyCollector, reason_of
 from pollen.strategies.declared import PART, load_field, save_field
@@ -67,9 +66,10 @@ class AdaptiveStrategy(RoundLoop, Strategy):
 
     Parameters
     ----------
-    optimizer : ServerOptimizer | None
-        The server optimiser (``pollen.optim``) applied to the aggregated delta;
-        ``None`` when a subclass builds it from the model layout (``build_optimizer``).
+    optimizer : Transform | None
+        The server optimiser (``pollen.optim``, e.g. ``amsgrad(...)`` or ``make_server_optimizer(name, ...)``)
+        applied to the aggregated delta; ``None`` when a subclass builds it from the model layout
+        (``build_optimizer``).
     fraction_train : float (default: 1.0)
         Fraction of connected nodes sampled for training each round, in (0, 1].
     fraction_evaluate : float (default: 1.0)
@@ -110,8 +110,10 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         What clients upload (:class:`~pollen.strategies.uplink.Uplink`: codec, error feedback,
         granularity); ``None`` asks for nothing and takes full models (any Flower ClientApp).
     transactional : bool (default: True)
-        Keep a copy of the model and optimiser state during the server step and put it back if the
-        step fails or produces non-finite values (the round then counts as failed).
+        Put the model and optimiser state of before the server step back if the step fails or
+        produces non-finite values (the round then counts as failed). Nothing is copied for it: the
+        step writes the new model and optimiser state into spare arrays and swaps them in, so going
+        back is keeping the old references.
     """
 
     #: What this method expects in a training reply; subclasses declare their extras and flags.
@@ -126,7 +128,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def __init__(
         self,
         *,
-        optimizer: ServerOptimizer | None = None,
+        optimizer: Transform | None = None,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 1.0,
         min_train_nodes: int = 2,
@@ -176,7 +178,11 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         if uplink is not None and not isinstance(uplink, Uplink):
             raise ValueError(f"uplink={uplink!r} is not an Uplink; allowed: pollen.strategies.Uplink(...) or None")
         self.uplink = uplink
-        self.opt_state: OptimizerState | None = None
+        self.opt_state: OptState | None = None
+        # Double buffers of the server step: the model and optimiser state discarded last round, whose
+        # arrays the next step writes into (see apply_server_step).
+        self._spare_params: np.ndarray | None = None
+        self._spare_state: OptState | None = None
 
         self.model = GlobalModel(buffer_keys)
         self.sampler = ClientSampler(seed=seed, min_available_nodes=min_available_nodes, identify_clients=identify_clients)
@@ -184,7 +190,6 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         self.accounting = Accounting()
         self.replies = ReplyCollector(self.sampler, lambda: self.accounting)
         self.transport = Transport(self.replies, lambda: self.accounting, configrecord_key)
-        self._snapshot: dict[str, np.ndarray] = {}
         self._scratch: np.ndarray | None = None
         self._train_started: dict[int, float] = {}
 
@@ -253,7 +258,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         return {}
 
     # ------------------------------------------------------------------ hooks
-    def build_optimizer(self, layout: ModelLayout) -> ServerOptimizer:
+    def build_optimizer(self, layout: ModelLayout) -> Transform:
         """The server optimiser for this model (subclasses that need the layout override this)."""
         if self.optimizer is None:
             raise ValueError(f"{type(self).__name__} has no server optimiser")
@@ -312,6 +317,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         if self.model.adopt(arrays):
             self.optimizer = self.build_optimizer(self.layout)
             self.opt_state = self.optimizer.init(self.layout.dim)
+            self._spare_params, self._spare_state = None, None
             self.on_layout(self.layout)
             log(
                 INFO,
@@ -448,8 +454,14 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         return result
 
     def _server_step(self, server_round: int, updates: list[ClientUpdate], running: ScreenedSink | None) -> None:
-        """Aggregate, step, average buffers; all or nothing when ``transactional``."""
-        self._take_snapshot()
+        """Aggregate, step, average buffers; all or nothing when ``transactional``.
+
+        Nothing is copied to be able to go back: the step writes the new parameters and optimiser
+        state into spare arrays (``apply_server_step``) and buffer averaging replaces the arrays of a
+        new dict, so a failure only puts the references of before back.
+        """
+        before = (self.params, self.opt_state, self.buffers)
+        self.buffers = dict(self.buffers)
         try:
             delta = running.mean() if running is not None else self.aggregate_deltas(server_round, updates)
             self.apply_server_step(server_round, delta)
@@ -460,30 +472,17 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             if not all_finite(self.params):
                 raise FloatingPointError("the server step produced NaN or Inf parameters")
         except Exception:
-            self._restore_snapshot()
+            if self.transactional:
+                self._roll_back(*before)
             raise
 
-    def _take_snapshot(self) -> None:
-        """Copy params, buffers and optimiser slots into buffers kept across rounds (no new allocation)."""
-        if not self.transactional:
-            return
-        current = {"params": self.params, **{f"slot:{k}": v for k, v in self.opt_state.slots.items()}}
-        for name, value in current.items():
-            kept = self._snapshot.get(name)
-            if kept is None or kept.shape != value.shape:
-                kept = self._snapshot[name] = np.empty_like(value)
-            np.copyto(kept, value)
-        self._snapshot_step = self.opt_state.step
-        self._snapshot_buffers = {k: v.copy() for k, v in self.buffers.items()}
-
-    def _restore_snapshot(self) -> None:
-        if not self.transactional:
-            return
-        np.copyto(self.params, self._snapshot["params"])
-        for name, value in self.opt_state.slots.items():
-            np.copyto(value, self._snapshot[f"slot:{name}"])
-        self.opt_state.step = self._snapshot_step
-        self.buffers = self._snapshot_buffers
+    def _roll_back(self, params: np.ndarray, opt_state: OptState, buffers: dict[str, np.ndarray]) -> None:
+        """Go back to the model and optimiser state of before the step; the discarded ones become the spares."""
+        if self.params is not params:
+            self._spare_params = self.params
+        if self.opt_state is not opt_state:
+            self._spare_state = self.opt_state
+        self.params, self.opt_state, self.buffers = params, opt_state, buffers
 
     def _scratch_vector(self) -> np.ndarray:
         if self._scratch is None or self._scratch.shape != (self.layout.dim,):
@@ -491,12 +490,25 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         return self._scratch
 
     def apply_server_step(self, server_round: int, delta: np.ndarray) -> None:
-        """``x <- x + step`` with the optimiser's step for the aggregated delta."""
+        """``x <- x + step`` with the optimiser's step for the aggregated delta.
+
+        Double-buffered: the optimiser writes its new state into the spare state (the one discarded
+        a round ago) and the new model goes into the spare parameter vector; both are swapped in, and
+        what they replace becomes the spares. Neither the old model nor the old state is written, so
+        ``_server_step`` can go back to them; no ``d``-sized memory is allocated after round 1.
+        """
         scratch = self._scratch_vector() if self.layout is not None else None
         if scratch is delta:
             scratch = None
-        self.opt_state, step = self.optimizer.update(self.opt_state, delta, self.params, out=scratch)
-        self.params += step
+        step, new_state = self.optimizer.update(
+            self.opt_state, delta, self.params, into=self._spare_state, out=scratch
+        )
+        new_params = self._spare_params
+        if new_params is None or new_params.shape != self.params.shape or new_params is self.params:
+            new_params = np.empty_like(self.params)
+        np.add(self.params, step, out=new_params)
+        self._spare_state, self.opt_state = self.opt_state, new_state
+        self._spare_params, self.params = self.params, new_params
 
     def aggregate_weights(self, updates: list[ClientUpdate]) -> np.ndarray:
         """Weight of each update: ``1/M`` (papers) or ``n_i / sum n`` (``aggregation="weighted"``)."""
@@ -553,12 +565,15 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         self.accounting = Accounting.from_dict(state["accounting"])
         self.model.load_state_dict(state)
         if self.layout is not None:
-            opt_state = OptimizerState.from_dict(state["optimizer"])
+            opt_state = OptState.from_dict(state["optimizer"])
             for name, slot in opt_state.slots.items():
                 if slot.shape != (self.layout.dim,) or not all_finite(slot):
                     raise ValueError(f"state optimiser slot '{name}' is not {self.layout.dim} finite values")
-            self.optimizer = self.build_optimizer(self.layout)
+            optimizer = self.build_optimizer(self.layout)
+            optimizer.check_state(opt_state, self.layout.dim)
+            self.optimizer = optimizer
             self.opt_state = opt_state
+            self._spare_params, self._spare_state = None, None
         dim = self.layout.dim if self.layout is not None else None
         for name, kind in self.state_fields.items():
             if name not in state:

@@ -19,13 +19,14 @@ SuperNode reconnects; clients that cannot say fall back to ``node-<id>``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from pollen.core.layout import ModelLayout
-from pollen.optim import ServerOptimizer, make_server_optimizer
+from pollen.optim import BY_NAME, Transform, make_server_optimizer
 from pollen.optim.schedule import schedule_factor
 from pollen.strategies.base import AdaptiveStrategy, ClientUpdate, ScreenedSink
 from pollen.strategies.registry import register, sampling_kwargs, screening_kwargs
@@ -52,10 +53,11 @@ class FedAdaVR(AdaptiveStrategy):
         ``mifa``, ``novr``, ``noopt``. It sets the defaults below; explicit
         arguments win.
     server_optimizer : str | None
-        ``adagrad | adam | adabelief | yogi | lamb | sgd`` (paper's Appendix B).
-    server_lr : float | None
-        Server learning rate eta_s; ``None`` takes the variant's (``fedadavr`` 0.01 with Adam,
-        ``mifa`` / ``fedvarp`` 1.0 with plain SGD): the papers' values, which also drop in
+        ``adagrad | adam | adabelief | yogi | lamb | sgd`` (paper's Appendix B), built by
+        :func:`pollen.optim.make_server_optimizer` with the settings below that it takes.
+    eta : float | None
+        Server learning rate eta_s (run-config ``server-lr``); ``None`` takes the variant's
+        (``fedadavr`` 0.01 with Adam, ``mifa`` / ``fedvarp`` 1.0 with plain SGD): the papers' values, which also drop in
         (measured in tests/e2e/test_dropin_defaults.py).
     client_lr : float (default: 0.01)
         The clients' learning rate eta_c; the table stores ``update / eta_c``.
@@ -63,7 +65,9 @@ class FedAdaVR(AdaptiveStrategy):
         The clients' schedule (run-config ``lr-schedule``): round ``r`` uses
         ``client_lr * client_lr_factor(r)``, so the table stays in gradient units when it decays.
     beta_1, beta_2, eps : float
-        Optimiser settings (paper: 0.9, 0.999, 1e-8, eps outside the sqrt).
+        Optimiser settings (paper: 0.9, 0.999, 1e-8, eps outside the sqrt). ``beta_1`` and ``beta_2``
+        (with bias correction, Appendix B) go to the optimisers with a second-moment decay ``beta2``
+        (Adam, Yogi, AdaBelief, LAMB); Adagrad (Alg. 3) takes ``eps`` only, SGD neither.
     vr_weighting : str | None
         ``sampled-normalised`` (default), ``horvitz-thompson``, ``literal`` or ``none``.
     table_precision : str | None
@@ -86,7 +90,7 @@ class FedAdaVR(AdaptiveStrategy):
         *,
         variant: str = "fedadavr",
         server_optimizer: str | None = None,
-        server_lr: float | None = None,
+        eta: float | None = None,
         client_lr: float = 0.01,
         beta_1: float = 0.9,
         beta_2: float = 0.999,
@@ -106,7 +110,7 @@ class FedAdaVR(AdaptiveStrategy):
         self.optimizer_name = server_optimizer or spec.optimizer
         if self.optimizer_name not in OPTIMIZERS:
             raise ValueError(f"server_optimizer={self.optimizer_name!r} is unknown; allowed: {', '.join(OPTIMIZERS)}")
-        self.server_lr = float(server_lr if server_lr is not None else spec.server_lr)
+        self.eta = float(eta if eta is not None else spec.server_lr)
         if not client_lr > 0:
             raise ValueError(f"client_lr={client_lr!r} is out of range; allowed: a number > 0")
         self.client_lr = float(client_lr)
@@ -121,23 +125,27 @@ class FedAdaVR(AdaptiveStrategy):
         self.lamb_layerwise = lamb_layerwise
         self.store = StoredUpdates(self.table_precision, table_path) if spec.uses_table else None
         self._round: VRRound | None = None
-        # Build once now so bad optimiser settings fail at construction, not in round 1.
+        # Build once now so bad optimiser settings fail at construction, not in round 1 (a transform
+        # holds no state; the one used is built with the model's layout, for LAMB's per-tensor norms).
         make_server_optimizer(self.optimizer_name, **self._optimizer_kwargs(None))
 
     def _optimizer_kwargs(self, layout: ModelLayout | None) -> dict[str, Any]:
-        if self.optimizer_name == "sgd":
-            return {"eta": self.server_lr}
-        kwargs: dict[str, Any] = {"eta": self.server_lr, "eps": self.eps}
-        if self.optimizer_name != "adagrad":
-            kwargs.update(beta1=self.beta_1, beta2=self.beta_2, bias_correction=True)
-        if self.optimizer_name == "lamb":
-            kwargs["layerwise"] = self.lamb_layerwise
-            kwargs["segments"] = layout.segments if layout is not None else None
-            if layout is None:
-                kwargs["layerwise"] = False
-        return kwargs
+        """This strategy's settings that the chosen optimiser has a parameter for (read off its alias):
+        ``eta`` and ``eps``; ``beta1``, ``beta2`` and Appendix B's bias correction where it has a
+        second-moment decay ``beta2``; LAMB's per-tensor ``segments`` (whole-model norms until the
+        layout is known)."""
+        accepted = inspect.signature(BY_NAME[self.optimizer_name]).parameters
+        settings: dict[str, Any] = {"eta": self.eta, "eps": self.eps}
+        if "beta2" in accepted:
+            settings.update(beta1=self.beta_1, beta2=self.beta_2, bias_correction=True)
+        if "segments" in accepted:
+            settings.update(
+                segments=layout.segments if layout is not None else None,
+                layerwise=self.lamb_layerwise and layout is not None,
+            )
+        return {key: value for key, value in settings.items() if key in accepted}
 
-    def build_optimizer(self, layout: ModelLayout) -> ServerOptimizer:
+    def build_optimizer(self, layout: ModelLayout) -> Transform:
         return make_server_optimizer(self.optimizer_name, **self._optimizer_kwargs(layout))
 
     @property
@@ -153,7 +161,7 @@ class FedAdaVR(AdaptiveStrategy):
         return {
             "variant": f"{self.variant.name} (weighting {self.vr_weighting}, "
             f"{'equal' if self.variant.equal_weights else 'example'} weights)",
-            "server optimiser": f"{self.optimizer_name} eta_s={self.server_lr:g} eta_c={self.client_lr:g}",
+            "server optimiser": f"{self.optimizer_name} eta_s={self.eta:g} eta_c={self.client_lr:g}",
             "table": f"{self.table_precision} in {'RAM' if self.table_path is None else self.table_path}"
             if self.variant.uses_table
             else "none",
@@ -228,7 +236,7 @@ def _fedadavr_builder(variant: str):  # noqa: ANN202
             **sampling_kwargs(cfg),
             variant=variant,
             server_optimizer=cfg["server-optimizer"] if adaptive else None,
-            server_lr=cfg["server-lr"],
+            eta=cfg["server-lr"],
             client_lr=cfg["local-lr"],
             client_lr_factor=lambda server_round: schedule_factor(cfg, server_round),
             beta_1=cfg["beta1"],

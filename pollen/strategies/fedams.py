@@ -9,7 +9,8 @@ Server AMSGrad with max stabilisation on the averaged client update
   ``x <- x + eta * m / (sqrt(v_hat) + eps)``.
 
 No bias correction unless ``bias_correction=True`` (the authors' code style). The
-math lives in :class:`pollen.optim.AMSGrad`; this class only wires it. It accepts
+math lives in :func:`pollen.optim.amsgrad` (a chain of ``scale_by_amsgrad`` and ``scale(eta)``); this
+class only wires it. It accepts
 replies from any Flower ClientApp that returns its trained model under ``"arrays"``
 and, transparently, compressed updates from pollen's ``compression_mod``.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pollen.optim import AMSGrad
+from pollen.optim import amsgrad
 from pollen.strategies.base import AdaptiveStrategy
 from pollen.strategies.registry import adaptive_kwargs, register
 
@@ -68,7 +69,7 @@ class FedAMS(AdaptiveStrategy):
     ) -> None:
         if option not in OPTIONS:
             raise ValueError(f"option={option!r} is unknown; allowed: 1 (FedAMS, eps in the max) or 2 (FedAMSGrad)")
-        optimizer = AMSGrad(
+        optimizer = amsgrad(
             eta=eta,
             beta1=beta_1,
             beta2=beta_2,

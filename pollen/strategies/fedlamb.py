@@ -13,7 +13,7 @@ denominator is a *global* second moment ``v_hat`` that the server keeps and broa
   from its LAMB variant in exactly that one component (§4.5);
 - ``fed-sgd``: plain local SGD (no momentum), ``x <- mean_i x_i`` (§4.5 a);
 - ``adp-fed``: plain local SGD and the server Adam of Algorithm 2 on ``mean_i (x_i - x)``
-  (:class:`~pollen.optim.adpfed.AdpFedAdam`: ``v_0 = eps``, no bias correction; §4.5 d).
+  (:func:`~pollen.optim.adpfed_adam`: ``v_0 = eps``, no bias correction; §4.5 d).
 
 ``v_hat`` starts at ``eps`` and only grows; it is sent to a client only when that client does not hold
 the current version (a per-client downlink), and a client that lost it (a failed reply) gets it again.
@@ -33,7 +33,7 @@ import numpy as np
 from flwr.app import RecordDict
 
 from pollen.wire import protocol
-from pollen.optim import SGD, AdpFedAdam
+from pollen.optim import adpfed_adam, sgd
 from pollen.wire.protocol import (
     ADAPTIVE_LOCAL_STEP as LOCAL_STEP,
 )
@@ -98,8 +98,9 @@ class FedLAMB(AdaptiveStrategy):
         in [0, 1).
     eps : float (default: 1e-8)
         ``v_hat``'s initial value and floor, > 0 (Adp-Fed: the server's ``v_0``).
-    server_lr : float (default: 0.003)
-        Adp-Fed's server learning rate eta_g (> 0); the other variants average models (rate 1).
+    eta : float (default: 0.003)
+        Adp-Fed's server learning rate eta_g (> 0; run-config ``server-lr``); the other variants
+        average models (rate 1).
         Default 0.003 (chosen for drop-in use, measured in tests/e2e/test_dropin_defaults.py); the
         paper tunes eta_g in {0.001, 0.01} (its grid: 1e-4 to 0.1).
     weight_decay : float (default: 0.0)
@@ -126,7 +127,7 @@ class FedLAMB(AdaptiveStrategy):
         weight_decay: float = 0.0,
         sync_every: int = 1,
         sync_phase: str = "first",
-        server_lr: float = 0.003,
+        eta: float = 0.003,
         **kwargs: Any,
     ) -> None:
         if variant not in VARIANTS:
@@ -145,9 +146,9 @@ class FedLAMB(AdaptiveStrategy):
         kwargs.setdefault("identify_clients", True)
         chosen = VARIANTS[variant]
         if chosen.server_adam:
-            optimizer = AdpFedAdam(eta=server_lr, beta1=beta_1, beta2=beta_2, v0=eps)
+            optimizer = adpfed_adam(eta=eta, beta1=beta_1, beta2=beta_2, v0=eps)
         else:
-            optimizer = SGD(eta=1.0)
+            optimizer = sgd(eta=1.0)
         super().__init__(optimizer=optimizer, **kwargs)
         self.variant = chosen
         self.streaming = chosen.stat is None  # no extras to keep: replies are summed as they are read
@@ -264,7 +265,7 @@ def _fedlamb_builder(variant: str):  # noqa: ANN202
             weight_decay=cfg["weight-decay"],
             sync_every=cfg["sync-every"],
             sync_phase=cfg["sync-phase"],
-            server_lr=cfg["server-lr"],
+            eta=cfg["server-lr"],
         )
 
     return build

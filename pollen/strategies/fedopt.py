@@ -14,7 +14,7 @@ import inspect
 from typing import Any
 
 from pollen.core.layout import ModelLayout
-from pollen.optim import SERVER_OPTIMIZERS, ServerOptimizer, make_server_optimizer
+from pollen.optim import BY_NAME, SERVER_OPTIMIZERS, Transform, make_server_optimizer
 from pollen.strategies.base import AdaptiveStrategy
 
 #: The strategy's spelling of each optimiser setting -> the optimiser's.
@@ -47,7 +47,7 @@ class FedOpt(AdaptiveStrategy):
         super().__init__(optimizer=None, **kwargs)
         self._optimizer_for(None)  # a bad setting fails here, not in round 1
 
-    def _optimizer_for(self, layout: ModelLayout | None) -> ServerOptimizer:
+    def _optimizer_for(self, layout: ModelLayout | None) -> Transform:
         hyper = {_SPELLING[key]: value for key, value in self.settings.items()}
         accepted = self._accepted()
         refused = sorted(key for key in self.settings if _SPELLING[key] not in accepted)
@@ -62,10 +62,9 @@ class FedOpt(AdaptiveStrategy):
         return make_server_optimizer(self.optimizer_name, **hyper)
 
     def _accepted(self) -> set[str]:
-        probe = make_server_optimizer(self.optimizer_name, **({"layerwise": False} if self.optimizer_name == "lamb" else {}))
-        return set(inspect.signature(type(probe).__init__).parameters) - {"self"}
+        return set(inspect.signature(BY_NAME[self.optimizer_name]).parameters)
 
-    def build_optimizer(self, layout: ModelLayout) -> ServerOptimizer:
+    def build_optimizer(self, layout: ModelLayout) -> Transform:
         return self._optimizer_for(layout)
 
     def extra_summary(self) -> dict[str, Any]:

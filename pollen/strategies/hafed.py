@@ -52,7 +52,7 @@ from flwr.serverapp import Grid
 
 from pollen.wire import protocol
 from pollen.gossip import TOPOLOGIES, gossip_step, mixing_matrix, segment_bounds, spectral_gap_rho, validate_clusters, without_absent
-from pollen.optim import AMSGrad
+from pollen.optim import amsgrad
 from pollen.strategies.accounting import grad_evals_of
 from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
 from pollen.strategies.registry import adaptive_kwargs, register
@@ -146,7 +146,7 @@ class HAFed(AdaptiveStrategy):
         if not clustered and topology != "identity":
             raise ValueError(f"clustered=False has no clusters to gossip in; allowed: topology='identity' (got {topology!r})")
         kwargs.setdefault("identify_clients", True)
-        optimizer = AMSGrad(eta=eta, beta1=beta_1, beta2=beta_2, eps=eps, eps_mode=eps_mode, bias_correction=bias_correction)
+        optimizer = amsgrad(eta=eta, beta1=beta_1, beta2=beta_2, eps=eps, eps_mode=eps_mode, bias_correction=bias_correction)
         super().__init__(optimizer=optimizer, **kwargs)
         self.local_steps, self.gossip_every, self.active_prob = local_steps, gossip_every, float(active_prob)
         self.topology, self.lam, self.offsets = topology, lam, tuple(offsets) if offsets else None

@@ -28,7 +28,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from pollen.wire import protocol
-from pollen.optim import SGD
+from pollen.optim import sgd
 from pollen.strategies.base import AdaptiveStrategy
 from pollen.strategies.registry import adaptive_kwargs, register
 from pollen.strategies.replies import ClientUpdate, Extra, ReplySpec
@@ -59,7 +59,7 @@ class RelayAverage(AdaptiveStrategy):
     first_half_spec = ReplySpec()
 
     def __init__(self, *, eta: float = 1.0, **kwargs: Any) -> None:
-        super().__init__(optimizer=SGD(eta=eta), **kwargs)
+        super().__init__(optimizer=sgd(eta=eta), **kwargs)
         self.last_layer_sq_norms: np.ndarray | None = None
 
     def train_config(self, server_round: int) -> dict[str, Any]:

@@ -4,7 +4,7 @@ One server round, in this order (spec ``papers/fedadavr.md`` section 3.5)::
 
     ys = {key: (x_local - x_global) / client_lr for each reply}          # pollen sign convention
     delta = vr_aggregate(ys, table, num_clients=N, weights=n, client_lr=client_lr)   # old table, pure
-    state, step = optimizer.update(state, delta, x); x = x + step
+    step, state = optimizer.update(state, delta, x); x = x + step       # pollen.optim: new state returned
     table.replace_many(ys, weights=n)                                     # after the step; repliers only
 
 Clients that were sampled but did not reply are left out of ``ys`` and keep their rows.

@@ -7,10 +7,11 @@ Every method below is "aggregate with :func:`pollen.vr.vr_aggregate` (optionally
 * ``equal_weights``: if True pass ``weights=None`` to both ``vr_aggregate`` and ``replace_many`` (every client
   weight 1: ``1/M`` over the sampled, ``1/N`` over the table); if False pass ``num_examples``;
 * ``uses_table`` and the default table ``precision``;
-* ``optimizer``: the name for ``pollen.optim.make_server_optimizer`` the lead should pair it with, and
-  ``server_lr``: its default learning rate (the paper's grid is in ``note``).
+* ``optimizer``: the name (a key of ``pollen.optim.BY_NAME``) for ``pollen.optim.make_server_optimizer`` the
+  lead should pair it with, and ``server_lr``: its default learning rate eta_s (``FedAdaVR(eta=...)``, run-config
+  ``server-lr``; the paper's grid is in ``note``).
 
-``"sgd"`` below is ``pollen.optim``'s SGD (``make_server_optimizer("sgd", eta=server_lr)``, momentum 0): the
+``"sgd"`` below is ``pollen.optim.sgd`` (``make_server_optimizer("sgd", eta=server_lr)``, momentum 0): the
 plain step ``x <- x + server_lr * delta``. The others take ``eta=server_lr`` too. The spec: section
 3.8 (ablations), 3.9 (baselines), 8 (checklist).
 """

@@ -60,7 +60,7 @@ def test_adabelief_with_scaled_sign_uploads_runs_and_compresses() -> None:
 
 
 def test_fedadavr_with_error_fed_topk_uploads_fills_its_table() -> None:
-    strategy, grid, codecs, _ = run(FedAdaVR(uplink=Uplink("topk", topk_ratio=0.25), server_lr=0.01, **SAMPLING))
+    strategy, grid, codecs, _ = run(FedAdaVR(uplink=Uplink("topk", topk_ratio=0.25), eta=0.01, **SAMPLING))
     assert set(codecs) == {"topk"}
     stats = strategy.accounting.rounds[4]
     assert stats.replies == 3 and stats.failures == 0

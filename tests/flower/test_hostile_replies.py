@@ -19,7 +19,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, Re
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pollen.wire import protocol
+from pollen.wire.records import protocol
 from pollen.clientside import compression_mod
 from pollen.clientside.lazy_mod import lazy_mod
 from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, FedLazy, MeteredFedAdam, MeteredFedAvg
@@ -107,8 +107,8 @@ STRATEGIES = {
     "fednlaca": lambda: FedLazy(up_rule="nla", up_tau=1.2, compressor="topk", topk_ratio=0.25, eta=0.3, fraction_evaluate=0.0),
     "fedbaca": lambda: FedLazy(up_rule="aa", up_tau=1.2, compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="aa",
                                down_tau=1.0, eta=0.3, fraction_evaluate=0.0),
-    "fedadavr-int4": lambda: FedAdaVR(table_precision="int4", server_lr=0.05, fraction_evaluate=0.0),
-    "fedadavr-fp32": lambda: FedAdaVR(server_lr=0.05, fraction_evaluate=0.0),
+    "fedadavr-int4": lambda: FedAdaVR(table_precision="int4", eta=0.05, fraction_evaluate=0.0),
+    "fedadavr-fp32": lambda: FedAdaVR(eta=0.05, fraction_evaluate=0.0),
     "flower-fedavg": lambda: MeteredFedAvg(fraction_evaluate=0.0, min_available_nodes=2),
     "flower-fedadam": lambda: MeteredFedAdam(fraction_evaluate=0.0, min_available_nodes=2),
 }
@@ -261,8 +261,8 @@ def test_transactional_step_rolls_back_a_failing_optimiser(monkeypatch):
     before = state_arrays(strategy)
     real = strategy.optimizer.update
 
-    def half_then_fail(state, delta, params):  # noqa: ANN001, ANN202
-        real(state, delta, params)  # moments already overwritten in place...
+    def half_then_fail(state, delta, params, *, into=None, out=None):  # noqa: ANN001, ANN202
+        real(state, delta, params, into=into, out=out)  # the spare state and the step vector written...
         raise RuntimeError("device lost")  # ...then the step fails
 
     monkeypatch.setattr(strategy.optimizer, "update", half_then_fail)
@@ -277,10 +277,49 @@ def test_transactional_step_rolls_back_a_failing_optimiser(monkeypatch):
             assert before[key].tobytes() == after[key].tobytes(), key
 
 
+@pytest.mark.parametrize("failure", ["raises", "nan-step"])
+def test_rounds_after_a_rolled_back_step_go_on_as_if_it_never_ran(monkeypatch, failure):
+    """The step is double-buffered (new model and optimiser state in spare arrays, swapped in): after a
+    rollback, before the swap (the optimiser raises) or after it (non-finite parameters), the next
+    rounds must equal those of a run that never had the failed round, bit for bit."""
+    from pollen.testing.fakes import run_train_round
+
+    def started():  # noqa: ANN202
+        strategy = FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True)
+        grid = FakeGrid(NODES, lambda m: honest_reply(m, {}), client_ids=IDS)
+        strategy.start(grid=grid, initial_arrays=model_record(tiny_model(2)), num_rounds=1)
+        return strategy, grid
+
+    failing, grid_f = started()
+    control, grid_c = started()
+    real = failing.optimizer.update
+
+    def broken(state, delta, params, *, into=None, out=None):  # noqa: ANN001, ANN202
+        step, new_state = real(state, delta, params, into=into, out=out)
+        if failure == "raises":
+            raise RuntimeError("device lost")
+        step[0] = np.nan  # the model gets a NaN: found after the swap, then rolled back
+        return step, new_state
+
+    monkeypatch.setattr(failing.optimizer, "update", broken)
+    run_train_round(failing, grid_f, 2, failing.global_arrays())
+    monkeypatch.undo()
+    assert any("rolled back" in reason for reason in failing.accounting.rounds[2].failure_reasons)
+    for rnd in (3, 4, 5):
+        run_train_round(failing, grid_f, rnd, failing.global_arrays())
+        run_train_round(control, grid_c, rnd, control.global_arrays())
+    assert failing.opt_state.step == control.opt_state.step == 4
+    assert failing.params.tobytes() == control.params.tobytes()
+    for slot in control.opt_state.slots:
+        assert failing.opt_state.slots[slot].tobytes() == control.opt_state.slots[slot].tobytes(), slot
+    for name in control.buffers:
+        assert failing.buffers[name].tobytes() == control.buffers[name].tobytes(), name
+
+
 def test_two_nodes_claiming_one_client_id_are_kept_apart():
     ids = dict(IDS)
     ids[NODES[1]] = ids[NODES[0]]  # a second SuperNode with the same client-id
-    strategy = FedAdaVR(server_lr=0.05, fraction_evaluate=0.0)
+    strategy = FedAdaVR(eta=0.05, fraction_evaluate=0.0)
     strategy.start(grid=FakeGrid(NODES, lambda m: honest_reply(m, {}), client_ids=ids), initial_arrays=model_record(tiny_model(2)), num_rounds=1)
     assert strategy.node_keys[NODES[0]] == IDS[NODES[0]]
     assert strategy.node_keys[NODES[1]] == f"node-{NODES[1]}"

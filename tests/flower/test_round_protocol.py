@@ -326,11 +326,11 @@ def lazy_client(state_dir):  # noqa: ANN001, ANN201
 STRATEGIES = {
     "fedams": lambda: FedAMS(eta=0.3, fraction_train=0.5, fraction_evaluate=0.0, seed=5, identify_clients=True),
     "fedcams-sign": lambda: FedCAMS(compressor="sign", eta=0.3, fraction_train=0.5, fraction_evaluate=0.0, seed=5, identify_clients=True),
-    "fedadavr-int4": lambda: FedAdaVR(table_precision="int4", server_lr=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
+    "fedadavr-int4": lambda: FedAdaVR(table_precision="int4", eta=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
     "flower-fedadam": lambda: MeteredFedAdam(fraction_train=0.5, fraction_evaluate=0.0, min_available_nodes=2),
     "relay-demo": lambda: RelayAverage(fraction_train=0.5, fraction_evaluate=0.0, seed=5, identify_clients=True),
     "fed-lamb-z2": lambda: FedLAMB(variant="fed-lamb", sync_every=2, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
-    "adp-fed": lambda: FedLAMB(variant="adp-fed", server_lr=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
+    "adp-fed": lambda: FedLAMB(variant="adp-fed", eta=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
     "hafed": lambda: HAFed(topology="full", local_steps=2, uploaders_per_cluster=1, fraction_evaluate=0.0, seed=5),
     "fedbaca": lambda: FedLazy(up_rule="aa", up_tau=1.2, compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="aa",
                                down_tau=1.0, eta=0.3, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
@@ -446,7 +446,7 @@ def test_a_table_on_disk_survives_a_crash_between_its_rows_and_the_checkpoint(tm
     x0 = model_record(tiny_model(1))
 
     def make(path):  # noqa: ANN001, ANN202
-        return FedAdaVR(table_precision="int8", table_path=str(path), server_lr=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5)
+        return FedAdaVR(table_precision="int8", table_path=str(path), eta=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5)
 
     full = make(tmp_path / "full.table").start(
         grid=FakeGrid(NODES, keyed_client, client_ids=IDS), initial_arrays=x0, num_rounds=4, checkpoint=RunCheckpoint(tmp_path / "full")

@@ -52,7 +52,7 @@ def make_client(ids: dict[int, str], drop: set[int] = frozenset(), rnd_of=lambda
 
 
 def strategy(**kwargs) -> FedAdaVR:  # noqa: ANN003
-    options = dict(variant="fedadavr", server_optimizer="adam", server_lr=0.01, client_lr=CLIENT_LR,
+    options = dict(variant="fedadavr", server_optimizer="adam", eta=0.01, client_lr=CLIENT_LR,
                    fraction_train=0.5, fraction_evaluate=0.0, min_train_nodes=3, seed=3)
     options.update(kwargs)
     return FedAdaVR(**options)
@@ -68,7 +68,7 @@ def test_round_one_is_fedavg_aggregate_then_adam_step():
     sampled = [ids[r.metadata.src_node_id] for r in replies]
     mean_delta = np.mean([delta_of(k, 1, 19) for k in sampled], axis=0).astype(np.float32)
     opt = make_server_optimizer("adam", eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True)
-    _, step = opt.update(opt.init(19), mean_delta)
+    step, _ = opt.update(opt.init(19), mean_delta)
     want = flat_trainable(x0) + step
     np.testing.assert_allclose(flat_trainable(named_arrays(arrays)), want, rtol=1e-5, atol=1e-7)
     for key in sampled:  # rows hold update / eta_c after the step
@@ -147,6 +147,30 @@ def test_memory_mapped_table_on_disk(tmp_path):
     assert s.table.known_clients == 3
 
 
+@pytest.mark.parametrize("name", ["adagrad", "adam", "adabelief", "yogi", "lamb", "sgd"])
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_server_optimizer_gets_the_settings_of_appendix_b(name, layerwise):
+    """Built by name only (no branch per optimiser), each gets what the paper's Appendix B gives it:
+    eta and eps; beta1, beta2 and bias correction for the Adam family; LAMB the model's segments."""
+    from pollen.core.layout import ModelLayout
+    from pollen.optim import BY_NAME
+
+    s = FedAdaVR(server_optimizer=name, eta=0.02, beta_1=0.8, beta_2=0.95, eps=1e-6, lamb_layerwise=layerwise)
+    layout = ModelLayout.from_arrays(tiny_model(0), None)
+    want = {"eta": 0.02}
+    if name != "sgd":
+        want["eps"] = 1e-6
+    if name not in ("sgd", "adagrad"):
+        want.update(beta1=0.8, beta2=0.95, bias_correction=True)
+    if name == "lamb":
+        want.update(segments=layout.segments, layerwise=layerwise)
+    built = s.build_optimizer(layout)
+    assert built.name == name
+    assert built.hyperparameters() == BY_NAME[name](**want).hyperparameters()
+    if name == "adagrad":
+        assert built.hyperparameters()["beta1"] == 0.0  # FedAdaVR's Alg. 3: no first moment
+
+
 @pytest.mark.parametrize(
     "kwargs, word",
     [
@@ -189,7 +213,7 @@ def test_streamed_rounds_equal_a_plain_transcription_of_the_boxed_estimator(prec
         population = len(NODES)  # every node identified itself in round 1
         r_vec = sum(table.values(), np.zeros(19)) / population
         r_vec = r_vec + np.mean([ys[k].astype(np.float64) - table.get(k, 0.0) for k in replied], axis=0)
-        opt_state, step = opt.update(opt_state, (CLIENT_LR * r_vec).astype(np.float32))
+        step, opt_state = opt.update(opt_state, (CLIENT_LR * r_vec).astype(np.float32))
         x = x + step
         for k in replied:
             table[k] = _stored(ys[k], s, precision)

@@ -21,7 +21,7 @@ from pollen.clientside import compression_mod
 from pollen.clientside.compression_mod import RESIDUAL
 from pollen.clientside.state import STATE_KEY
 from pollen.compression import decode_payload
-from pollen.optim import AMSGrad
+from pollen.optim import amsgrad
 from pollen.strategies import FedAMS, FedCAMS
 from pollen.wire.records import records_to_payload
 from pollen.testing.fakes import (
@@ -312,7 +312,7 @@ def test_option2_versus_flower_fedadam():
     Flower's weighted mean the plain mean). In round 1 ``v_hat == v``, so
     ``Flower step == our step * eta_norm_1 / eta``. Later the strategy's max may bite, so the
     relation is checked on the optimiser level against
-    ``AMSGrad(eps_mode="add", max_stabilisation=False)``, i.e. FedAdam without bias
+    ``amsgrad(eps_mode="add", max_stabilisation=False)``, i.e. FedAdam without bias
     correction: ``Flower step_t == that step_t * eta_norm_t / eta`` for every round; and the
     max-stabilised step really differs once v falls below its past maximum.
     """
@@ -352,12 +352,12 @@ def test_option2_versus_flower_fedadam():
     assert abs(eta_norm(1) / eta - 1) > 0.1  # the factor is real (~0.74), not a rounding matter
 
     # Every round, on the optimiser level: Flower == (AMSGrad without max) * eta_norm_t / eta.
-    no_max = AMSGrad(eta=eta, beta1=beta1, beta2=beta2, eps=tau, eps_mode="add", max_stabilisation=False)
-    with_max = AMSGrad(eta=eta, beta1=beta1, beta2=beta2, eps=tau, eps_mode="add")
+    no_max = amsgrad(eta=eta, beta1=beta1, beta2=beta2, eps=tau, eps_mode="add", max_stabilisation=False)
+    with_max = amsgrad(eta=eta, beta1=beta1, beta2=beta2, eps=tau, eps_mode="add")
     s_no, s_max = no_max.init(D), with_max.init(D)
     for t in range(1, rounds + 1):
-        s_no, step_no = no_max.update(s_no, flower_deltas[t - 1].astype(np.float32))
-        s_max, step_max = with_max.update(s_max, our_deltas[t - 1].astype(np.float32))
+        step_no, s_no = no_max.update(s_no, flower_deltas[t - 1].astype(np.float32))
+        step_max, s_max = with_max.update(s_max, our_deltas[t - 1].astype(np.float32))
         np.testing.assert_allclose(flower_steps[t - 1], step_no * eta_norm(t) / eta, **close)
         np.testing.assert_allclose(our_steps[t - 1], step_max, rtol=1e-5, atol=1e-8)
         if t == 1:

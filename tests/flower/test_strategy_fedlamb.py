@@ -158,7 +158,7 @@ def client_steps(grid: FakeGrid, rounds: int) -> list[np.ndarray]:
 
 def test_adp_fed_is_algorithm_2_server_adam_without_bias_correction():
     eta, beta1, beta2, eps = 0.05, 0.9, 0.99, 1e-8
-    strategy, grid, seen = run("adp-fed", 3, server_lr=eta, beta_1=beta1, beta_2=beta2, eps=eps)
+    strategy, grid, seen = run("adp-fed", 3, eta=eta, beta_1=beta1, beta_2=beta2, eps=eps)
     x = np.concatenate([tiny_model()[n].reshape(-1) for n in TRAINABLE]).astype(np.float64)
     m, v = np.zeros(D), np.full(D, eps)
     for delta in client_steps(grid, 3):  # lines 13-15, v_0 = eps, nothing added to sqrt(v)

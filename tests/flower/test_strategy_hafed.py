@@ -14,7 +14,7 @@ import pytest
 from pollen.wire import protocol
 from pollen.clientside.gossip import CFG_SEGMENT, GOSSIP_PHASE, active_iterations, segment_bounds, stream_indices
 from pollen.gossip import mixing_matrix, without_absent
-from pollen.optim import AMSGrad
+from pollen.optim import amsgrad
 from pollen.strategies import HAFed
 from pollen.strategies.rounds import SetupError
 from pollen.testing.fakes import (
@@ -105,8 +105,8 @@ def remember_uploaders(monkeypatch):
 
 
 def amsgrad_step(x: np.ndarray, delta: np.ndarray, eta: float = 0.01) -> np.ndarray:
-    opt = AMSGrad(eta=eta, beta1=0.9, beta2=0.99, eps=1e-8, eps_mode="inside")
-    _, s = opt.update(opt.init(D), delta.astype(np.float32))
+    opt = amsgrad(eta=eta, beta1=0.9, beta2=0.99, eps=1e-8, eps_mode="inside")
+    s, _ = opt.update(opt.init(D), delta.astype(np.float32))
     return x + s
 
 

@@ -20,7 +20,7 @@ from pollen.clientside.lazy_mod import COPY_PREFIX, ORDER, UP_REF, lazy_mod
 from pollen.clientside.state import STATE_KEY
 from pollen.compression import make_codec
 from pollen.lazy import checksum
-from pollen.optim import AMSGrad
+from pollen.optim import amsgrad
 from pollen.strategies import FedAMS, FedCAMS, FedLazy
 from pollen.testing.fakes import (
     TRAINABLE,
@@ -146,7 +146,7 @@ def test_bidirectional_at_tau_zero_is_fedcams_with_error_fed_downlink():
 
     theta = flat_trainable(tiny_model(2)).astype(np.float32)
     up, down = make_codec("topk", topk_ratio=0.25), make_codec("topk", topk_ratio=0.5)
-    opt = AMSGrad(eta=0.1, beta1=0.9, beta2=0.99, eps=1e-3, eps_mode="max")
+    opt = amsgrad(eta=0.1, beta1=0.9, beta2=0.99, eps=1e-3, eps_mode="max")
     state = opt.init(D)
     x, e = {}, {}
     for r, nodes in zip(range(1, rounds + 1), sampled):
@@ -166,7 +166,7 @@ def test_bidirectional_at_tau_zero_is_fedcams_with_error_fed_downlink():
         for vector in used:
             total += vector
         total *= np.float32(1.0 / len(used))
-        state, step = opt.update(state, total, theta)
+        step, state = opt.update(state, total, theta)
         theta = theta + step
     np.testing.assert_array_equal(lazy.params, theta)
     seen = events(lazy)

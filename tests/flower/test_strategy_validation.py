@@ -19,7 +19,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from pollen.wire import protocol
 from pollen.clientside import compression_mod
 from pollen.compression import decode_payload
-from pollen.optim import AMSGrad
+from pollen.optim import amsgrad
 from pollen.strategies import FedAMS, FedCAMS, MeteredFedAdam, MeteredFedAvg
 from pollen.wire.records import records_to_payload
 from pollen.testing.fakes import (
@@ -301,8 +301,8 @@ def test_bad_reply_is_rejected_and_round_completes(case: Case):
     else:
         delta = np.mean(deltas, axis=0)
         w_buf = np.full(3, 1 / 3)
-    optimizer = AMSGrad(eta=ETA, eps=EPS, eps_mode="max")
-    _, step = optimizer.update(optimizer.init(D), delta.astype(np.float32))
+    optimizer = amsgrad(eta=ETA, eps=EPS, eps_mode="max")
+    step, _ = optimizer.update(optimizer.init(D), delta.astype(np.float32))
     np.testing.assert_allclose(strategy.params, x0_flat + step, rtol=1e-6, atol=1e-7)
     out = named_arrays(arrays)
     np.testing.assert_allclose(flat_trainable(out), x0_flat + step, rtol=1e-6, atol=1e-7)

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from pollen.optim import (
+    BY_NAME,
     SERVER_OPTIMIZERS,
-    OptimizerState,
-    ServerOptimizer,
+    OptState,
+    Transform,
     make_server_optimizer,
     segments_from_sizes,
 )
@@ -28,6 +29,7 @@ CONFIGS = {
     "adabelief": dict(eta=0.01, inner_eps=True),
     "lamb": dict(eta=0.01, segments=SEGS),
     "amsgrad": dict(eta=1.0, eps=1e-3, eps_mode="max", bias_correction=True),
+    "adpfed_adam": dict(eta=0.05, v0=1e-6),
 }
 
 
@@ -37,11 +39,12 @@ def _inputs(rounds, seed=0):
 
 
 def test_registry_lists_every_optimiser():
-    assert set(SERVER_OPTIMIZERS) == {"sgd", "adam", "yogi", "adagrad", "adabelief", "lamb", "amsgrad"}
+    assert set(SERVER_OPTIMIZERS) == {"sgd", "adam", "yogi", "adagrad", "adabelief", "lamb", "amsgrad", "adpfed_adam"}
+    assert SERVER_OPTIMIZERS == tuple(BY_NAME)
     assert set(CONFIGS) == set(SERVER_OPTIMIZERS)
     for name in SERVER_OPTIMIZERS:
         opt = make_server_optimizer(name, **CONFIGS[name])
-        assert isinstance(opt, ServerOptimizer) and opt.name == name
+        assert isinstance(opt, Transform) and opt.name == name
         hp = opt.hyperparameters()
         assert all(isinstance(v, (bool, int, float, str)) for v in hp.values())
         assert name in repr(opt).lower() or type(opt).__name__ in repr(opt)
@@ -55,19 +58,19 @@ def test_state_round_trip_then_continue_gives_identical_steps(name, via):
     deltas = _inputs(7)
     state = opt.init(D)
     for d in deltas[:3]:
-        state, _ = opt.update(state, d, params=params)
+        _, state = opt.update(state, d, params=params)
     saved = state.to_dict()
     if via == "pickle":
         saved = pickle.loads(pickle.dumps(saved))
-    restored = OptimizerState.from_dict(saved)
+    restored = OptState.from_dict(saved)
     assert restored.step == state.step == 3
     assert restored.slots.keys() == state.slots.keys()
     for k in state.slots:
         assert restored.slots[k].dtype == F32 and np.array_equal(restored.slots[k], state.slots[k])
     fresh = make_server_optimizer(name, **CONFIGS[name])  # a new process would build a new optimiser
     for d in deltas[3:]:
-        state, a = opt.update(state, d, params=params)
-        restored, b = fresh.update(restored, d, params=params)
+        a, state = opt.update(state, d, params=params)
+        b, restored = fresh.update(restored, d, params=params)
         assert np.array_equal(a, b)
     for k in state.slots:
         assert np.array_equal(restored.slots[k], state.slots[k])
@@ -77,11 +80,14 @@ def test_to_dict_is_a_snapshot_and_from_dict_copies():
     opt = make_server_optimizer("adam")
     state = opt.init(4)
     snap = state.to_dict()
-    state, _ = opt.update(state, np.ones(4, F32))
+    _, state = opt.update(state, np.ones(4, F32))
     assert not snap["slots"]["m"].any() and snap["step"] == 0
-    restored = OptimizerState.from_dict(snap)
-    restored.slots["m"][:] = 1.0
-    assert not snap["slots"]["m"].any()
+    restored = OptState.from_dict(snap)
+    assert not np.shares_memory(restored.slots["m"], snap["slots"]["m"])
+    with pytest.raises(ValueError, match="read-only"):
+        restored.slots["m"][:] = 1.0  # a restored state is as read-only as any other
+    snap["slots"]["m"][:] = 1.0  # the dict stays the caller's: writing it leaves the state alone
+    assert not restored.slots["m"].any()
 
 
 @pytest.mark.parametrize(
@@ -98,7 +104,7 @@ def test_to_dict_is_a_snapshot_and_from_dict_copies():
 )
 def test_from_dict_rejects_malformed(bad):
     with pytest.raises(ValueError):
-        OptimizerState.from_dict(bad)
+        OptState.from_dict(bad)
 
 
 def test_update_rejects_wrong_shape_and_foreign_state():
@@ -115,15 +121,15 @@ def test_update_rejects_wrong_shape_and_foreign_state():
 
 def test_update_casts_float64_input_and_returns_float32():
     opt = make_server_optimizer("adam")
-    state, step = opt.update(opt.init(3), np.array([1.0, -1.0, 0.0]))
+    step, state = opt.update(opt.init(3), np.array([1.0, -1.0, 0.0]))
     assert step.dtype == F32 and state.slots["m"].dtype == F32
 
 
 def test_update_returns_new_step_array_each_round():
     opt = make_server_optimizer("sgd", eta=0.5)
     state = opt.init(3)
-    state, a = opt.update(state, np.ones(3, F32))
-    state, b = opt.update(state, np.full(3, 2.0, F32))
+    a, state = opt.update(state, np.ones(3, F32))
+    b, state = opt.update(state, np.full(3, 2.0, F32))
     assert a[0] == 0.5 and b[0] == 1.0
 
 
@@ -196,8 +202,8 @@ def test_blocked_evaluation_does_not_change_a_single_bit(name):
     blocked.block_size = 7
     s1, s2 = whole.init(D), blocked.init(D)
     for d in _inputs(5):
-        s1, a = whole.update(s1, d, params=params)
-        s2, b = blocked.update(s2, d, params=params)
+        a, s1 = whole.update(s1, d, params=params)
+        b, s2 = blocked.update(s2, d, params=params)
         assert np.array_equal(a, b)
     for k in s1.slots:
         assert np.array_equal(s1.slots[k], s2.slots[k])
@@ -209,8 +215,8 @@ def test_every_coordinate_of_a_multi_block_vector_is_updated():
     d = 2 * opt.block_size + 1
     rng = np.random.default_rng(4)
     g1, g2 = (rng.standard_normal(d).astype(F32) for _ in range(2))
-    state, _ = opt.update(opt.init(d), g1)
-    state, step = opt.update(state, g2)
+    _, state = opt.update(opt.init(d), g1)
+    step, state = opt.update(state, g2)
     m = 0.9 * 0.1 * g1.astype(np.float64) + 0.1 * g2
     v = 0.99 * 0.01 * g1.astype(np.float64) ** 2 + 0.01 * g2.astype(np.float64) ** 2
     np.testing.assert_allclose(step, 0.1 * m / (np.sqrt(v) + 1e-3), rtol=1e-4, atol=1e-7)

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from pollen.optim import SGD, AdaBelief, Adagrad, Adam, Lamb, Yogi, segments_from_sizes
+from pollen.optim import OptState, adabelief, adagrad, adam, lamb, segments_from_sizes, sgd, yogi
 
 F32 = np.float32
 ADAVR = dict(beta1=0.9, beta2=0.999, eps=1e-8)  # FedAdaVR Table 1
@@ -22,7 +22,7 @@ def _run(opt, deltas, params=None):
     state = opt.init(len(deltas[0]))
     steps = []
     for d in deltas:
-        state, step = opt.update(state, np.asarray(d, dtype=F32), params=params)
+        step, state = opt.update(state, np.asarray(d, dtype=F32), params=params)
         steps.append(step.copy())
     return state, steps
 
@@ -46,8 +46,8 @@ def test_fedavg_eta1_step_is_mean_update_and_lands_on_mean_model():
     x = rng.standard_normal(1000).astype(F32)
     clients = [x + rng.standard_normal(1000).astype(F32) * 0.1 for _ in range(10)]
     delta = np.mean([c - x for c in clients], axis=0).astype(F32)
-    opt = SGD(eta=1.0)
-    state, step = opt.update(opt.init(1000), delta)
+    opt = sgd(eta=1.0)
+    step, state = opt.update(opt.init(1000), delta)
     assert np.array_equal(step, delta)
     np.testing.assert_allclose(x + step, np.mean(clients, axis=0), atol=1e-6)
     assert state.slots == {} and state.step == 1
@@ -55,7 +55,7 @@ def test_fedavg_eta1_step_is_mean_update_and_lands_on_mean_model():
 
 def test_sgd_steps_telescope():
     deltas = _deltas()
-    _, steps = _run(SGD(eta=0.5), deltas)
+    _, steps = _run(sgd(eta=0.5), deltas)
     want = 0.5 * np.sum(deltas, axis=0, dtype=np.float64)  # x_T - x_0 = eta * sum_t Delta_t
     np.testing.assert_allclose(np.sum(steps, axis=0), want, rtol=1e-5, atol=1e-7)
 
@@ -63,7 +63,7 @@ def test_sgd_steps_telescope():
 def test_fedavgm_heavy_ball_closed_form():
     eta, mu = 0.7, 0.9
     deltas = _deltas()
-    _, steps = _run(SGD(eta=eta, momentum=mu), deltas)
+    _, steps = _run(sgd(eta=eta, momentum=mu), deltas)
     for t, got in enumerate(steps):
         want = eta * sum(mu ** (t - s) * deltas[s].astype(np.float64) for s in range(t + 1))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
@@ -92,7 +92,7 @@ def _plain_adam(deltas, eta, beta1, beta2, eps, bc):
 @pytest.mark.parametrize("bc", [False, True])
 def test_adam_matches_reference(bc):
     deltas = _deltas()
-    _, steps = _run(Adam(eta=0.1, beta1=0.9, beta2=0.99, eps=1e-3, bias_correction=bc), deltas)
+    _, steps = _run(adam(eta=0.1, beta1=0.9, beta2=0.99, eps=1e-3, bias_correction=bc), deltas)
     for got, want in zip(steps, _plain_adam(deltas, 0.1, 0.9, 0.99, 1e-3, bc)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
@@ -100,7 +100,7 @@ def test_adam_matches_reference(bc):
 def test_adam_moments_closed_form():
     b1, b2 = 0.9, 0.99
     deltas = _deltas(rounds=10)
-    state, _ = _run(Adam(beta1=b1, beta2=b2), deltas)
+    state, _ = _run(adam(beta1=b1, beta2=b2), deltas)
     T = len(deltas)
     m = sum((1 - b1) * b1 ** (T - 1 - s) * deltas[s].astype(np.float64) for s in range(T))
     v = sum((1 - b2) * b2 ** (T - 1 - s) * deltas[s].astype(np.float64) ** 2 for s in range(T))
@@ -112,7 +112,7 @@ def test_bias_corrected_adam_constant_delta_constant_step():
     # m_hat = c and v_hat = c**2 in every round, so step_t = eta c / (|c| + eps) for all t
     c = np.array([0.5, -0.25, 2.0, -1e-3], dtype=F32)
     eta, eps = 0.1, 1e-3
-    _, steps = _run(Adam(eta=eta, eps=eps, bias_correction=True), [c] * 20)
+    _, steps = _run(adam(eta=eta, eps=eps, bias_correction=True), [c] * 20)
     want = eta * c.astype(np.float64) / (np.abs(c) + eps)
     for got in steps:
         np.testing.assert_allclose(got, want, rtol=2e-5)
@@ -121,7 +121,7 @@ def test_bias_corrected_adam_constant_delta_constant_step():
 def test_adam_first_step_is_sign_step_fedadavr():
     d = _big_first_delta()
     eta = 0.01
-    _, (step,) = _run(Adam(eta=eta, bias_correction=True, **ADAVR), [d])
+    _, (step,) = _run(adam(eta=eta, bias_correction=True, **ADAVR), [d])
     np.testing.assert_allclose(step, eta * np.sign(d), rtol=2e-5)
     # and the first step really is eta * G / (|G| + eps)
     np.testing.assert_allclose(step, eta * d / (np.abs(d).astype(np.float64) + 1e-8), rtol=1e-6)
@@ -130,8 +130,8 @@ def test_adam_first_step_is_sign_step_fedadavr():
 def test_step_points_along_delta():
     """The server adds the step; a downhill delta gives a step in the same direction."""
     d = _big_first_delta()
-    for opt in (SGD(), Adam(), Yogi(), Adagrad(), AdaBelief(), Lamb(layerwise=False)):
-        _, step = opt.update(opt.init(d.size), d, params=np.ones_like(d))
+    for opt in (sgd(), adam(), yogi(), adagrad(), adabelief(), lamb(layerwise=False)):
+        step, _ = opt.update(opt.init(d.size), d, params=np.ones_like(d))
         assert np.array_equal(np.sign(step), np.sign(d)), opt.name
 
 
@@ -160,30 +160,30 @@ def _plain_yogi(deltas, eta, beta1, beta2, eps, bc):
 @pytest.mark.parametrize("bc", [False, True])
 def test_yogi_matches_reference(bc):
     deltas = _deltas(rounds=10)
-    _, steps = _run(Yogi(eta=0.01, beta1=0.9, beta2=0.99, eps=1e-3, bias_correction=bc), deltas)
+    _, steps = _run(yogi(eta=0.01, beta1=0.9, beta2=0.99, eps=1e-3, bias_correction=bc), deltas)
     for got, want in zip(steps, _plain_yogi(deltas, 0.01, 0.9, 0.99, 1e-3, bc)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
 
 
 def test_yogi_first_step_is_sign_step_and_never_nan():
     d = _big_first_delta()
-    opt = Yogi(eta=0.01, bias_correction=True, **ADAVR)
-    state, step = opt.update(opt.init(d.size), d)
+    opt = yogi(eta=0.01, bias_correction=True, **ADAVR)
+    step, state = opt.update(opt.init(d.size), d)
     np.testing.assert_allclose(state.slots["v"], 0.001 * d.astype(np.float64) ** 2, rtol=1e-6)  # v_1 = (1-b2) G^2
     np.testing.assert_allclose(step, 0.01 * np.sign(d), rtol=2e-5)
     rng = np.random.default_rng(0)
     for t in range(300):
         g = (rng.standard_normal(d.size) * 10.0 ** rng.uniform(-6, 1, d.size)).astype(F32)
         g[rng.random(d.size) < 0.3] = 0.0
-        state, step = opt.update(state, g)
+        step, state = opt.update(state, g)
         assert np.all(state.slots["v"] >= 0.0) and np.all(np.isfinite(step))
     assert state.step == 301
 
 
 def test_yogi_differs_from_adam_after_first_round():
     deltas = [np.array([1.0, 1.0], F32), np.array([0.1, 3.0], F32)]
-    _, y = _run(Yogi(eta=1.0, eps=0.0), deltas)
-    _, a = _run(Adam(eta=1.0, eps=0.0), deltas)
+    _, y = _run(yogi(eta=1.0, eps=0.0), deltas)
+    _, a = _run(adam(eta=1.0, eps=0.0), deltas)
     assert np.array_equal(y[0], a[0]) and not np.allclose(y[1], a[1])
 
 
@@ -193,7 +193,7 @@ def test_yogi_differs_from_adam_after_first_round():
 def test_adagrad_fedadavr_form_and_accumulator_telescopes():
     deltas = _deltas()
     eta, eps = 0.1, 1e-3
-    state, steps = _run(Adagrad(eta=eta, eps=eps), deltas)
+    state, steps = _run(adagrad(eta=eta, eps=eps), deltas)
     z = np.zeros(len(deltas[0]))
     for d, got in zip(deltas, steps):
         z += d.astype(np.float64) ** 2                       # z_t = z_{t-1} + G^2
@@ -205,7 +205,7 @@ def test_adagrad_fedadavr_form_and_accumulator_telescopes():
 def test_adagrad_reddi_momentum_and_initial_accumulator():
     deltas = _deltas(rounds=5)
     eta, eps, b1, z0 = 0.1, 1e-3, 0.9, 0.01
-    _, steps = _run(Adagrad(eta=eta, eps=eps, beta1=b1, initial_accumulator=z0), deltas)
+    _, steps = _run(adagrad(eta=eta, eps=eps, beta1=b1, initial_accumulator=z0), deltas)
     m, z = 0.0, z0
     for d, got in zip(deltas, steps):
         m = b1 * m + (1 - b1) * d.astype(np.float64)
@@ -215,7 +215,7 @@ def test_adagrad_reddi_momentum_and_initial_accumulator():
 
 def test_adagrad_first_step_is_sign_step():
     d = _big_first_delta()
-    _, (step,) = _run(Adagrad(eta=0.01, eps=1e-8), [d])
+    _, (step,) = _run(adagrad(eta=0.01, eps=1e-8), [d])
     np.testing.assert_allclose(step, 0.01 * np.sign(d), rtol=2e-5)
 
 
@@ -239,15 +239,15 @@ def _plain_adabelief(deltas, eta, beta1, beta2, eps, inner):
 @pytest.mark.parametrize("inner", [False, True])
 def test_adabelief_matches_reference(inner):
     deltas = _deltas(rounds=10)
-    _, steps = _run(AdaBelief(eta=0.01, inner_eps=inner, **ADAVR), deltas)
+    _, steps = _run(adabelief(eta=0.01, inner_eps=inner, **ADAVR), deltas)
     for got, want in zip(steps, _plain_adabelief(deltas, 0.01, 0.9, 0.999, 1e-8, inner)):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-9)  # (G - m) cancels in float32
 
 
 def test_adabelief_first_step_is_sign_over_beta1():
     d = _big_first_delta()
-    opt = AdaBelief(eta=0.01, **ADAVR)
-    state, step = opt.update(opt.init(d.size), d)
+    opt = adabelief(eta=0.01, **ADAVR)
+    step, state = opt.update(opt.init(d.size), d)
     # z_1 = (1 - b2) b1^2 G^2 (uses the new m_1 = (1 - b1) G)
     np.testing.assert_allclose(state.slots["z"], 0.001 * 0.81 * d.astype(np.float64) ** 2, rtol=1e-5)
     np.testing.assert_allclose(step, 0.01 * np.sign(d) / 0.9, rtol=2e-5)
@@ -292,7 +292,7 @@ def test_lamb_matches_reference(layerwise):
     segs = segments_from_sizes(SIZES)
     params = _lamb_params()
     deltas = _deltas(rounds=6, d=sum(SIZES))
-    opt = Lamb(eta=0.01, segments=segs, layerwise=layerwise, **ADAVR)
+    opt = lamb(eta=0.01, segments=segs, layerwise=layerwise, **ADAVR)
     _, steps = _run(opt, deltas, params=params)
     ref_segs = segs if layerwise else [(0, sum(SIZES))]
     for got, want in zip(steps, _plain_lamb(deltas, params, ref_segs, 0.01, 0.9, 0.999, 1e-8)):
@@ -304,8 +304,8 @@ def test_lamb_first_step_moves_each_layer_by_eta_weight_norm():
     params = _lamb_params()
     d = _big_first_delta(sum(SIZES))
     eta = 0.01
-    opt = Lamb(eta=eta, segments=segs, **ADAVR)
-    _, step = opt.update(opt.init(d.size), d, params=params)
+    opt = lamb(eta=eta, segments=segs, **ADAVR)
+    step, _ = opt.update(opt.init(d.size), d, params=params)
     for a, b in segs:
         w = np.linalg.norm(params[a:b].astype(np.float64))
         if w > 0:
@@ -317,8 +317,8 @@ def test_lamb_first_step_moves_each_layer_by_eta_weight_norm():
 def test_lamb_whole_model_norm():
     params = _lamb_params()
     d = _big_first_delta(sum(SIZES))
-    opt = Lamb(eta=0.01, layerwise=False, **ADAVR)
-    _, step = opt.update(opt.init(d.size), d, params=params)
+    opt = lamb(eta=0.01, layerwise=False, **ADAVR)
+    step, _ = opt.update(opt.init(d.size), d, params=params)
     want = 0.01 * np.linalg.norm(params.astype(np.float64))
     np.testing.assert_allclose(np.linalg.norm(step.astype(np.float64)), want, rtol=1e-6)
 
@@ -326,13 +326,13 @@ def test_lamb_whole_model_norm():
 def test_lamb_zero_update_segment_keeps_ratio_one_and_no_nan():
     segs = segments_from_sizes([2, 2])
     params = np.array([1.0, 2.0, 3.0, 4.0], F32)
-    opt = Lamb(eta=0.01, segments=segs)
-    _, step = opt.update(opt.init(4), np.array([0.0, 0.0, 1.0, -1.0], F32), params=params)
+    opt = lamb(eta=0.01, segments=segs)
+    step, _ = opt.update(opt.init(4), np.array([0.0, 0.0, 1.0, -1.0], F32), params=params)
     assert np.all(np.isfinite(step)) and np.all(step[:2] == 0.0)
 
 
 def test_lamb_needs_params_and_matching_segments():
-    opt = Lamb(segments=segments_from_sizes([2, 2]))
+    opt = lamb(segments=segments_from_sizes([2, 2]))
     state = opt.init(4)
     with pytest.raises(ValueError, match="params"):
         opt.update(state, np.ones(4, F32))
@@ -349,29 +349,28 @@ def test_lamb_needs_params_and_matching_segments():
 )
 def test_lamb_rejects_bad_segments(segments):
     with pytest.raises(ValueError, match="segments"):
-        Lamb(segments=segments)
+        lamb(segments=segments)
 
 
 def test_lamb_layerwise_without_segments_is_an_error():
     with pytest.raises(ValueError, match="segments"):
-        Lamb()
-    assert Lamb(layerwise=False).hyperparameters()["layerwise"] is False
+        lamb()
+    assert lamb(layerwise=False).hyperparameters()["layerwise"] is False
 
 
 # ----------------------------------------------------------------------------- bias-correction counter
 
 
-@pytest.mark.parametrize("cls", [Adam, Yogi, AdaBelief])
+@pytest.mark.parametrize("cls", [adam, yogi, adabelief])
 def test_bias_correction_exponent_increments_once_per_round(cls):
     """Constant-sign delta: round t uses 1 - beta**t, t = state.step (from 1); skipping a count would show."""
     opt = cls(eta=1.0, bias_correction=True, **ADAVR)
     state = opt.init(3)
     for t in range(1, 6):
-        state, _ = opt.update(state, np.array([1.0, -2.0, 0.5], F32))
+        _, state = opt.update(state, np.array([1.0, -2.0, 0.5], F32))
         assert state.step == t
     # restart at a shifted counter: the step must change
-    shifted = opt.init(3)
-    shifted.step = 10
-    _, a = opt.update(shifted, np.array([1.0, -2.0, 0.5], F32))
-    _, b = opt.update(opt.init(3), np.array([1.0, -2.0, 0.5], F32))
+    shifted = OptState(10, opt.init(3).slots)
+    a, _ = opt.update(shifted, np.array([1.0, -2.0, 0.5], F32))
+    b, _ = opt.update(opt.init(3), np.array([1.0, -2.0, 0.5], F32))
     assert not np.allclose(a, b)

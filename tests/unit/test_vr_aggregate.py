@@ -270,7 +270,7 @@ def _toy_run(variant_name, *, N, M, rounds, sizes=None, precision=None, eta=None
             ys[i] = (xl - x) / lr_c
         w = None if v.equal_weights else {i: float(sizes[i]) for i in S}
         delta = vr_aggregate(ys, table, num_clients=N, weights=w, weighting=v.weighting, client_lr=lr_c)
-        state, step = opt.update(state, delta, x)
+        step, state = opt.update(state, delta, x)
         x = (x + step).astype(np.float32)
         if table is not None:
             table.replace_many(ys, w)
