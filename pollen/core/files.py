@@ -215,7 +215,7 @@ def _read_npz(
         head = handle.read(len(_NPY_MAGIC))
         if not head.startswith(_ZIP_MAGIC):
             what = "a single .npy array, not an .npz archive" if head == _NPY_MAGIC else "not an .npz archive"
-            raise NpzError(name, f"is not a zip ({'an empty file' if not head else what})")
+            raise NpzError(name, f"is not a zip: {'an empty file' if not head else what}")
         handle.seek(0)
         with zipfile.ZipFile(handle) as zf:
             return _NpzReader(zf, size, name, max_bytes, compressed).read_all(expected)
