@@ -52,7 +52,13 @@ from typing import Any
 
 import numpy as np
 
-from pollen.core.files import NPZ_KINDS_TEXT, NpzError, npz_dtype_problem, read_npz, write_npz_atomic
+from pollen.core.files import (
+    NPZ_KINDS_TEXT,
+    NpzError,
+    npz_dtype_problem,
+    read_npz,
+    write_npz_atomic,
+)
 
 __all__ = ["FORMAT", "CheckpointError", "describe_difference", "load_checkpoint", "save_checkpoint"]
 

@@ -26,7 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from pollen.core.files import NpzError, read_npz, write_bytes_atomically, write_npz_atomic
+from pollen.core.files import (
+    NpzError,
+    read_npz,
+    write_bytes_atomically,
+    write_npz_atomic,
+)
 from pollen.vr.table import UpdateTable
 
 
