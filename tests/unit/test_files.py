@@ -240,11 +240,9 @@ def test_bad_files_are_refused_with_one_line_naming_the_file(tmp_path: Path, mak
 
 
 def test_duplicate_members_are_refused(tmp_path: Path) -> None:
-    path = tmp_path / "dup.npz"
-    with pytest.warns(UserWarning, match="Duplicate name"):
-        _zip(path, {"x.npy": _npy(np.zeros(2))})
-        with zipfile.ZipFile(path, "a") as zf:
-            zf.writestr("x.npy", _npy(np.ones(2)))
+    path = _zip(tmp_path / "dup.npz", {"x.npy": _npy(np.zeros(2))})
+    with zipfile.ZipFile(path, "a") as zf, pytest.warns(UserWarning, match="Duplicate name"):
+        zf.writestr("x.npy", _npy(np.ones(2)))
     with pytest.raises(NpzError, match="'x.npy' twice"):
         read_npz(path)
 
