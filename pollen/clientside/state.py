@@ -38,8 +38,9 @@ unusable state file is moved aside to ``<file>.corrupt`` when it is found).
 
 File format
 -----------
-An uncompressed numpy ``.npz`` archive, read with ``allow_pickle=False`` only (a
-run-config can point at the directory, so nothing in it is ever unpickled):
+An uncompressed numpy ``.npz`` archive, read by :func:`pollen.core.files.read_npz` (a
+run-config can point at the directory, so nothing in it is ever unpickled and no size it
+declares is trusted before it is checked against the file's bytes):
 
 - ``current.__round__``, ``previous.__round__``: 0-d ``int64`` arrays, the round a
   snapshot was written after (non-negative; ``previous`` < ``current``);
@@ -67,7 +68,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.common import log
 
-from pollen.core.files import atomic_file
+from pollen.core.files import NpzError, read_npz, write_npz_atomic
 from pollen.wire.records import numpy_to_array
 
 __all__ = [
@@ -363,28 +364,16 @@ def read_state_file(path: str | os.PathLike[str]) -> dict[str, StateSnapshot]:
 
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
-    """All entries of an ``.npz`` file, loaded without pickle; ``ClientStateError`` otherwise."""
+    """All entries of an ``.npz`` file, read by :func:`pollen.core.files.read_npz` (no pickle, every size
+    checked against the file's bytes before it is allocated); ``ClientStateError`` otherwise."""
     try:
-        loaded = np.load(path, allow_pickle=False)
+        return read_npz(path)
     except FileNotFoundError:
         raise
-    except Exception as err:  # noqa: BLE001  whatever numpy/zipfile say about a bad file
+    except NpzError as err:
+        raise ClientStateError(f"{path}: not a readable .npz file ({err.why})") from err
+    except OSError as err:  # a folder, no permission: unusable like a damaged file
         raise ClientStateError(f"{path}: not a readable .npz file ({_reason(err)})") from err
-    if not isinstance(loaded, np.lib.npyio.NpzFile):
-        raise ClientStateError(f"{path}: not an .npz archive (a single array)")
-    with loaded:
-        if len(set(loaded.files)) != len(loaded.files):
-            raise ClientStateError(f"{path}: duplicate entries")
-        entries = {}
-        for key in loaded.files:
-            try:
-                value = loaded[key]
-            except Exception as err:  # noqa: BLE001  an object array (pickle) or a damaged member
-                raise ClientStateError(f"{path}: entry '{key}' cannot be read ({_reason(err)})") from err
-            if not isinstance(value, np.ndarray):
-                raise ClientStateError(f"{path}: entry '{key}' is not a numpy array")
-            entries[key] = value
-    return entries
 
 
 def _parse_round(path: Path, key: str, value: np.ndarray) -> int:
@@ -439,7 +428,6 @@ def _write_file(path: Path, snapshots: Mapping[str, StateSnapshot]) -> None:
         entries[slot + _ROUND_SUFFIX] = np.array(snapshot.round, dtype=np.int64)
         for name, array in snapshot.arrays.items():
             entries[f"{slot}/{name}"] = array
-    with atomic_file(path) as handle:
-        np.savez(handle, **entries)
+    write_npz_atomic(path, entries)
 
 

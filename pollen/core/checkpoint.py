@@ -9,13 +9,14 @@ a checkpoint does not match the current one.
 Why this shape:
 
 - **Atomic write.** The file is written to a temporary file in the same directory, flushed, ``fsync``-ed and
-  then renamed onto the final path with :func:`os.replace`. A crash (or ``SIGKILL``) while writing leaves the
-  previous checkpoint at ``path`` untouched and usable; a reader never sees a half-written file.
+  then renamed onto the final path with :func:`os.replace` (:func:`pollen.core.files.write_npz_atomic`). A
+  crash (or ``SIGKILL``) while writing leaves the previous checkpoint at ``path`` untouched and usable; a
+  reader never sees a half-written file.
 - **No pickle.** A run-config can point at a checkpoint file, so the file is untrusted input: nothing in it
   is ever unpickled, arrays of ``object`` dtype are refused when saving and when loading, and every size the
   file declares is checked against the bytes that are really there before anything is allocated
-  (:func:`numpy.load` on a zip member allocates from the declared shape first, so this module reads the
-  members itself with :mod:`numpy.lib.format`, ``allow_pickle=False``).
+  (:func:`numpy.load` on a zip member allocates from the declared shape first; the members are read by
+  :func:`pollen.core.files.read_npz`, which checks each header against its bytes first).
 
 File format (``"pollen-checkpoint/1"``): one uncompressed ``.npz`` written by :func:`numpy.savez`. Every array
 of the tree is a member named ``a0``, ``a1``, ... ; the member ``__meta__`` is a 1-D ``uint8`` array holding
@@ -46,14 +47,18 @@ import json
 import math
 import os
 import re
-import struct
-import zipfile
 from collections.abc import Iterable, Mapping
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
-from pollen.core.files import atomic_file
+from pollen.core.files import (
+    NPZ_KINDS_TEXT,
+    NpzError,
+    npz_dtype_problem,
+    read_npz,
+    write_npz_atomic,
+)
 
 __all__ = ["FORMAT", "CheckpointError", "describe_difference", "load_checkpoint", "save_checkpoint"]
 
@@ -67,11 +72,6 @@ _ARRAY_NAME = re.compile(r"a[0-9]{1,9}")
 _HEX_INT = re.compile(r"-?0x[0-9a-f]+")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-_ALLOWED_KINDS = frozenset("biufcUS")
-_ALLOWED_TEXT = "numeric, bool or fixed-width str/bytes arrays"
-_ZIP_MAGIC = b"PK\x03\x04"
-# Errors the standard library and numpy raise on a damaged file; anything else is a bug and propagates.
-_READ_ERRORS = (zipfile.BadZipFile, ValueError, EOFError, OSError, RuntimeError, OverflowError, struct.error)
 
 
 class CheckpointError(ValueError):
@@ -106,10 +106,7 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Mapping[str, Any]) -> in
         If writing fails; the temporary file is removed and the previous file at ``path`` is untouched.
     """
     meta, arrays = _encode_tree(tree)
-    with atomic_file(path) as handle:
-        np.savez(handle, **{_META: np.frombuffer(meta, dtype=np.uint8)}, **arrays)
-        handle.flush()
-        return os.fstat(handle.fileno()).st_size
+    return write_npz_atomic(path, {_META: np.frombuffer(meta, dtype=np.uint8), **arrays})
 
 
 def _encode_tree(tree: Mapping[str, Any]) -> tuple[bytes, dict[str, np.ndarray]]:
@@ -172,23 +169,12 @@ def _encode_numpy(value: np.ndarray | np.generic, where: str, arrays: dict[str, 
     if isinstance(value, np.ma.MaskedArray):
         raise CheckpointError(f"checkpoint value at {_show(where)} is a masked array; allowed: plain arrays")
     array = np.asarray(value)
-    reason = _dtype_problem(array.dtype)
+    reason = npz_dtype_problem(array.dtype)
     if reason is not None:
-        raise CheckpointError(f"checkpoint value at {_show(where)} has {reason}; allowed: {_ALLOWED_TEXT}")
+        raise CheckpointError(f"checkpoint value at {_show(where)} has {reason}; allowed: {NPZ_KINDS_TEXT}")
     name = f"a{len(arrays)}"
     arrays[name] = array
     return {_SCALAR if isinstance(value, np.generic) else _ARRAY: name}
-
-
-def _dtype_problem(dtype: np.dtype) -> str | None:
-    """Why ``dtype`` cannot be stored, or None if it can."""
-    if dtype.names is not None or dtype.subdtype is not None:
-        return f"structured dtype {dtype}"
-    if dtype.kind not in _ALLOWED_KINDS:
-        return f"dtype {dtype}"
-    if dtype.itemsize == 0:
-        return f"zero-width dtype {dtype}"
-    return None
 
 
 def _join(where: str, key: str) -> str:
@@ -225,33 +211,20 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         If the file cannot be opened (missing, a directory, no permission).
     """
     name = os.fspath(path)
-    with open(name, "rb") as f:
-        try:
-            return _read(f, name)
-        except CheckpointError:
-            raise
-        except zipfile.BadZipFile as exc:
-            raise _bad(name, f"is damaged or truncated ({exc})") from exc
-        except _READ_ERRORS as exc:
-            raise _bad(name, f"cannot be read ({type(exc).__name__}: {exc})") from exc
+    try:
+        members = read_npz(name)
+    except NpzError as exc:
+        raise _bad(name, exc.why) from exc
+    if _META not in members:
+        raise _bad(name, f"has no {_META} member (not a pollen checkpoint)")
+    tree = _Reader(members, name).decode(_parse_meta(members[_META], name), "")
+    if not isinstance(tree, dict):
+        raise _bad(name, f"holds a {type(tree).__name__} at the top level, not a dict")
+    return tree
 
 
 def _bad(name: str, why: str) -> CheckpointError:
     return CheckpointError(" ".join(f"checkpoint {name} {why}".split()))
-
-
-def _read(f: IO[bytes], name: str) -> dict[str, Any]:
-    if f.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
-        raise _bad(name, "is not a pollen checkpoint (not a zip/npz file)")
-    f.seek(0)
-    with zipfile.ZipFile(f) as zf:
-        reader = _Reader(zf, os.fstat(f.fileno()).st_size, name)
-        if f"{_META}.npy" not in reader.members:
-            raise _bad(name, f"has no {_META} member (not a pollen checkpoint)")
-        tree = reader.decode(_parse_meta(reader.member(_META, _META), name), "")
-    if not isinstance(tree, dict):
-        raise _bad(name, f"holds a {type(tree).__name__} at the top level, not a dict")
-    return tree
 
 
 def _parse_meta(meta: np.ndarray, name: str) -> dict[str, Any]:
@@ -277,58 +250,25 @@ def _refuse_constant(token: str) -> Any:
 
 
 class _Reader:
-    """Reads the members of one open checkpoint zip and turns the parsed meta back into the tree."""
+    """Turns the parsed meta of one checkpoint back into the tree, taking arrays from its checked members."""
 
-    def __init__(self, zf: zipfile.ZipFile, file_size: int, name: str) -> None:
-        self.zf = zf
-        self.file_size = file_size
+    def __init__(self, members: Mapping[str, np.ndarray], name: str) -> None:
+        self.members = members
         self.name = name
-        self.members = {info.filename: info for info in zf.infolist()}
+        self.used: set[str] = set()
 
     def bad(self, why: str) -> CheckpointError:
         return _bad(self.name, why)
 
     def member(self, key: str, where: str) -> np.ndarray:
-        """Read member ``key`` (referenced at ``where``), checking its sizes against the file first."""
-        info = self.members.get(f"{key}.npy")
-        if info is None:
+        """The array stored in member ``key`` (referenced at ``where``)."""
+        array = self.members.get(key)
+        if array is None or key == _META:
             raise self.bad(f"has no array {key!r} (referenced at {where})")
-        self.check_zip_entry(info)
-        with self.zf.open(info) as fp:
-            shape, dtype = self.check_npy_header(fp, info)
-        with self.zf.open(info) as fp:
-            array = np.lib.format.read_array(fp, allow_pickle=False)
-        if array.shape != shape or array.dtype != dtype:
-            raise self.bad(f"has member {info.filename} that did not read back as its header declares")
+        if key in self.used:  # a file pollen wrote never refers to one array twice: no aliasing either way
+            return array.copy()
+        self.used.add(key)
         return array
-
-    def check_zip_entry(self, info: zipfile.ZipInfo) -> None:
-        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-            raise self.bad(f"has a compressed member {info.filename}; pollen checkpoints are uncompressed")
-        if info.flag_bits & 0x1:
-            raise self.bad(f"has an encrypted member {info.filename}")
-        if info.header_offset + info.compress_size > self.file_size:
-            raise self.bad(f"has member {info.filename} of {info.file_size} bytes, more than the file holds")
-
-    def check_npy_header(self, fp: IO[bytes], info: zipfile.ZipInfo) -> tuple[tuple[int, ...], np.dtype]:
-        """Read the ``.npy`` header; refuse a bad dtype or a shape that the member's bytes do not cover."""
-        version = np.lib.format.read_magic(fp)
-        if version == (1, 0):
-            shape, _, dtype = np.lib.format.read_array_header_1_0(fp)
-        elif version == (2, 0):
-            shape, _, dtype = np.lib.format.read_array_header_2_0(fp)
-        else:
-            raise self.bad(f"has member {info.filename} in .npy format {version}; allowed: 1.0 or 2.0")
-        reason = _dtype_problem(dtype)
-        if reason is not None:
-            raise self.bad(f"has member {info.filename} with {reason}; allowed: {_ALLOWED_TEXT}")
-        declared, held = math.prod(shape) * dtype.itemsize, info.file_size - fp.tell()
-        if declared != held:
-            raise self.bad(
-                f"has member {info.filename} declaring shape {shape} of {dtype} ({declared} bytes) "
-                f"but holding {held} bytes"
-            )
-        return tuple(shape), dtype
 
     def decode(self, value: Any, where: str) -> Any:
         """Invert :func:`_encode` on the parsed JSON at tree path ``where``."""

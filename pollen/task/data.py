@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from pollen.core.files import atomic_file
+from pollen.core.files import NpzError, read_npz, write_npz_atomic
 from pollen.task import partitions as _partitions_module
 from pollen.task import sources as _sources_module
 from pollen.task.partitions import (
@@ -263,7 +263,6 @@ CACHE_ENV = "POLLEN_CACHE_DIR"
 _DEFAULT_CACHE_DIR = "~/.cache/pollen/partitions"
 _CACHE_OFF = frozenset({"off", "none", "no", "false", "0", "disable", "disabled"})
 _CACHE_FORMAT = 1  # bump when the file layout changes
-_CACHE_ARRAYS = ("key", "x_train", "y_train", "x_val", "y_val")
 
 # What ``flwr.common.log`` writes to, without importing Flower into the task layer.
 _flwr_log = logging.getLogger("flwr")
@@ -338,13 +337,24 @@ def _cache_entry(cfg: DataConfig, partition_id: int) -> tuple[Path | None, str]:
     return cache_dir / f"{cfg.dataset}-{cfg.partitioner}-{partition_id}-of-{cfg.num_partitions}-{digest}.npz", key
 
 
+def _image_shape(dataset: str) -> tuple[int, ...]:
+    info = SPECS[dataset].info
+    return (info.image_size, info.image_size) + ((info.num_channels,) if info.num_channels > 1 else ())
+
+
+def _cache_spec(dataset: str) -> dict[str, tuple[tuple[int | None, ...], np.dtype | None]]:
+    """What a cache file of ``dataset`` holds, as :func:`pollen.core.files.read_npz` checks it from the headers."""
+    x, y = ((None, *_image_shape(dataset)), np.dtype(np.uint8)), ((None,), np.dtype(np.int64))
+    return {"key": ((), None), "x_train": x, "y_train": y, "x_val": x, "y_val": y}
+
+
 def _check_cached(arrays: dict[str, np.ndarray], key: str, dataset: str) -> None:
     """``ValueError`` saying what is wrong when a loaded cache file is not the partition asked for."""
     stored = arrays["key"]
     if stored.dtype.kind != "U" or stored.ndim != 0 or str(stored[()]) != key:
         raise ValueError("its stored key does not match")
     info = SPECS[dataset].info
-    shape = (info.image_size, info.image_size) + ((info.num_channels,) if info.num_channels > 1 else ())
+    shape = _image_shape(dataset)
     for split in ("train", "val"):
         x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
         if x.dtype != np.uint8 or x.shape[1:] != shape:
@@ -367,13 +377,11 @@ def _read_cached(path: Path, key: str, dataset: str) -> dict[str, np.ndarray] | 
         _flwr_log.warning("[pollen] partition cache %s cannot be opened (%s); rebuilding it", path, err)
         return None
     try:
-        with f, np.load(f, allow_pickle=False) as z:
-            if sorted(z.files) != sorted(_CACHE_ARRAYS):
-                raise ValueError(f"it holds {sorted(z.files)}, expected {sorted(_CACHE_ARRAYS)}")
-            arrays = {name: z[name] for name in _CACHE_ARRAYS}
+        with f:  # no pickle; every header checked against its bytes and the expected shapes first
+            arrays = read_npz(f, expected=_cache_spec(dataset))
         _check_cached(arrays, key, dataset)
     except Exception as err:  # noqa: BLE001 - any failure: rebuild, never use
-        reason = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+        reason = " ".join((err.why if isinstance(err, NpzError) else f"{type(err).__name__}: {err}").split())[:200]
         _flwr_log.warning("[pollen] partition cache %s is unusable (%s); rebuilding it", path, reason)
         return None
     del arrays["key"]
@@ -387,8 +395,8 @@ def _write_cached(path: Path, key: str, arrays: dict[str, np.ndarray]) -> None:
     a reader sees the old file or the new one, never a part. A failure costs a warning, not the run.
     """
     try:
-        with atomic_file(path, mode=0o644) as handle:  # readable by other users' nodes on the machine
-            np.savez(handle, key=np.array(key), **arrays)
+        # readable by other users' nodes on the machine
+        write_npz_atomic(path, {"key": np.array(key), **arrays}, mode=0o644)
     except OSError as err:
         _flwr_log.warning("[pollen] cannot write partition cache %s (%s); continuing without it", path, err)
 

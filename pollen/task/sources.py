@@ -43,6 +43,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from pollen.core.files import NpzError, read_npz
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -714,12 +716,22 @@ def _embedded_path() -> Path | None:
     return None
 
 
+#: The shipped subset inflates to about 11 MB; anything claiming far more is not it.
+_EMBEDDED_MAX_BYTES = 256 * 2**20
+
+
 def _load_embedded() -> RawData:
     path = _embedded_path()
     if path is None:
         raise DataSourceError(f"embedded {EMBEDDED_FASHION_MNIST} not found beside pollen or on sys.path")
-    with np.load(path, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in ("x_train", "y_train", "x_test", "y_test")}
+    try:  # the shipped file is deflated (np.savez_compressed's format); read_npz bounds what it inflates to
+        members = read_npz(path, allow_compressed=True, max_bytes=_EMBEDDED_MAX_BYTES)
+    except NpzError as err:
+        raise DataSourceError(f"embedded {EMBEDDED_FASHION_MNIST} at {path} is unusable: it {err.why}") from err
+    missing = sorted({"x_train", "y_train", "x_test", "y_test"} - set(members))
+    if missing:
+        raise DataSourceError(f"embedded {EMBEDDED_FASHION_MNIST} at {path} is unusable: it has no {missing}")
+    arrays = {k: members[k] for k in ("x_train", "y_train", "x_test", "y_test")}
     arrays = _check(SPECS["fashion-mnist"], arrays, f"embedded {EMBEDDED_FASHION_MNIST}")
     n_tr, n_te = len(arrays["y_train"]), len(arrays["y_test"])
     return _raw(arrays, f"embedded Fashion-MNIST subset ({n_tr:,} train / {n_te:,} test images, pollen/task/embedded)")

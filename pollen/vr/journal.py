@@ -11,8 +11,9 @@ round ahead. :class:`TableJournal` prevents that with two small files beside the
 
 On resume, :meth:`TableJournal.recover` compares the file's id and generation with the checkpoint's:
 equal, the file is used; one round ahead with its undo log, the old rows are written back; anything
-else (another run's table, a stale file) is refused with one line. Writes are atomic (temporary
-file, fsync, rename); nothing here unpickles.
+else (another run's table, a stale file, an undo log that does not fit the table) is refused with
+one line. Writes are atomic (temporary file, fsync, rename); the undo log is read by
+:func:`pollen.core.files.read_npz` (no pickle, sizes checked against its bytes before allocating).
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from pollen.core.files import atomic_file, write_bytes_atomically
+from pollen.core.files import (
+    NpzError,
+    read_npz,
+    write_bytes_atomically,
+    write_npz_atomic,
+)
 from pollen.vr.table import UpdateTable
 
 
@@ -46,7 +52,8 @@ class TableJournal:
     def begin(self, table: UpdateTable, generation: int, keys: Sequence[str]) -> None:
         """Before round ``generation`` replaces the rows of ``keys``: save them, mark the file dirty."""
         rows = table.row_indices(keys)
-        _atomic_npz(self.undo_path, generation=np.array(generation, np.int64), rows=np.array(rows, np.int64), data=table.read_rows(rows))
+        undo = {"generation": np.array(generation, np.int64), "rows": np.array(rows, np.int64), "data": table.read_rows(rows)}
+        write_npz_atomic(self.undo_path, undo)
         self._write(generation, dirty=True)
 
     def commit(self, table: UpdateTable, generation: int) -> None:
@@ -66,11 +73,11 @@ class TableJournal:
         if found == generation and not marker["dirty"]:
             return
         if found == generation + 1 and self.undo_path.is_file():
-            with np.load(self.undo_path, allow_pickle=False) as undo:
-                if int(undo["generation"]) == found:
-                    table.write_rows([int(r) for r in undo["rows"]], undo["data"])
-                    self.commit(table, generation)
-                    return
+            undo = self._read_undo(table)
+            if int(undo["generation"]) == found:
+                table.write_rows([int(r) for r in undo["rows"]], undo["data"])
+                self.commit(table, generation)
+                return
         raise TableFileError(
             f"table file {self.table_path} holds round {found}{' (half written)' if marker['dirty'] else ''}, "
             f"the checkpoint round {generation}; allowed: the file of this checkpoint or one round ahead with its undo log"
@@ -80,6 +87,22 @@ class TableJournal:
     def _write(self, generation: int, *, dirty: bool) -> None:
         text = json.dumps({"table_id": self.table_id, "generation": int(generation), "dirty": bool(dirty)})
         write_bytes_atomically(self.journal_path, text.encode())
+
+    def _read_undo(self, table: UpdateTable) -> dict[str, np.ndarray]:
+        """The undo log, its shapes checked against ``table`` before anything is allocated (no pickle)."""
+        spec = {
+            "generation": ((), np.int64),
+            "rows": ((None,), np.int64),
+            "data": ((None, table.row_width), table.storage_dtype),
+        }
+        try:
+            undo = read_npz(self.undo_path, expected=spec)
+        except (NpzError, OSError) as err:
+            raise TableFileError(f"table file {self.table_path} has an unusable undo log ({err})") from None
+        rows = undo["rows"]
+        if len(rows) != len(undo["data"]) or (len(rows) and (rows.min() < 0 or rows.max() >= table.known_clients)):
+            raise TableFileError(f"table file {self.table_path} has an undo log whose rows do not fit the table")
+        return undo
 
     def _read(self) -> dict:
         try:
@@ -91,8 +114,3 @@ class TableJournal:
             return marker
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise TableFileError(f"table file {self.table_path} has no usable journal ({err}); it cannot be trusted") from None
-
-
-def _atomic_npz(path: Path, **arrays: np.ndarray) -> None:
-    with atomic_file(path) as handle:
-        np.savez(handle, **arrays)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from pollen.compression import quant
+from pollen.core.files import read_npz, write_npz_atomic
 
 ClientKey = str | int
 
@@ -139,6 +140,16 @@ class UpdateTable:
     def capacity(self) -> int:
         """Rows currently allocated."""
         return int(self._data.shape[0])
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one encoded row (the data array's second dimension)."""
+        return self._width
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        """dtype of the encoded rows (float32, float16, int8 or uint8)."""
+        return self._dtype
 
     @property
     def known_clients(self) -> int:
@@ -464,18 +475,46 @@ class UpdateTable:
         return table
 
     def save(self, file: str | os.PathLike[str]) -> None:
-        """Write the state to an uncompressed ``.npz`` file, streaming the rows (no copy of a memmap table)."""
-        state = self.state_dict(include_data=False)
+        """Write the state to an uncompressed ``.npz`` file, streaming the rows (no copy of a memmap table).
+
+        The file is replaced atomically (:func:`pollen.core.files.write_npz_atomic`), at exactly ``file``.
+        """
+        state: dict[str, np.ndarray] = self.state_dict(include_data=False)
         if self._path is not None:
             self._data.flush()
         state["data"] = self._data[: len(self._keys)]
-        np.savez(file, **state)
+        write_npz_atomic(file, state)
 
     @classmethod
     def load(cls, file: str | os.PathLike[str], *, path: str | os.PathLike[str] | None = None) -> UpdateTable:
-        """Read a table written by :meth:`save` into RAM, or into a memmap at ``path``."""
-        with np.load(file, allow_pickle=False, mmap_mode=None) as npz:
-            state = {k: npz[k] for k in npz.files}
+        """Read a table written by :meth:`save` into RAM, or into a memmap at ``path``.
+
+        The file is read by :func:`pollen.core.files.read_npz` (no pickle; every array checked against its
+        bytes before it is allocated), and the table's ``dim`` against the running sum the file really
+        holds before a table of that size is built. A file that is not such a table raises ``ValueError``.
+        """
+        n = None
+        spec = {
+            "dim": ((), np.int64),
+            "segments": ((n,), np.int64),
+            "precision": ((), None),
+            "keys": ((n,), None),
+            "weights": ((n,), np.float64),
+            "absmax": ((n, n), np.float32),
+            "running_sum": ((n,), np.float64),
+            "data": ((n, n), None),
+        }
+        state = read_npz(file, expected=spec)
+        name = os.fspath(file)
+        for key in ("precision", "keys"):
+            if state[key].dtype.kind != "U":
+                raise ValueError(f"{name}: {key!r} is {state[key].dtype}, expected a str array")
+        dim, count = int(state["dim"]), len(state["keys"])
+        if state["running_sum"].shape != (dim,) or len(state["data"]) != count or len(state["weights"]) != count:
+            raise ValueError(
+                f"{name}: dim {dim} and {count} keys do not match the running sum {state['running_sum'].shape}, "
+                f"the weights {state['weights'].shape} and the rows {state['data'].shape} it holds"
+            )
         return cls.from_state_dict(state, path=path)
 
     def flush(self) -> None:

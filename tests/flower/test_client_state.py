@@ -338,6 +338,33 @@ def test_pickled_object_array_is_never_unpickled(tmp_path, monkeypatch):
     assert "allow_pickle" in messages_text(logs)
 
 
+def test_a_member_declaring_a_huge_shape_is_refused_before_allocating(tmp_path):
+    # 8 TB declared in a 200-byte file: np.load would try to allocate it; the state file is moved aside.
+    import io
+    import zipfile
+
+    path = state_file_path(tmp_path, "c1")
+    path.parent.mkdir(parents=True)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False, "shape": (10**12,)})
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("current.__round__.npy", _npy_bytes(np.array(1, dtype=np.int64)))
+        zf.writestr("current/m.npy", header.getvalue() + b"\0" * 64)
+    with capture_flwr_logs() as logs:
+        st = load(2, tmp_path)
+    assert st.names() == [] and st.base_round == 0
+    _assert_quarantined(path, logs)
+    assert "8000000000000 bytes" in messages_text(logs)
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    np.lib.format.write_array(out, array, allow_pickle=False)
+    return out.getvalue()
+
+
 def test_a_pickle_file_is_not_unpickled(tmp_path, monkeypatch):
     path = state_file_path(tmp_path, "c1")
     path.parent.mkdir(parents=True)

@@ -229,6 +229,21 @@ def test_embedded_subset():
     assert 65 < raw.x_train.mean() < 80 and (raw.x_train == 0).mean() > 0.4
 
 
+def test_embedded_subset_declaring_more_than_it_holds_is_refused(tmp_path, monkeypatch):
+    # A copy of pollen on sys.path can supply the subset: its sizes are checked like any other file's.
+    import io
+    import zipfile
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "|u1", "fortran_order": False, "shape": (10**9, 28, 28)})
+    path = tmp_path / S.EMBEDDED_FASHION_MNIST
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("x_train.npy", header.getvalue() + bytes(784))
+    monkeypatch.setattr(S, "_embedded_path", lambda: path)
+    with pytest.raises(DataSourceError, match=r"unusable: it has member x_train.npy declaring shape \(1000000000, 28, 28\)"):
+        S._load_embedded()
+
+
 @pytest.mark.skipif(not DEBIAN.is_dir(), reason="Debian's dataset-fashion-mnist is not installed")
 def test_embedded_subset_is_taken_from_the_original_files():
     full = S.load_raw("fashion-mnist", str(DEBIAN))

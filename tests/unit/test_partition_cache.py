@@ -175,6 +175,21 @@ def _other_key(path: Path) -> None:
         np.savez(f, **arrays)
 
 
+def _huge_declared_shape(path: Path) -> None:
+    # x_train's header declares 10**9 images with the bytes of a few: refused before allocating 784 GB
+    import io
+    import zipfile
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "|u1", "fortran_order": False, "shape": (10**9, 28, 28)})
+    with zipfile.ZipFile(path) as zf:
+        members = {info.filename: zf.read(info) for info in zf.infolist()}
+    members["x_train.npy"] = header.getvalue() + b"\0" * 4096
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+
+
 class _Payload:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
@@ -190,7 +205,7 @@ def _pickled(path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "damage", [_truncated, _random, _wrong_keys, _wrong_dtype, _wrong_labels, _other_key, _pickled]
+    "damage", [_truncated, _random, _wrong_keys, _wrong_dtype, _wrong_labels, _other_key, _pickled, _huge_declared_shape]
 )
 def test_bad_cache_file_is_rebuilt_with_one_warning(cfg, tmp_path, caplog, damage):
     reference = tensors(cfg)
@@ -212,6 +227,17 @@ def test_bad_cache_file_is_rebuilt_with_one_warning(cfg, tmp_path, caplog, damag
         no_raw_data(mp)
         assert_equal(reference, tensors(cfg))
     assert not [r for r in caplog.records if r.name == "flwr"]
+
+
+def test_a_huge_declared_shape_is_refused_from_its_header(cfg, tmp_path, caplog):
+    tensors(cfg)
+    (path,) = cache_files(tmp_path)
+    _huge_declared_shape(path)
+    D.clear_caches()
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        tensors(cfg)
+    (msg,) = [r.getMessage() for r in caplog.records if r.name == "flwr" and r.levelno == logging.WARNING]
+    assert "x_train.npy declaring shape (1000000000, 28, 28)" in msg and "rebuilding" in msg
 
 
 # --------------------------------------------------------------------------- concurrency, switch, failures

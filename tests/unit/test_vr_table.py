@@ -241,3 +241,83 @@ def test_constructor_validation():
         UpdateTable(DIM, [1, 2])
     with pytest.raises(ValueError):
         UpdateTable(0)
+
+
+# --------------------------------------------------------------------------------------- hostile files
+
+
+def _npy(array_or_header) -> bytes:
+    """The bytes of one ``.npy`` member: an array, or a bare header dict (a declared shape, no data)."""
+    import io
+
+    out = io.BytesIO()
+    if isinstance(array_or_header, dict):
+        np.lib.format.write_array_header_1_0(out, array_or_header)
+    else:
+        np.lib.format.write_array(out, array_or_header, allow_pickle=False)
+    return out.getvalue()
+
+
+def _rewrite(path, **members) -> None:
+    """Rewrite the ``.npz`` at ``path`` with some members replaced by raw ``.npy`` bytes."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        old = {info.filename: zf.read(info) for info in zf.infolist()}
+    old.update({f"{name}.npy": data for name, data in members.items()})
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in old.items():
+            zf.writestr(name, data)
+
+
+_HUGE = {"descr": "<f8", "fortran_order": False, "shape": (10**12,)}
+
+
+def test_load_refuses_a_file_whose_sizes_its_bytes_do_not_cover(tmp_path):
+    t = UpdateTable(DIM, SEGMENTS, "int8")
+    _random_rounds(t, rounds=3, n_clients=5, m=2, seed=1)
+    t.save(tmp_path / "snap.npz")
+    _rewrite(tmp_path / "snap.npz", running_sum=_npy(_HUGE) + b"\0" * 64)
+    with pytest.raises(ValueError, match="8000000000000 bytes"):
+        UpdateTable.load(tmp_path / "snap.npz")
+    # a dim the file's running sum does not back is refused before a table of that size is built
+    t.save(tmp_path / "snap.npz")
+    _rewrite(tmp_path / "snap.npz", dim=_npy(np.array(10**12, dtype=np.int64)))
+    with pytest.raises(ValueError, match="do not match"):
+        UpdateTable.load(tmp_path / "snap.npz")
+
+
+def test_save_writes_exactly_the_path_given_and_keeps_the_old_file_on_failure(tmp_path, monkeypatch):
+    t = UpdateTable(DIM, SEGMENTS, "fp32")
+    _random_rounds(t, rounds=2, n_clients=4, m=2, seed=2)
+    t.save(tmp_path / "snap.npz")
+    before = (tmp_path / "snap.npz").read_bytes()
+    _random_rounds(t, rounds=2, n_clients=4, m=2, seed=3)
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk gone")))
+    with pytest.raises(OSError, match="disk gone"):
+        t.save(tmp_path / "snap.npz")
+    monkeypatch.undo()
+    assert (tmp_path / "snap.npz").read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["snap.npz"]
+
+
+@pytest.mark.parametrize(
+    ("undo", "why"),
+    [
+        ({"data": _npy(_HUGE) + b"\0" * 64}, "8000000000000 bytes"),
+        ({"rows": _npy(np.array([0, 10**9], dtype=np.int64))}, "do not fit"),
+        ({"data": _npy(np.zeros((2, 3), dtype=np.float64))}, "expected"),
+    ],
+)
+def test_journal_refuses_a_hostile_undo_log(tmp_path, undo, why):
+    from pollen.vr.journal import TableFileError, TableJournal
+
+    path = tmp_path / "live.bin"
+    t = UpdateTable(DIM, SEGMENTS, "int8", path=path)
+    _random_rounds(t, rounds=3, n_clients=6, m=3, seed=4)
+    journal = TableJournal(path)
+    journal.commit(t, 3)
+    journal.begin(t, 4, t.keys()[:2])  # "crash" in round 4: the file is one round ahead with its undo log
+    _rewrite(journal.undo_path, **undo)
+    with pytest.raises(TableFileError, match=why):
+        journal.recover(t, 3)
