@@ -20,6 +20,9 @@ from typing import Any
 
 import numpy as np
 
+
+from pollen.core.files import write_npz_atomic
+
 COLUMNS = (
     "round",
     "accuracy",
@@ -95,7 +98,7 @@ class RunRecorder:
 
     def finish(self, final_arrays: Mapping[str, np.ndarray], summary: Mapping[str, Any]) -> None:
         self.summary = dict(summary)
-        np.savez(self.out_dir / "final_model.npz", **{k: np.asarray(v) for k, v in final_arrays.items()})
+        write_npz_atomic(self.out_dir / "final_model.npz", {k: np.asarray(v) for k, v in final_arrays.items()})
         self._write_json()
         plot_runs({self.out_dir.name: self.rows}, self.out_dir)
 
