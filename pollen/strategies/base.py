@@ -46,6 +46,7 @@ from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec
 from pollen.strategies.rounds import RoundLoop
 from pollen.strategies.sampling import ClientSampler
 from pollen.strategies.screening import DEFAULT_MAX_ABS, UpdateScreen, all_finite
+from pollen.strategies.step import ServerStep
 from pollen.strategies.sinks import AGGREGATIONS, RunningMean, ScreenedSink, aggregate_metrics, mean_of, weights_of
 from pollen.strategies.transport import Transport
 from pollen.strategies.uplink import Uplink
@@ -162,7 +163,6 @@ class AdaptiveStrategy(RoundLoop, Strategy):
                 raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= 0")
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation={aggregation!r} is unknown; allowed: {', '.join(AGGREGATIONS)}")
-        self.optimizer = optimizer
         self.fraction_train = fraction_train
         self.fraction_evaluate = fraction_evaluate
         self.min_train_nodes = min_train_nodes
@@ -178,19 +178,14 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         if uplink is not None and not isinstance(uplink, Uplink):
             raise ValueError(f"uplink={uplink!r} is not an Uplink; allowed: pollen.strategies.Uplink(...) or None")
         self.uplink = uplink
-        self.opt_state: OptState | None = None
-        # Double buffers of the server step: the model and optimiser state discarded last round, whose
-        # arrays the next step writes into (see apply_server_step).
-        self._spare_params: np.ndarray | None = None
-        self._spare_state: OptState | None = None
 
+        self.server_step = ServerStep(optimizer)
         self.model = GlobalModel(buffer_keys)
         self.sampler = ClientSampler(seed=seed, min_available_nodes=min_available_nodes, identify_clients=identify_clients)
         self.screen = UpdateScreen(rule=outlier_rule, factor=outlier_factor, window=outlier_window, max_abs=max_abs_update)
         self.accounting = Accounting()
         self.replies = ReplyCollector(self.sampler, lambda: self.accounting)
         self.transport = Transport(self.replies, lambda: self.accounting, configrecord_key)
-        self._scratch: np.ndarray | None = None
         self._train_started: dict[int, float] = {}
 
     # ------------------------------------------------------------------ the model, through its collaborator
@@ -213,6 +208,14 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     @buffers.setter
     def buffers(self, value: dict[str, np.ndarray]) -> None:
         self.model.buffers = value
+
+    @property
+    def optimizer(self) -> Transform | None:
+        return self.server_step.optimizer
+
+    @property
+    def opt_state(self) -> OptState | None:
+        return self.server_step.state
 
     @property
     def buffer_keys(self) -> tuple[str, ...] | None:
@@ -315,9 +318,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def _adopt_global_model(self, arrays: ArrayRecord) -> None:
         """Take the global model Flower hands back; build the optimiser when the layout is new."""
         if self.model.adopt(arrays):
-            self.optimizer = self.build_optimizer(self.layout)
-            self.opt_state = self.optimizer.init(self.layout.dim)
-            self._spare_params, self._spare_state = None, None
+            self.server_step.start(self.build_optimizer(self.layout), self.layout.dim)
             self.on_layout(self.layout)
             log(
                 INFO,
@@ -385,7 +386,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             weighted_by_key=self.weighted_by_key,
             weight_required=self.needs_weights(),
             max_abs=self.screen.max_abs,
-            scratch=self._scratch_vector() if sink is not None else None,
+            scratch=self.server_step.scratch(self.layout.dim) if sink is not None else None,
             sink=sink,
         )
 
@@ -457,11 +458,11 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         """Aggregate, step, average buffers; all or nothing when ``transactional``.
 
         Nothing is copied to be able to go back: the step writes the new parameters and optimiser
-        state into spare arrays (``apply_server_step``) and buffer averaging replaces the arrays of a
-        new dict, so a failure only puts the references of before back.
+        state into spare arrays (:class:`ServerStep`) and buffer averaging fills a new dict, so a
+        failure only puts the references of before back.
         """
-        before = (self.params, self.opt_state, self.buffers)
-        self.buffers = dict(self.buffers)
+        params, opt_state, buffers = self.params, self.opt_state, self.buffers
+        self.buffers = dict(buffers)
         try:
             delta = running.mean() if running is not None else self.aggregate_deltas(server_round, updates)
             self.apply_server_step(server_round, delta)
@@ -473,42 +474,13 @@ class AdaptiveStrategy(RoundLoop, Strategy):
                 raise FloatingPointError("the server step produced NaN or Inf parameters")
         except Exception:
             if self.transactional:
-                self._roll_back(*before)
+                self.server_step.keep(params, opt_state, self.params)
+                self.params, self.buffers = params, buffers
             raise
 
-    def _roll_back(self, params: np.ndarray, opt_state: OptState, buffers: dict[str, np.ndarray]) -> None:
-        """Go back to the model and optimiser state of before the step; the discarded ones become the spares."""
-        if self.params is not params:
-            self._spare_params = self.params
-        if self.opt_state is not opt_state:
-            self._spare_state = self.opt_state
-        self.params, self.opt_state, self.buffers = params, opt_state, buffers
-
-    def _scratch_vector(self) -> np.ndarray:
-        if self._scratch is None or self._scratch.shape != (self.layout.dim,):
-            self._scratch = np.empty(self.layout.dim, dtype=np.float32)
-        return self._scratch
-
     def apply_server_step(self, server_round: int, delta: np.ndarray) -> None:
-        """``x <- x + step`` with the optimiser's step for the aggregated delta.
-
-        Double-buffered: the optimiser writes its new state into the spare state (the one discarded
-        a round ago) and the new model goes into the spare parameter vector; both are swapped in, and
-        what they replace becomes the spares. Neither the old model nor the old state is written, so
-        ``_server_step`` can go back to them; no ``d``-sized memory is allocated after round 1.
-        """
-        scratch = self._scratch_vector() if self.layout is not None else None
-        if scratch is delta:
-            scratch = None
-        step, new_state = self.optimizer.update(
-            self.opt_state, delta, self.params, into=self._spare_state, out=scratch
-        )
-        new_params = self._spare_params
-        if new_params is None or new_params.shape != self.params.shape or new_params is self.params:
-            new_params = np.empty_like(self.params)
-        np.add(self.params, step, out=new_params)
-        self._spare_state, self.opt_state = self.opt_state, new_state
-        self._spare_params, self.params = self.params, new_params
+        """``x <- x + step`` with the optimiser's step for the aggregated delta (double-buffered)."""
+        self.params = self.server_step.apply(self.params, delta)
 
     def aggregate_weights(self, updates: list[ClientUpdate]) -> np.ndarray:
         """Weight of each update: ``1/M`` (papers) or ``n_i / sum n`` (``aggregation="weighted"``)."""
@@ -548,7 +520,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             **self.model.state_dict(),
         }
         if self.layout is not None:
-            state["optimizer"] = self.opt_state.to_dict()
+            state["optimizer"] = self.server_step.state_dict()
         for name, kind in self.state_fields.items():
             value = getattr(self, name)
             if value is not None:
@@ -556,34 +528,35 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict()`` wrote (same strategy class and model), checking every part."""
+        """Restore what ``state_dict()`` wrote (same strategy class and model), checking every part first.
+
+        The model, the optimiser state and the declared values are read and checked into new objects
+        before anything of this strategy changes; a file that does not fit raises ``ValueError``.
+        """
         if state.get("strategy") != type(self).__name__:
             raise ValueError(f"state was written by {state.get('strategy')!r}, not {type(self).__name__}")
+        model, step = GlobalModel(self.buffer_keys), ServerStep()
+        model.load_state_dict(state)
+        dim = model.layout.dim if model.layout is not None else None
+        if model.layout is not None:
+            step.load_state_dict(state["optimizer"], self.build_optimizer(model.layout), dim)
+        values = {
+            name: load_field(kind, name, state[name], dim=dim)
+            for name, kind in self.state_fields.items()
+            if kind != PART and name in state
+        }
         self.seed = state["seed"]
         self.sampler.load_state_dict(state["sampler"])
         self.screen.load_state_dict(state.get("screen", {}))
         self.accounting = Accounting.from_dict(state["accounting"])
-        self.model.load_state_dict(state)
-        if self.layout is not None:
-            opt_state = OptState.from_dict(state["optimizer"])
-            for name, slot in opt_state.slots.items():
-                if slot.shape != (self.layout.dim,) or not all_finite(slot):
-                    raise ValueError(f"state optimiser slot '{name}' is not {self.layout.dim} finite values")
-            optimizer = self.build_optimizer(self.layout)
-            optimizer.check_state(opt_state, self.layout.dim)
-            self.optimizer = optimizer
-            self.opt_state = opt_state
-            self._spare_params, self._spare_state = None, None
-        dim = self.layout.dim if self.layout is not None else None
+        self.model, self.server_step = model, step
+        for name, value in values.items():
+            setattr(self, name, value)
         for name, kind in self.state_fields.items():
-            if name not in state:
-                continue
-            if kind == PART:
+            if kind == PART and name in state:
                 if getattr(self, name) is None and self.layout is not None:
                     self.on_layout(self.layout)  # the part is built from the layout, then filled
                 getattr(self, name).load_state_dict(state[name])
-            else:
-                setattr(self, name, load_field(kind, name, state[name], dim=dim))
         self.check_state()
 
     def check_state(self) -> None:
