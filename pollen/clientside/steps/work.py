@@ -1,18 +1,10 @@
-"""What a pollen ClientApp runs for one message: a table of local steps and of mid-round phases.
+"""What a client step gets and returns: :class:`LocalWork`, :class:`StepOutcome`, and the helpers steps share.
 
-The strategy names the local step in its train config (``pollen.local-step``, default ``"sgd"``) and
-the phase of a mid-round message (``pollen.phase``); the ClientApp looks both up here instead of
-growing a branch per method. A method adds its client side with two decorators::
-
-    @local_step("my-step")
-    def my_step(work: LocalWork) -> StepOutcome: ...
-
-    @phase("my-phase")
-    def my_phase(work: LocalWork) -> StepOutcome: ...
-
-A step trains ``work.task.model`` in place (the ClientApp uploads it as the method asks: full model,
-or a compressed update with error feedback), may keep vectors for later messages in ``work.state``
+A step is a plain function ``run(work: LocalWork) -> StepOutcome``. It trains ``work.task.model`` in
+place (the ClientApp uploads it as the method asks: full model, or a compressed update with error
+feedback), may keep vectors for later messages in ``work.state``
 (:class:`~pollen.clientside.state.ClientState`) and may return named extras and flags for the reply.
+The tables that name the steps are in :mod:`pollen.clientside.steps`.
 """
 
 from __future__ import annotations
@@ -28,8 +20,6 @@ from pollen.wire import protocol
 from pollen.clientside.state import ClientState
 from pollen.core.layout import ModelLayout
 from pollen.optim.schedule import schedule_factor
-
-TRAIN_KEYS = ("local-lr", "local-epochs", "local-steps", "batch-size", "momentum", "weight-decay")
 
 
 @dataclass
@@ -77,36 +67,8 @@ class StepOutcome:
     upload_model: bool = True
 
 
-Handler = Callable[[LocalWork], StepOutcome]
-LOCAL_STEPS: dict[str, Handler] = {}
-PHASES: dict[str, Handler] = {}
-
-
-def local_step(name: str) -> Callable[[Handler], Handler]:
-    """Register the local step a train message names with ``pollen.local-step``."""
-    return _registrar(LOCAL_STEPS, name, "local step")
-
-
-def phase(name: str) -> Callable[[Handler], Handler]:
-    """Register the handler of the mid-round phase a ``train.pollen_phase`` message names."""
-    return _registrar(PHASES, name, "phase")
-
-
-def _registrar(table: dict[str, Handler], name: str, what: str) -> Callable[[Handler], Handler]:
-    def decorate(handler: Handler) -> Handler:
-        if name in table and table[name] is not handler:
-            raise ValueError(f"{what} {name!r} is registered twice")
-        table[name] = handler
-        return handler
-
-    return decorate
-
-
-def lookup(table: dict[str, Handler], name: str, what: str) -> Handler:
-    """The handler for ``name``; ``ValueError`` naming what is allowed."""
-    if name not in table:
-        raise ValueError(f"{what} {name!r} is unknown to this ClientApp; allowed: {', '.join(sorted(table))}")
-    return table[name]
+Step = Callable[[LocalWork], StepOutcome]
+"""A local step or a phase handler: ``run(work) -> StepOutcome``."""
 
 
 def model_arrays(model: Any) -> dict[str, np.ndarray]:
@@ -155,9 +117,3 @@ def train_metrics(result: Any) -> dict[str, int | float]:
         protocol.NUM_EXAMPLES: int(result.num_examples),
         "num-steps": int(result.num_steps),
     }
-
-
-@local_step("sgd")
-def sgd(work: LocalWork) -> StepOutcome:
-    """Plain local SGD: K steps (``local-steps``) or E epochs (``local-epochs``)."""
-    return StepOutcome(train_metrics(run_sgd(work, None)))

@@ -1,4 +1,4 @@
-"""Client side of Fed-LAMB, Mime-LAMB, Fed-AMS and Mime: the ``adaptive-local`` local step.
+"""Client side of Fed-LAMB, Mime-LAMB, Fed-AMS and Mime (:class:`pollen.strategies.FedLAMB`): the ``adaptive-local`` local step.
 
 One train message: take ``v_hat`` from the message (the server sends it when this client does not
 hold its current version) or from client state; restore this client's momentum ``m`` from client
@@ -14,14 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from pollen.wire import protocol
-from pollen.clientside.steps import (
-    LocalWork,
-    StepOutcome,
-    local_step,
-    run_sgd,
-    train_metrics,
-)
-from pollen.wire.protocol import ADAPTIVE_LOCAL_STEP as LOCAL_STEP
+from pollen.clientside.steps.work import LocalWork, StepOutcome, run_sgd, train_metrics
 from pollen.wire.protocol import (
     CFG_BETA1,
     CFG_BETA2,
@@ -83,8 +76,7 @@ def full_batch_gradient(work: LocalWork, params: list) -> tuple[np.ndarray, int]
     return flat, batches
 
 
-@local_step(LOCAL_STEP)
-def adaptive_local(work: LocalWork) -> StepOutcome:
+def run(work: LocalWork) -> StepOutcome:
     """Fed-LAMB / Mime-LAMB / Fed-AMS / Mime local training (see the module docstring)."""
     import torch
 
