@@ -126,7 +126,7 @@ def _run(msg: Message, context: Context, handler_table: dict, handler_name: str,
     else:
         _reset_model(task.cfg)
     state = client_state_for(context, config, first_message=phase_index == 0)
-    work = LocalWork(task=task, msg=msg, config=config, state=state, server_round=server_round, seed=task.seed(server_round, phase_index))
+    work = LocalWork(task=task, msg=msg, config=config, state=state, server_round=server_round, seed=task.seed(server_round, phase_index), settings=task.cfg.values)
     layout = work.layout() if wants_compression(config) else None
     if layout is not None and protocol.ARRAYS_RECORD in msg.content.array_records:
         global_arrays = record_to_arrays(msg.content.array_records[protocol.ARRAYS_RECORD])  # views, no copy

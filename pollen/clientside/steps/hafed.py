@@ -75,7 +75,7 @@ def run_segment(work: LocalWork, segment: int) -> StepOutcome:
     if not 0 <= segment < len(bounds):
         raise ValueError(f"gossip segment {segment} does not exist; tau={tau}, gossip-every={every} give {len(bounds)}")
     start, stop = bounds[segment]
-    run_seed, client = int(work.task.cfg["seed"]), int(work.task.partition_id)
+    run_seed, client = int(work.settings["seed"]), int(work.task.partition_id)
     steps = active_iterations(run_seed, client, work.server_round, start, stop, float(config[CFG_ACTIVE]))
     batch_size = int(work.setting("batch-size"))
     trainloader, _ = work.task.loaders(batch_size)

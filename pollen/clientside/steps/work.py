@@ -9,9 +9,9 @@ The tables that name the steps are in :mod:`pollen.clientside.steps`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from flwr.app import ConfigRecord, Message
@@ -22,26 +22,51 @@ from pollen.core.layout import ModelLayout
 from pollen.optim.schedule import schedule_factor
 
 
+class Task(Protocol):
+    """What a step uses of the node's task: pollen's ClientApp passes its ``LocalTask``; any object with these works."""
+
+    model: Any  # a torch.nn.Module, trained in place
+    device: Any  # the torch.device it trains on
+    partition_id: int  # this node's data partition (HA-Fed seeds its batch stream with it)
+
+    def loaders(self, batch_size: int) -> tuple[Any, Any]:
+        """``(train, validation)`` data loaders of this node's partition."""
+        ...
+
+
 @dataclass
 class LocalWork:
-    """Everything a local step or phase handler gets for one message."""
+    """Everything a local step or phase handler gets for one message.
 
-    task: Any  # pollen.client_app.LocalTask: cfg, model, device, loaders, partition_id
+    ``settings`` is a plain mapping of the local-training settings the message may leave out
+    (``local-lr``, ``local-steps``, ``local-epochs``, ``batch-size``, ``momentum``, ``weight-decay``), the
+    run's ``seed`` (HA-Fed) and, optionally, the learning-rate schedule (``lr-schedule``,
+    ``lr-decay-rounds``, ``lr-decay-factor``). pollen's ClientApp passes its validated run-config; a
+    program without pollen's app passes its own dict.
+    """
+
+    task: Task
     msg: Message
     config: ConfigRecord
     state: ClientState
     server_round: int
     seed: int
+    settings: Mapping[str, Any] = field(default_factory=dict)
 
     def setting(self, key: str) -> Any:
-        """A local-training setting: the message's config wins over the run-config.
+        """A local-training setting: the message's config wins over ``settings``.
 
-        ``local-lr`` is the base rate; the run-config's ``lr-schedule`` scales it for this round
-        (:mod:`pollen.optim.schedule`).
+        ``local-lr`` is the base rate; when ``settings`` has an ``lr-schedule`` it scales the rate for
+        this round (:mod:`pollen.optim.schedule`); without one the rate is constant.
         """
-        value = self.config[key] if key in self.config else self.task.cfg[key]
-        if key == "local-lr":
-            return float(value) * schedule_factor(self.task.cfg, self.server_round)
+        if key in self.config:
+            value = self.config[key]
+        elif key in self.settings:
+            value = self.settings[key]
+        else:
+            raise KeyError(f"local setting {key!r} is neither in the message's config nor in the settings given to the step")
+        if key == "local-lr" and "lr-schedule" in self.settings:
+            return float(value) * schedule_factor(self.settings, self.server_round)
         return value
 
     def layout(self) -> ModelLayout:
