@@ -46,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     import pollen.client_app as client_app
-    from pollen.clientside import steps
+    from pollen.clientside.steps import sgd as sgd_step
     from pollen.task.train import TrainResult
 
     run_config = {**defaults_from_pyproject(str(PYPROJECT)), "model": "resnet18", "local-steps": 1, "partitioner": "iid"}
@@ -58,7 +58,7 @@ def main() -> None:
         ArrayRecord(model.state_dict())
         global_record.to_torch_state_dict()
 
-    steps.run_sgd = lambda work, n, seed=None: TrainResult(0.0, 1, 100, 32)  # no forward/backward
+    sgd_step.run_sgd = lambda work, n, seed=None: TrainResult(0.0, 1, 100, 32)  # no forward/backward
     context = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 10}, state=RecordDict(), run_config=run_config)
     named = {k: v.numpy() for k, v in model.state_dict().items()}
     buffer_keys = "\n".join(k for k in named if k.endswith(("running_mean", "running_var", "num_batches_tracked")))

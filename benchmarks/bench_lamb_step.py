@@ -5,8 +5,9 @@ alone, after a backward pass has filled ``.grad``, and (2) a whole training step
 forward, cross-entropy, backward, ``step``) for torch's AdamW and three LocalLAMB configurations:
 LAMB as Fed-LAMB runs it on a sync round (``trust_ratio=True, track_v=True``), LAMB without the
 uploaded ``v`` (``track_v=False``, as Mime-LAMB) and the AMSGrad step of Fed-AMS
-(``trust_ratio=False``). Every LocalLAMB gets a global ``v_hat`` through ``set_global_v_hat`` (a flat
-float32 vector of small positive values, one per trainable scalar), as the Fed-LAMB client does.
+(``trust_ratio=False``). Every LocalLAMB gets a global ``v_hat`` through
+``pollen.clientside.steps.fedlamb.set_global_v_hat`` (a flat float32 vector of small positive values,
+one per trainable scalar), as the Fed-LAMB client does.
 
 Why: LocalLAMB is a plain per-tensor Python loop (trust ratio = two norms per tensor) while AdamW is
 torch's tuned implementation; this shows what the local step costs a client, alone and as a share of
@@ -43,6 +44,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pollen.clientside.lamb import LocalLAMB  # noqa: E402
+from pollen.clientside.steps.fedlamb import set_global_v_hat  # noqa: E402
 from pollen.task.data import dataset_info  # noqa: E402
 from pollen.task.models import build_model, num_parameters  # noqa: E402
 
@@ -68,7 +70,7 @@ def make_optimizer(model: torch.nn.Module, settings: dict | None, v_hat: np.ndar
     if settings is None:
         return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
     opt = LocalLAMB(params, lr=LR, weight_decay=WEIGHT_DECAY, **settings)
-    opt.set_global_v_hat(v_hat)  # as pollen/clientside/adaptive_local.py: one flat float32 vector
+    set_global_v_hat(opt, v_hat)  # as the Fed-LAMB client step does, from one flat float32 vector
     return opt
 
 

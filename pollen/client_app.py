@@ -30,11 +30,11 @@ from flwr.clientapp import ClientApp
 from flwr.common import log
 
 from pollen.wire import protocol
-from pollen.clientside import adaptive_local, compression_mod, gossip, relay_demo  # noqa: F401 (they register steps)
+from pollen.clientside import compression_mod, relay_demo
 from pollen.clientside.faults import fault_mod
 from pollen.clientside.lazy_mod import lazy_mod
 from pollen.clientside.compression_mod import client_state_for, compress_update, wants_compression
-from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, StepOutcome, lookup, model_arrays
+from pollen.clientside.steps import LocalWork, StepOutcome, lookup, model_arrays, with_steps
 from pollen.app.config import AppConfig, effective_run_config
 from pollen.app.experiment import build_model, data_config
 from pollen.gossip import cluster_of
@@ -42,6 +42,9 @@ from pollen.core.layout import ModelLayout
 from pollen.wire.records import arrays_to_record, record_to_arrays
 
 app = ClientApp()
+
+# TEST/DEMO ONLY: the relay demo's steps (tests use them) join pollen's step tables here until relay_demo moves to pollen/testing/.
+LOCAL_STEPS, PHASES = with_steps(local_steps=relay_demo.RELAY_STEPS, phases=relay_demo.RELAY_PHASES)
 
 #: Seed offset of the i-th message of a round, so each phase draws its own batches.
 _PHASE_SEED_STRIDE = 7_919
@@ -123,7 +126,7 @@ def _run(msg: Message, context: Context, handler_table: dict, handler_name: str,
     else:
         _reset_model(task.cfg)
     state = client_state_for(context, config, first_message=phase_index == 0)
-    work = LocalWork(task=task, msg=msg, config=config, state=state, server_round=server_round, seed=task.seed(server_round, phase_index))
+    work = LocalWork(task=task, msg=msg, config=config, state=state, server_round=server_round, seed=task.seed(server_round, phase_index), settings=task.cfg.values)
     layout = work.layout() if wants_compression(config) else None
     if layout is not None and protocol.ARRAYS_RECORD in msg.content.array_records:
         global_arrays = record_to_arrays(msg.content.array_records[protocol.ARRAYS_RECORD])  # views, no copy

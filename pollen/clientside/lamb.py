@@ -1,86 +1,44 @@
 """The local optimiser of Fed-LAMB, Mime-LAMB, Fed-AMS and Mime as a ``torch.optim.Optimizer``.
 
-Spec: ``papers/fedlamb.md`` (Karimi, Li, Li, UAI 2023), Algorithm 1 and the clean pseudocode of §4.2
-(Fed-LAMB), §4.3 (Mime-LAMB) and §4.5b (Fed-AMS). Flower-free: any PyTorch training loop can use it.
-
-One local step (Algorithm 1, lines 10-13; ``g`` is the minibatch gradient at the current ``theta``)::
+Karimi, Li, Li (UAI 2023), Algorithm 1. Flower-free: any PyTorch training loop can use it. One local
+step (lines 10-13; ``g`` is the minibatch gradient at the current ``theta``)::
 
     m     <- beta1 * m + (1 - beta1) * g                  # line 10
-    v     <- beta2 * v + (1 - beta2) * g**2               # line 11 (typo-corrected, §9 A1); uploaded only
-    psi   <- m / sqrt(v_hat)                              # line 12; v_hat = the server's v_hat_{r-1}
-    for each parameter tensor ("layer", §4.7 / §9 B4):
+    v     <- beta2 * v + (1 - beta2) * g**2               # line 11 (typo-corrected); uploaded, not used here
+    psi   <- m / sqrt(v_hat)                              # line 12; v_hat = the server's, fixed in a round
+    for each parameter tensor ("layer"):
         u      <- psi + lambda * theta                    # decoupled decay (AdamW), not in g, m or v
         theta  <- theta - lr * phi(||theta||) * u / ||u||   # line 13, eq. (3)
 
-and with ``trust_ratio=False`` the Fed-AMS / Mime local step (§4.5b, c): ``theta <- theta - lr * u``
-(``u = psi`` when ``weight_decay=0``, the paper's baselines).
+With ``trust_ratio=False`` it is the Fed-AMS / Mime step ``theta <- theta - lr * u`` (``u = psi`` when
+``weight_decay=0``). ``step()`` subtracts the direction (a descent step); the update a client uploads,
+``theta_local - theta_global``, is not the optimiser's business.
 
-Sign convention: ``step()`` *subtracts* the direction from ``theta`` (a descent step, as the paper
-writes it). The update a client uploads is, as everywhere in pollen, ``Delta = theta_local -
-theta_global``; the optimiser itself never sees it.
-
-What is fixed within a round and what moves
--------------------------------------------
-Per parameter the optimiser keeps three tensors of the parameter's shape, device and dtype:
+State per parameter (``self.state[p]``, tensors of the parameter's shape, device and dtype):
 
 ``m``
-    First moment. Persists across rounds (Algorithm 1 line 6, ``m^0_{r,i} = m^T_{r-1,i}``; §9 A3): the
-    caller keeps it with :meth:`~torch.optim.Optimizer.state_dict` / :meth:`load_state_dict`.
+    First moment; it persists across rounds through ``state_dict()`` / ``load_state_dict()``.
 ``v_hat``
-    The global ``v_hat_{r-1}`` the server broadcast, installed with :meth:`set_global_v_hat`. It is the
-    only denominator (line 12) and ``step()`` never changes it. Before any ``v_hat`` is installed it is
-    ``eps * 1`` (``v_hat_0 = eps``, Algorithm 1 line 2).
+    The only denominator (line 12); ``step()`` never changes it. ``eps`` everywhere until the caller
+    puts the server's ``v_hat`` there (``v_hat_0 = eps``, line 2).
 ``v``
-    The local second moment. It does **not** enter the update (line 12 uses the global ``v_hat``, §9 A4);
-    it is tracked only so that Fed-LAMB / Fed-AMS can upload it (line 16, :meth:`local_v`,
-    :meth:`flat_local_v`). :meth:`set_global_v_hat` resets it to ``v_hat`` (line 6,
-    ``v^0_{r,i} = v_hat_{r-1}``), so after ``T`` steps it is
-    ``beta2**T v_hat + (1 - beta2) sum_t beta2**(T-t) g_t**2`` (§4.2). Mime-LAMB and Mime build their
-    ``v_hat`` on the server from full-batch gradients and need no local ``v``: pass ``track_v=False``.
+    The local second moment (``track_v=True`` only). It does not enter the update; Fed-LAMB and Fed-AMS
+    upload it, Mime-LAMB and Mime do not need it.
 
-A round on a client therefore reads::
-
-    opt = LocalLAMB(model.parameters(), lr=lr_r, weight_decay=lam)
-    if saved is not None:
-        opt.load_state_dict(saved)            # m (and the last v_hat) of this client's last round
-        opt.param_groups[0]["lr"] = lr_r      # load_state_dict restores the saved group settings too
-    opt.set_global_v_hat(v_hat_flat)          # the broadcast v_hat_{r-1}; also resets v to it
-    for x, y in batches:                      # T local steps
-        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
-    upload(model, opt.flat_local_v()); saved = opt.state_dict()
-
-Choices where the spec leaves room (each is a setting)
-------------------------------------------------------
-* ``eps`` (§9 B1): ``eps_mode="floor"`` (the paper): ``v_hat`` is floored at ``eps`` when it is installed
-  (a no-op for a ``v_hat`` the server built, which is ``>= eps`` by construction) and nothing is added to
-  the denominator. ``eps_mode="add"`` (ablation): ``psi = m / (sqrt(v_hat) + eps)`` with ``v_hat`` as given.
-* ``phi`` (§4.7, §9 B2, Assumption 4): ``"identity"`` (the experiments) or ``"clip"``:
-  ``phi(a) = min(max(a + phi_shift, lo), hi)`` with ``phi_clip = (lo, hi)``. Assumption 4's example
-  ``min(a + zeta, phi_M)`` is ``phi_shift=zeta, phi_clip=(0, phi_M)``; LAMB's (You et al. 2020)
-  ``min(max(a, gamma_l), gamma_u)`` is ``phi_shift=0, phi_clip=(gamma_l, gamma_u)``; check 8.1's
-  ``min(a, phi_M)`` is ``phi_clip=(0, phi_M)``.
-* Zero norms (§4.7, §9 B3): with ``zero_norm_guard=True`` (recommended) a tensor whose scaled norm
-  ``phi(||theta||)`` is 0 (with ``phi`` the identity: ``||theta|| = 0``, e.g. a zero-initialised bias or
-  BatchNorm beta) gets trust ratio 1 and moves by ``lr * u``; with ``False`` eq. (3) is applied literally
-  and such a tensor never moves (check 8.8). With a ``phi`` bounded below (``phi(0) > 0``, Assumption 4)
-  eq. (3) already moves a zero tensor, and the guard leaves that step as it is. Either way a tensor with
-  ``u = 0`` (eq. (3) would be 0/0) is left unchanged.
-* Layer = parameter tensor; to exclude biases and norms from the decay (§4.7), give them their own
-  parameter group with ``weight_decay=0``. Every setting can be set per group.
-
-A parameter whose ``.grad`` is ``None`` is skipped (``m`` and ``v`` unchanged), as in ``torch.optim``.
-``step()`` runs on the parameter's device in its dtype; norms and the zero-norm branches stay tensors
-(``torch.where``), so a step never waits for the device.
+Filling ``v_hat`` from the server's broadcast and reading ``v`` back for the upload are the round's I/O,
+done by the Fed-LAMB client step (:mod:`pollen.clientside.steps.fedlamb`, which also describes a round).
+``eps``, ``phi`` and the zero-norm guard are settings (:class:`LocalLAMB`). A parameter whose ``.grad``
+is ``None`` is skipped, as in ``torch.optim``. ``step()`` runs on the parameter's device in its dtype;
+norms and the zero-norm branches stay tensors (``torch.where``), so a step never waits for the device.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from numbers import Real
 from typing import Any
 
-import numpy as np
 import torch
 
 __all__ = ["EPS_MODES", "PHIS", "LocalLAMB"]
@@ -149,15 +107,15 @@ def _check_settings(s: dict[str, Any]) -> None:
 class LocalLAMB(torch.optim.Optimizer):
     """Client-side LAMB of Fed-LAMB / Mime-LAMB (Algorithm 1, lines 10-13, eq. (3)), or Fed-AMS / Mime.
 
-    See the module docstring for the update, what is fixed within a round and the choices made where
-    the paper leaves room. Every setting below except ``v_hat`` can differ per parameter group.
+    See the module docstring for the update and the state. Every setting below can differ per parameter
+    group (e.g. ``weight_decay=0`` for biases and norms).
 
     Parameters
     ----------
     params : iterable of tensors or of dicts
         Floating-point parameters (or parameter groups), as for any ``torch.optim`` optimiser. Their
-        order (groups in order, then parameters) is the order of :meth:`set_global_v_hat`,
-        :meth:`local_v` and :meth:`flat_local_v`; it must match how the server flattens its ``v_hat``.
+        order (groups in order, then parameters) is the order in which the Fed-LAMB step fills ``v_hat``
+        and reads ``v``; it must match how the server flattens its ``v_hat``.
     lr : float, default 1e-3
         Local learning rate ``alpha_r`` (>= 0). With the trust ratio each layer moves by exactly
         ``lr * phi(||theta_l||)`` per step.
@@ -166,27 +124,32 @@ class LocalLAMB(torch.optim.Optimizer):
     weight_decay : float, default 0.0
         ``lambda`` (>= 0; the paper tunes it in {0, 0.01, 0.1}), decoupled: added to the direction
         (``u = psi + lambda * theta``), never to the gradient or the moments.
-    v_hat : sequence of tensors or a flat tensor / array, optional
-        Initial global ``v_hat`` (as for :meth:`set_global_v_hat`). Default: ``eps`` everywhere.
     eps : float, default 1e-8
-        ``> 0``. The floor of ``v_hat`` (``eps_mode="floor"``) or the term added to ``sqrt(v_hat)``
-        (``eps_mode="add"``); also the default ``v_hat``.
+        ``> 0``. The floor of ``v_hat`` (``eps_mode="floor"``: the Fed-LAMB step floors the server's
+        ``v_hat`` at ``eps`` when it fills it) or the term added to ``sqrt(v_hat)`` (``eps_mode="add"``);
+        also the ``v_hat`` before one is filled in.
     eps_mode : {"floor", "add"}, default "floor"
-        ``"floor"``: ``psi = m / sqrt(max(v_hat, eps))`` (the paper, §9 B1). ``"add"``:
+        ``"floor"``: ``psi = m / sqrt(max(v_hat, eps))`` (the paper). ``"add"``:
         ``psi = m / (sqrt(v_hat) + eps)`` (ablation).
     phi : {"identity", "clip"}, default "identity"
-        Scaling of the weight norm: ``phi(a) = a``, or ``min(max(a + phi_shift, lo), hi)``.
+        Scaling of the weight norm: ``phi(a) = a`` (the paper's experiments), or
+        ``min(max(a + phi_shift, lo), hi)``: the paper's Assumption 4 ``min(a + zeta, phi_M)`` is
+        ``phi_shift=zeta, phi_clip=(0, phi_M)``, LAMB's ``min(max(a, gamma_l), gamma_u)`` is
+        ``phi_clip=(gamma_l, gamma_u)``.
     phi_clip : (float, float), default (0.0, inf)
         ``(lo, hi)`` of ``phi="clip"``: ``0 <= lo <= hi``, ``hi > 0``.
     phi_shift : float, default 0.0
         ``zeta`` of Assumption 4's ``min(a + zeta, phi_M)`` (``phi="clip"`` only), ``>= 0``.
     zero_norm_guard : bool, default True
-        Trust ratio 1 for a tensor with ``phi(||theta||) = 0``; False applies eq. (3) literally.
+        Trust ratio 1 for a tensor with ``phi(||theta||) = 0`` (a zero-initialised bias moves by
+        ``lr * u``); False applies eq. (3) literally and such a tensor never moves. A tensor with
+        ``u = 0`` (eq. (3) would be 0/0) is left unchanged either way.
     trust_ratio : bool, default True
         True: the LAMB step of eq. (3) (Fed-LAMB, Mime-LAMB). False: ``theta -= lr * u``, the locally
         adaptive AMSGrad step of Fed-AMS and Mime (``phi``, ``phi_clip`` and the guard are unused).
     track_v : bool, default True
-        Keep the local ``v`` to upload (Fed-LAMB, Fed-AMS). False for Mime-LAMB and Mime.
+        Keep the local ``v`` to upload (Fed-LAMB, Fed-AMS). False for Mime-LAMB and Mime. The Fed-LAMB step
+        resets ``v`` to ``v_hat`` when it fills ``v_hat`` (line 6).
     """
 
     def __init__(
@@ -196,7 +159,6 @@ class LocalLAMB(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
         *,
-        v_hat: Sequence[torch.Tensor | np.ndarray] | torch.Tensor | np.ndarray | None = None,
         eps: float = 1e-8,
         eps_mode: str = "floor",
         phi: str = "identity",
@@ -221,8 +183,6 @@ class LocalLAMB(torch.optim.Optimizer):
         }
         _check_settings(defaults)
         super().__init__(params, defaults)
-        if v_hat is not None:
-            self.set_global_v_hat(v_hat)
 
     # ----------------------------------------------------------------------------------- set-up
 
@@ -264,87 +224,6 @@ class LocalLAMB(torch.optim.Optimizer):
     def _params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         return [(p, g) for g in self.param_groups for p in g["params"]]
 
-    # ----------------------------------------------------------------------------------- round I/O
-
-    def set_global_v_hat(self, v_hat: Sequence[torch.Tensor | np.ndarray] | torch.Tensor | np.ndarray) -> None:
-        """Install the server's ``v_hat_{r-1}`` for this round and reset the local ``v`` to it (line 6).
-
-        ``v_hat`` is either one tensor or array per parameter (shapes equal to the parameters'), or one
-        flat 1-D tensor or array of all parameters in order. Values must be finite and ``>= 0`` after
-        conversion to each parameter's dtype; with ``eps_mode="floor"`` values below ``eps`` are raised
-        to ``eps``. Everything is checked before any state changes. Call it at the start of every round,
-        also in a round that brings no new ``v_hat`` (skip-sync, §9 C2): pass :meth:`global_v_hat` again.
-        """
-        pairs = self._params()
-        pieces = self._split(v_hat, [p for p, _ in pairs])
-        for i, ((p, group), piece) in enumerate(zip(pairs, pieces)):
-            if not bool(torch.isfinite(piece).all()):
-                raise ValueError(f"{_NAME}: v_hat for parameter {i} holds NaN or Inf (as {p.dtype})")
-            if bool((piece < 0).any()):
-                raise ValueError(
-                    f"{_NAME}: v_hat for parameter {i} has a negative value (min {float(piece.min())!r}); "
-                    "allowed: values >= 0"
-                )
-        for (p, group), piece in zip(pairs, pieces):
-            if group["eps_mode"] == "floor":
-                piece.clamp_(min=group["eps"])
-            state = self._init_state(p, group)
-            state["v_hat"] = piece
-            if group["track_v"]:
-                state["v"] = piece.clone()
-
-    @staticmethod
-    def _split(v_hat: Any, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``v_hat`` as one owned tensor per parameter (its device, dtype and shape), or ``ValueError``."""
-        sizes = [p.numel() for p in params]
-        if isinstance(v_hat, (torch.Tensor, np.ndarray)):
-            flat = torch.as_tensor(v_hat)
-            if flat.dim() != 1 or flat.numel() != sum(sizes):
-                raise ValueError(
-                    f"{_NAME}: a flat v_hat must be 1-D with {sum(sizes)} values (all parameters in "
-                    f"order); got shape {tuple(flat.shape)}"
-                )
-            chunks = [c.reshape(p.shape) for c, p in zip(flat.split(sizes), params)]
-        elif isinstance(v_hat, (list, tuple)):
-            if len(v_hat) != len(params):
-                raise ValueError(
-                    f"{_NAME}: v_hat has {len(v_hat)} tensors; allowed: one per parameter ({len(params)}), "
-                    "or one flat vector"
-                )
-            chunks = []
-            for i, (c, p) in enumerate(zip(v_hat, params)):
-                c = torch.as_tensor(c)
-                if tuple(c.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"{_NAME}: v_hat[{i}] has shape {tuple(c.shape)}; allowed: the parameter's shape "
-                        f"{tuple(p.shape)}"
-                    )
-                chunks.append(c)
-        else:  # ValueError like every other bad v_hat: one except clause for a bad broadcast
-            raise ValueError(  # noqa: TRY004
-                f"{_NAME}: v_hat of type {type(v_hat).__name__} is not allowed; allowed: a list of tensors "
-                "(one per parameter) or one flat tensor / numpy array"
-            )
-        return [
-            c.detach().to(device=p.device, dtype=p.dtype, copy=True).contiguous()
-            for c, p in zip(chunks, params)
-        ]
-
-    def global_v_hat(self) -> list[torch.Tensor]:
-        """A copy of the installed ``v_hat``, one tensor per parameter in order."""
-        return [self._init_state(p, g)["v_hat"].clone() for p, g in self._params()]
-
-    def local_v(self) -> list[torch.Tensor]:
-        """A copy of the local ``v`` (what Fed-LAMB / Fed-AMS upload), one tensor per parameter in order."""
-        pairs = self._params()
-        if not all(g["track_v"] for _, g in pairs):
-            raise RuntimeError(f"{_NAME}: local_v() needs track_v=True in every parameter group")
-        return [self._init_state(p, g)["v"].clone() for p, g in pairs]
-
-    def flat_local_v(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The local ``v`` of all parameters in order as one 1-D tensor (default: ``float32`` on the CPU)."""
-        return torch.cat([v.reshape(-1).to(device=device, dtype=dtype) for v in self.local_v()])
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict`; the state is checked first and copied (never shared with the dict).
 
@@ -383,7 +262,7 @@ class LocalLAMB(torch.optim.Optimizer):
 
     @staticmethod
     def _trust_ratio(p: torch.Tensor, u: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """``phi(||theta||) / ||u||`` as a 0-dim tensor, with the zero-norm cases of §9 B3."""
+        """``phi(||theta||) / ||u||`` as a 0-dim tensor, with the zero-norm cases (see ``zero_norm_guard``)."""
         a = torch.linalg.vector_norm(p)
         b = torch.linalg.vector_norm(u)
         if group["phi"] == "identity":

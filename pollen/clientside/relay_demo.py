@@ -9,10 +9,13 @@ norm of each tensor's move as the extra ``layer-sq-norms``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import numpy as np
 
 from pollen.wire import protocol
-from pollen.clientside.steps import LocalWork, StepOutcome, load_flat, local_step, model_arrays, phase, run_sgd, train_metrics
+from pollen.clientside.steps import LocalWork, Step, StepOutcome, load_flat, model_arrays, run_sgd, train_metrics
 from pollen.wire.records import record_to_arrays
 
 X_START = "relay.x_t"
@@ -27,7 +30,6 @@ def _halves(work: LocalWork) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
-@local_step("relay-first-half")
 def first_half(work: LocalWork) -> StepOutcome:
     """The first K // 2 steps; keep x_t, x_i and the buffers for the relay phase."""
     first, _ = _halves(work)
@@ -41,7 +43,6 @@ def first_half(work: LocalWork) -> StepOutcome:
     return StepOutcome(train_metrics(result))
 
 
-@phase("relay-mix")
 def relay_mix(work: LocalWork) -> StepOutcome:
     """Mix with the relay, run the second half, report per-tensor squared norms of the move."""
     import torch
@@ -67,3 +68,9 @@ def relay_mix(work: LocalWork) -> StepOutcome:
     for name in [X_START, X_FIRST, *(BUFFER_PREFIX + n for n in layout.buffer_keys)]:
         work.state.pop(name)
     return StepOutcome(train_metrics(result), extras={"layer-sq-norms": norms}, reference=x_start)
+
+
+#: Test/demo steps, not in pollen's production tables (:mod:`pollen.clientside.steps`): an app that runs
+#: :class:`pollen.strategies.RelayAverage` adds them with ``with_steps(local_steps=RELAY_STEPS, phases=RELAY_PHASES)``.
+RELAY_STEPS: Mapping[str, Step] = MappingProxyType({"relay-first-half": first_half})
+RELAY_PHASES: Mapping[str, Step] = MappingProxyType({"relay-mix": relay_mix})

@@ -51,7 +51,7 @@ CFG_PHASE_INDEX = "pollen.phase-index"
 CFG_LOCAL_STEP = "pollen.local-step"
 CFG_RUN_KEY = "pollen.run-key"
 CFG_GIVEN_KEYS = "pollen.given-keys"  # run-config keys the user set over a preset (the ClientApp resolves it alike)
-# The Fed-LAMB family's train config (pollen.strategies.fedlamb <-> pollen.clientside.adaptive_local).
+# The Fed-LAMB family's train config (pollen.strategies.fedlamb <-> pollen.clientside.steps.fedlamb).
 CFG_VHAT_VERSION = "pollen.v-hat-version"
 CFG_SYNC = "pollen.sync"
 CFG_STAT = "pollen.stat"

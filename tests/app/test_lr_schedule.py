@@ -26,11 +26,10 @@ def test_the_client_scales_the_messages_base_rate():
 
     from pollen.clientside.steps import LocalWork
 
-    class Task:
-        cfg = {**defaults_from_pyproject("pyproject.toml"), "local-lr": 1.0, "lr-schedule": "step", "lr-decay-rounds": "2,4"}
+    settings = {**defaults_from_pyproject("pyproject.toml"), "local-lr": 1.0, "lr-schedule": "step", "lr-decay-rounds": "2,4"}
 
     def work(server_round: int, config: dict) -> LocalWork:
-        return LocalWork(task=Task(), msg=None, config=ConfigRecord(config), state=None, server_round=server_round, seed=0)
+        return LocalWork(task=None, msg=None, config=ConfigRecord(config), state=None, server_round=server_round, seed=0, settings=settings)
 
     assert work(1, {"local-lr": 0.2}).setting("local-lr") == pytest.approx(0.2)
     assert work(3, {"local-lr": 0.2}).setting("local-lr") == pytest.approx(0.02)

@@ -10,7 +10,8 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from pollen.wire import protocol
-from pollen.clientside.gossip import CFG_ACTIVE, CFG_EVERY, CFG_SEGMENT, CFG_TAU, GOSSIP_LOCAL_STEP, GOSSIP_PHASE
+from pollen.clientside.steps.hafed import CFG_ACTIVE, CFG_EVERY, CFG_SEGMENT, CFG_TAU
+from pollen.wire.protocol import GOSSIP_LOCAL_STEP, GOSSIP_PHASE
 from pollen.app.config import defaults_from_pyproject
 from pollen.testing.fakes import FakeGrid, named_arrays
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pollen.clientside.lamb import LocalLAMB
+from pollen.clientside.steps.fedlamb import flat_local_v, global_v_hat, local_v, set_global_v_hat
 
 BETA1, BETA2 = 0.9, 0.999
 
@@ -38,6 +39,12 @@ def _grads(params, steps, seed=1):
 def _vhat(params, seed=2, low=1e-4, high=1e-2):
     g = torch.Generator().manual_seed(seed)
     return [low + (high - low) * torch.rand(p.shape, generator=g, dtype=p.dtype) for p in params]
+
+
+def _installed(opt, v_hat):
+    """``opt`` with the server's ``v_hat`` put in its state by the Fed-LAMB step's round I/O."""
+    set_global_v_hat(opt, v_hat)
+    return opt
 
 
 def _apply(opt, params, grads):
@@ -81,7 +88,7 @@ def test_each_layer_moves_by_lr_times_phi_of_its_norm(weight_decay, phi_kw):
     """Spec 8.1: ||theta_l^t - theta_l^{t-1}|| = lr * phi(||theta_l^{t-1}||), relative error < 1e-5 (fp32)."""
     params = _layers()
     lr = 0.01
-    opt = LocalLAMB(params, lr=lr, weight_decay=weight_decay, v_hat=_vhat(params), **phi_kw)
+    opt = _installed(LocalLAMB(params, lr=lr, weight_decay=weight_decay, **phi_kw), _vhat(params))
     phi = (lambda a: a) if not phi_kw else (lambda a: min(a, 2.0))
     clipped = False
     for grads in _grads(params, 5):
@@ -104,7 +111,7 @@ def test_step_direction_is_minus_psi_plus_lambda_theta(weight_decay):
     """Spec 8.2: each layer's move is parallel to -(m / sqrt(v_hat) + lambda * theta): cosine 1 +- 1e-6."""
     params = _layers()
     v_hat = _vhat(params)
-    opt = LocalLAMB(params, lr=0.01, weight_decay=weight_decay, v_hat=v_hat)
+    opt = _installed(LocalLAMB(params, lr=0.01, weight_decay=weight_decay), v_hat)
     for grads in _grads(params, 4):
         before = [p.detach().clone() for p in params]
         _apply(opt, params, grads)
@@ -121,7 +128,7 @@ def test_weight_decay_is_decoupled_from_the_moments():
     runs = []
     for weight_decay in (0.0, 0.1):
         params = _layers()
-        opt = LocalLAMB(params, lr=0.01, weight_decay=weight_decay, v_hat=_vhat(params))
+        opt = _installed(LocalLAMB(params, lr=0.01, weight_decay=weight_decay), _vhat(params))
         for grads in _grads(params, 5):
             _apply(opt, params, grads)
         runs.append((params, opt))
@@ -139,8 +146,8 @@ def test_uploaded_v_is_the_closed_form_and_v_hat_stays_fixed():
     """Spec 8.3 / §4.2: v^T = beta2^T v_hat + (1 - beta2) sum_t beta2^(T - t) g_t^2; v_hat never moves."""
     params = _layers(torch.float64)
     v_hat = _vhat(params)
-    opt = LocalLAMB(params, lr=0.01, weight_decay=0.01, v_hat=[v.clone() for v in v_hat])
-    assert all(torch.equal(v, w) for v, w in zip(opt.local_v(), v_hat))  # line 6: v <- v_hat
+    opt = _installed(LocalLAMB(params, lr=0.01, weight_decay=0.01), [v.clone() for v in v_hat])
+    assert all(torch.equal(v, w) for v, w in zip(local_v(opt), v_hat))  # line 6: v <- v_hat
     T = 6
     grads = _grads(params, T)
     for step in grads:
@@ -149,14 +156,14 @@ def test_uploaded_v_is_the_closed_form_and_v_hat_stays_fixed():
         closed = BETA2**T * vh + (1 - BETA2) * sum(BETA2 ** (T - t) * grads[t - 1][i] ** 2 for t in range(1, T + 1))
         torch.testing.assert_close(opt.state[p]["v"], closed, rtol=1e-12, atol=0.0)
         assert torch.equal(opt.state[p]["v_hat"], vh)  # bit for bit: step() never touches v_hat
-    assert all(torch.equal(a, b) for a, b in zip(opt.global_v_hat(), v_hat))
-    flat = opt.flat_local_v(dtype=torch.float64)
+    assert all(torch.equal(a, b) for a, b in zip(global_v_hat(opt), v_hat))
+    flat = flat_local_v(opt, dtype=torch.float64)
     assert torch.equal(flat, torch.cat([opt.state[p]["v"].reshape(-1) for p in params]))
     # A new round: the server's v_hat_r = max(v_hat_{r-1}, mean v_i) comes back as one flat vector.
     new = torch.maximum(torch.cat([v.reshape(-1) for v in v_hat]), flat).numpy()
-    opt.set_global_v_hat(new)
-    assert torch.equal(opt.flat_local_v(dtype=torch.float64), torch.as_tensor(new))  # v reset to v_hat
-    assert torch.equal(torch.cat([v.reshape(-1) for v in opt.global_v_hat()]), torch.as_tensor(new))
+    set_global_v_hat(opt, new)
+    assert torch.equal(flat_local_v(opt, dtype=torch.float64), torch.as_tensor(new))  # v reset to v_hat
+    assert torch.equal(torch.cat([v.reshape(-1) for v in global_v_hat(opt)]), torch.as_tensor(new))
 
 
 def test_local_v_does_not_enter_the_update():
@@ -164,25 +171,25 @@ def test_local_v_does_not_enter_the_update():
     runs = []
     for track_v in (True, False):
         params = _layers()
-        opt = LocalLAMB(params, lr=0.01, v_hat=_vhat(params), track_v=track_v)
+        opt = _installed(LocalLAMB(params, lr=0.01, track_v=track_v), _vhat(params))
         for grads in _grads(params, 5):
             _apply(opt, params, grads)
         runs.append((params, opt))
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
     assert all("v" not in runs[1][1].state[p] for p in runs[1][0])
     with pytest.raises(RuntimeError, match="track_v=True"):
-        runs[1][1].local_v()
+        local_v(runs[1][1])
 
 
 def test_floor_mode_floors_v_hat_at_eps_and_add_mode_keeps_it():
     params = [nn.Parameter(torch.ones(3))]
-    floor = LocalLAMB(params, eps=1e-6, v_hat=[torch.tensor([0.0, 1e-7, 4.0])])
-    assert floor.global_v_hat()[0].tolist() == pytest.approx([1e-6, 1e-6, 4.0], rel=1e-6)
-    add = LocalLAMB([nn.Parameter(torch.ones(3))], eps=1e-6, eps_mode="add", v_hat=[torch.tensor([0.0, 1e-7, 4.0])])
-    assert add.global_v_hat()[0].tolist() == pytest.approx([0.0, 1e-7, 4.0], rel=1e-6)
+    floor = _installed(LocalLAMB(params, eps=1e-6), [torch.tensor([0.0, 1e-7, 4.0])])
+    assert global_v_hat(floor)[0].tolist() == pytest.approx([1e-6, 1e-6, 4.0], rel=1e-6)
+    add = _installed(LocalLAMB([nn.Parameter(torch.ones(3))], eps=1e-6, eps_mode="add"), [torch.tensor([0.0, 1e-7, 4.0])])
+    assert global_v_hat(add)[0].tolist() == pytest.approx([0.0, 1e-7, 4.0], rel=1e-6)
     # Before any v_hat is installed it is v_hat_0 = eps (Algorithm 1 line 2).
     fresh = LocalLAMB([nn.Parameter(torch.ones(2))], eps=1e-8)
-    assert torch.equal(fresh.global_v_hat()[0], torch.full((2,), 1e-8))
+    assert torch.equal(global_v_hat(fresh)[0], torch.full((2,), 1e-8))
 
 
 # ------------------------------------------------------------------------------------------- 8.7
@@ -192,7 +199,7 @@ def _run_tiny(scale, *, trust_ratio, v_hat_scale=None, steps=5, lr=0.01):
     model = _tiny_model(zero_bias=False)
     opt = LocalLAMB(model.parameters(), lr=lr, trust_ratio=trust_ratio)
     if v_hat_scale is not None:  # a later round: the server's v_hat came from c-scaled gradients
-        opt.set_global_v_hat([v_hat_scale * v for v in _vhat(list(model.parameters()))])
+        set_global_v_hat(opt, [v_hat_scale * v for v in _vhat(list(model.parameters()))])
     moves = []
     x, y = _data()
     for t in range(steps):
@@ -217,7 +224,7 @@ def test_loss_scale_invariance_within_a_round():
     mc, oc, _ = _run_tiny(c, trust_ratio=True, v_hat_scale=c * c)
     for a, b in zip(m1.parameters(), mc.parameters()):
         torch.testing.assert_close(a, b, rtol=0.0, atol=1e-12)
-    v1, vc = o1.flat_local_v(torch.float64), oc.flat_local_v(torch.float64)
+    v1, vc = flat_local_v(o1, torch.float64), flat_local_v(oc, torch.float64)
     torch.testing.assert_close(vc, c * c * v1, rtol=1e-12, atol=0.0)
     # Fed-AMS (trust_ratio=False) in round 1: its first step is exactly c times longer, so it is not invariant.
     _, _, s1 = _run_tiny(1.0, trust_ratio=False, lr=1e-6)
@@ -237,13 +244,13 @@ def _federated(scale, *, trust_ratio, eps, rounds=3, steps=4, lr=0.01):
         opt = LocalLAMB(model.parameters(), lr=lr, eps=eps, trust_ratio=trust_ratio)
         if saved is not None:
             opt.load_state_dict(saved)
-            opt.set_global_v_hat(v_hat)
+            set_global_v_hat(opt, v_hat)
         for t in range(steps):
             opt.zero_grad()
             _loss(model, x[t], y[t], scale).backward()
             opt.step()
-        previous = torch.cat([v.reshape(-1) for v in opt.global_v_hat()])
-        v_hat = torch.maximum(previous, opt.flat_local_v(torch.float64))
+        previous = torch.cat([v.reshape(-1) for v in global_v_hat(opt)])
+        v_hat = torch.maximum(previous, flat_local_v(opt, torch.float64))
         saved = opt.state_dict()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -357,7 +364,7 @@ def test_matches_a_hand_written_per_layer_loop(name, dtype):
     v_hat = [v.numpy() for v in _vhat([p.double() for p in model.parameters()])]
     opt = LocalLAMB(model.parameters(), **cfg)
     flat = np.concatenate([v.reshape(-1) for v in v_hat])
-    opt.set_global_v_hat(flat.astype(np.float32) if dtype == torch.float32 else flat)  # a numpy flat vector
+    set_global_v_hat(opt, flat.astype(np.float32) if dtype == torch.float32 else flat)  # a numpy flat vector
     _train(model, opt, steps=5)
 
     ref_model = _tiny_model(torch.float64)
@@ -376,7 +383,7 @@ def test_matches_a_hand_written_per_layer_loop(name, dtype):
     atol = 1e-6 if dtype == torch.float32 else 1e-12
     for p, theta in zip(model.parameters(), thetas):
         np.testing.assert_allclose(p.detach().double().numpy(), theta, rtol=0, atol=atol)
-    for got, want in zip(opt.local_v(), v):
+    for got, want in zip(local_v(opt), v):
         rtol = 1e-5 if dtype == torch.float32 else 1e-12
         np.testing.assert_allclose(got.double().numpy(), want, rtol=rtol, atol=0)
     if name == "lamb-literal":
@@ -391,12 +398,12 @@ def test_state_dict_round_trip_is_bit_for_bit():
     kw = {"lr": 0.02, "weight_decay": 0.01}
     whole = _tiny_model()
     opt = LocalLAMB(whole.parameters(), **kw)
-    opt.set_global_v_hat(_vhat(list(whole.parameters())))
+    set_global_v_hat(opt, _vhat(list(whole.parameters())))
     _train(whole, opt, steps=5)
 
     first = _tiny_model()
     opt1 = LocalLAMB(first.parameters(), **kw)
-    opt1.set_global_v_hat(_vhat(list(first.parameters())))
+    set_global_v_hat(opt1, _vhat(list(first.parameters())))
     _train(first, opt1, steps=3)
     buffer = io.BytesIO()
     torch.save(opt1.state_dict(), buffer)
@@ -512,7 +519,7 @@ def test_bad_group_and_parameter_raise():
 def test_bad_v_hat_raises_before_changing_state(v_hat, message):
     params = _layers()
     good = _vhat(params)
-    opt = LocalLAMB(params, v_hat=good)
+    opt = _installed(LocalLAMB(params), good)
     bad = {
         "list-short": good[:3],
         "list-shape": [good[0], torch.ones(4), good[2], good[3]],
@@ -524,9 +531,9 @@ def test_bad_v_hat_raises_before_changing_state(v_hat, message):
         "scalar": 0.5,
     }[v_hat]
     with pytest.raises(ValueError, match=message):
-        opt.set_global_v_hat(bad)
-    assert all(torch.equal(a, b) for a, b in zip(opt.global_v_hat(), good))
-    assert all(torch.equal(a, b) for a, b in zip(opt.local_v(), good))
+        set_global_v_hat(opt, bad)
+    assert all(torch.equal(a, b) for a, b in zip(global_v_hat(opt), good))
+    assert all(torch.equal(a, b) for a, b in zip(local_v(opt), good))
 
 
 # ----------------------------------------------------------------------------------------- CUDA
@@ -539,7 +546,7 @@ def test_cuda_matches_cpu_without_host_syncs():
     for device in ("cpu", "cuda"):
         model = _tiny_model(torch.float32).to(device)
         opt = LocalLAMB(model.parameters(), lr=0.05, weight_decay=0.01)
-        opt.set_global_v_hat([v.to(device) for v in _vhat(list(model.parameters()))])
+        set_global_v_hat(opt, [v.to(device) for v in _vhat(list(model.parameters()))])
         x, y = (t.to(device) for t in _data(torch.float32))
         for t in range(5):
             opt.zero_grad()
@@ -550,7 +557,7 @@ def test_cuda_matches_cpu_without_host_syncs():
                 opt.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        results.append(([p.detach().cpu() for p in model.parameters()], opt.flat_local_v()))
+        results.append(([p.detach().cpu() for p in model.parameters()], flat_local_v(opt)))
     (cpu_p, cpu_v), (gpu_p, gpu_v) = results
     for a, b in zip(cpu_p, gpu_p):
         torch.testing.assert_close(b, a, rtol=0.0, atol=1e-5)

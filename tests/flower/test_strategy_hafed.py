@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from pollen.wire import protocol
-from pollen.clientside.gossip import CFG_SEGMENT, GOSSIP_PHASE, active_iterations, segment_bounds, stream_indices
+from pollen.clientside.steps.hafed import CFG_SEGMENT, active_iterations, segment_bounds, stream_indices
 from pollen.gossip import mixing_matrix, without_absent
+from pollen.wire.protocol import GOSSIP_PHASE
 from pollen.optim import amsgrad
 from pollen.strategies import HAFed
 from pollen.strategies.rounds import SetupError

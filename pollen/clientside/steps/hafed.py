@@ -1,5 +1,8 @@
 """Client side of HA-Fed (:class:`pollen.strategies.HAFed`): local SGD in segments between gossip steps.
 
+``hafed-local`` (:func:`run_local`, the train message) runs segment 0; ``hafed-gossip``
+(:func:`run_gossip`, each mid-round message) runs the next one.
+
 A round is ``tau`` local iterations cut into segments that each end with a gossip step: after
 iterations ``G, 2G, ...`` (``G`` = ``gossip-every``) and always after the last one. The train
 message starts segment 0 from the global model ``x_t``; each ``hafed-gossip`` message carries the
@@ -27,16 +30,13 @@ from __future__ import annotations
 import numpy as np
 
 from pollen.wire import protocol
-from pollen.clientside.steps import LocalWork, StepOutcome, local_step, phase
-
+from pollen.clientside.steps.work import LocalWork, StepOutcome
 from pollen.gossip import segment_bounds
 from pollen.wire.protocol import (
     CFG_GOSSIP_ACTIVE as CFG_ACTIVE,
     CFG_GOSSIP_EVERY as CFG_EVERY,
     CFG_GOSSIP_SEGMENT as CFG_SEGMENT,
     CFG_GOSSIP_TAU as CFG_TAU,
-    GOSSIP_LOCAL_STEP,
-    GOSSIP_PHASE,
 )
 
 POSITION = "gossip.position"
@@ -75,7 +75,7 @@ def run_segment(work: LocalWork, segment: int) -> StepOutcome:
     if not 0 <= segment < len(bounds):
         raise ValueError(f"gossip segment {segment} does not exist; tau={tau}, gossip-every={every} give {len(bounds)}")
     start, stop = bounds[segment]
-    run_seed, client = int(work.task.cfg["seed"]), int(work.task.partition_id)
+    run_seed, client = int(work.settings["seed"]), int(work.task.partition_id)
     steps = active_iterations(run_seed, client, work.server_round, start, stop, float(config[CFG_ACTIVE]))
     batch_size = int(work.setting("batch-size"))
     trainloader, _ = work.task.loaders(batch_size)
@@ -113,14 +113,12 @@ def _with_round_loss(metrics: dict, work: LocalWork, loss_sum: float, loss_steps
     return metrics
 
 
-@local_step(GOSSIP_LOCAL_STEP)
-def hafed_first_segment(work: LocalWork) -> StepOutcome:
+def run_local(work: LocalWork) -> StepOutcome:
     """The round's first segment, from the global model the train message carries."""
     return run_segment(work, 0)
 
 
-@phase(GOSSIP_PHASE)
-def hafed_next_segment(work: LocalWork) -> StepOutcome:
+def run_gossip(work: LocalWork) -> StepOutcome:
     """A later segment, from the mixed model the gossip message carries."""
     if protocol.ARRAYS_RECORD not in work.msg.content.array_records:
         raise ValueError("a gossip message must carry the mixed model in its 'arrays' record")

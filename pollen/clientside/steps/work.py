@@ -1,25 +1,17 @@
-"""What a pollen ClientApp runs for one message: a table of local steps and of mid-round phases.
+"""What a client step gets and returns: :class:`LocalWork`, :class:`StepOutcome`, and the helpers steps share.
 
-The strategy names the local step in its train config (``pollen.local-step``, default ``"sgd"``) and
-the phase of a mid-round message (``pollen.phase``); the ClientApp looks both up here instead of
-growing a branch per method. A method adds its client side with two decorators::
-
-    @local_step("my-step")
-    def my_step(work: LocalWork) -> StepOutcome: ...
-
-    @phase("my-phase")
-    def my_phase(work: LocalWork) -> StepOutcome: ...
-
-A step trains ``work.task.model`` in place (the ClientApp uploads it as the method asks: full model,
-or a compressed update with error feedback), may keep vectors for later messages in ``work.state``
+A step is a plain function ``run(work: LocalWork) -> StepOutcome``. It trains ``work.task.model`` in
+place (the ClientApp uploads it as the method asks: full model, or a compressed update with error
+feedback), may keep vectors for later messages in ``work.state``
 (:class:`~pollen.clientside.state.ClientState`) and may return named extras and flags for the reply.
+The tables that name the steps are in :mod:`pollen.clientside.steps`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from flwr.app import ConfigRecord, Message
@@ -29,29 +21,52 @@ from pollen.clientside.state import ClientState
 from pollen.core.layout import ModelLayout
 from pollen.optim.schedule import schedule_factor
 
-TRAIN_KEYS = ("local-lr", "local-epochs", "local-steps", "batch-size", "momentum", "weight-decay")
+
+class Task(Protocol):
+    """What a step uses of the node's task: pollen's ClientApp passes its ``LocalTask``; any object with these works."""
+
+    model: Any  # a torch.nn.Module, trained in place
+    device: Any  # the torch.device it trains on
+    partition_id: int  # this node's data partition (HA-Fed seeds its batch stream with it)
+
+    def loaders(self, batch_size: int) -> tuple[Any, Any]:
+        """``(train, validation)`` data loaders of this node's partition."""
+        ...
 
 
 @dataclass
 class LocalWork:
-    """Everything a local step or phase handler gets for one message."""
+    """Everything a local step or phase handler gets for one message.
 
-    task: Any  # pollen.client_app.LocalTask: cfg, model, device, loaders, partition_id
+    ``settings`` is a plain mapping of the local-training settings the message may leave out
+    (``local-lr``, ``local-steps``, ``local-epochs``, ``batch-size``, ``momentum``, ``weight-decay``), the
+    run's ``seed`` (HA-Fed) and, optionally, the learning-rate schedule (``lr-schedule``,
+    ``lr-decay-rounds``, ``lr-decay-factor``). pollen's ClientApp passes its validated run-config; a
+    program without pollen's app passes its own dict.
+    """
+
+    task: Task
     msg: Message
     config: ConfigRecord
     state: ClientState
     server_round: int
     seed: int
+    settings: Mapping[str, Any] = field(default_factory=dict)
 
     def setting(self, key: str) -> Any:
-        """A local-training setting: the message's config wins over the run-config.
+        """A local-training setting: the message's config wins over ``settings``.
 
-        ``local-lr`` is the base rate; the run-config's ``lr-schedule`` scales it for this round
-        (:mod:`pollen.optim.schedule`).
+        ``local-lr`` is the base rate; when ``settings`` has an ``lr-schedule`` it scales the rate for
+        this round (:mod:`pollen.optim.schedule`); without one the rate is constant.
         """
-        value = self.config[key] if key in self.config else self.task.cfg[key]
-        if key == "local-lr":
-            return float(value) * schedule_factor(self.task.cfg, self.server_round)
+        if key in self.config:
+            value = self.config[key]
+        elif key in self.settings:
+            value = self.settings[key]
+        else:
+            raise KeyError(f"local setting {key!r} is neither in the message's config nor in the settings given to the step")
+        if key == "local-lr" and "lr-schedule" in self.settings:
+            return float(value) * schedule_factor(self.settings, self.server_round)
         return value
 
     def layout(self) -> ModelLayout:
@@ -77,36 +92,8 @@ class StepOutcome:
     upload_model: bool = True
 
 
-Handler = Callable[[LocalWork], StepOutcome]
-LOCAL_STEPS: dict[str, Handler] = {}
-PHASES: dict[str, Handler] = {}
-
-
-def local_step(name: str) -> Callable[[Handler], Handler]:
-    """Register the local step a train message names with ``pollen.local-step``."""
-    return _registrar(LOCAL_STEPS, name, "local step")
-
-
-def phase(name: str) -> Callable[[Handler], Handler]:
-    """Register the handler of the mid-round phase a ``train.pollen_phase`` message names."""
-    return _registrar(PHASES, name, "phase")
-
-
-def _registrar(table: dict[str, Handler], name: str, what: str) -> Callable[[Handler], Handler]:
-    def decorate(handler: Handler) -> Handler:
-        if name in table and table[name] is not handler:
-            raise ValueError(f"{what} {name!r} is registered twice")
-        table[name] = handler
-        return handler
-
-    return decorate
-
-
-def lookup(table: dict[str, Handler], name: str, what: str) -> Handler:
-    """The handler for ``name``; ``ValueError`` naming what is allowed."""
-    if name not in table:
-        raise ValueError(f"{what} {name!r} is unknown to this ClientApp; allowed: {', '.join(sorted(table))}")
-    return table[name]
+Step = Callable[[LocalWork], StepOutcome]
+"""A local step or a phase handler: ``run(work) -> StepOutcome``."""
 
 
 def model_arrays(model: Any) -> dict[str, np.ndarray]:
@@ -155,9 +142,3 @@ def train_metrics(result: Any) -> dict[str, int | float]:
         protocol.NUM_EXAMPLES: int(result.num_examples),
         "num-steps": int(result.num_steps),
     }
-
-
-@local_step("sgd")
-def sgd(work: LocalWork) -> StepOutcome:
-    """Plain local SGD: K steps (``local-steps``) or E epochs (``local-epochs``)."""
-    return StepOutcome(train_metrics(run_sgd(work, None)))
