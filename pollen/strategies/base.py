@@ -1,26 +1,28 @@
-"""The shared base of pollen's server strategies (Flower Message API).
+"""The shared base of pollen's server strategies (Flower Message API): one engine of parts.
 
-``AdaptiveStrategy`` does the mechanics every adaptive federated method needs, once:
+``AdaptiveStrategy`` wires the parts every adaptive federated method needs; each part has one job
+and a public surface, and no part touches another's private state:
 
-- keeps the global model as one contiguous float32 vector of trainable parameters
-  plus the non-trainable buffers (averaged, never fed to the optimiser),
-- samples clients with a seeded :class:`~pollen.strategies.sampling.ClientSampler` keyed by
-  stable client ids (per cluster when a method asks),
-- sends each sampled node its content through one hook, :meth:`node_content` (default: the
-  shared model and config, built once), and counts the bytes of every message sent,
-- runs further exchanges inside a round through :meth:`mid_round` / :meth:`exchange`,
-- reads every reply once with :func:`~pollen.strategies.replies.read_reply` against the
-  method's :class:`~pollen.strategies.replies.ReplySpec` (update, named extras, flags); a reply
-  that cannot be trusted is dropped with a logged reason and counted as a failure,
-- counts bytes per direction, per record and per round from the records on the wire,
-- writes and reads back everything it holds (``state_dict`` / ``load_state_dict``), which the
-  round loop (:class:`~pollen.strategies.rounds.RoundLoop`) checkpoints each round for resume.
+- :class:`~pollen.strategies.model.GlobalModel`: the global model as one flat float32 vector of
+  trainable values plus the buffers (averaged, never fed to the optimiser), in and out of records;
+- :class:`~pollen.strategies.sampling.ClientSampler`: seeded sampling keyed by stable client ids;
+- :class:`~pollen.strategies.transport.Transport`: train, evaluate and mid-round messages, bytes;
+- :class:`~pollen.strategies.collector.ReplyCollector`: who was asked in each phase, one reply each,
+  every reply read once against the method's :class:`~pollen.strategies.replies.ReplySpec`,
+  rejections with reasons;
+- :class:`~pollen.strategies.screening.UpdateScreen` and the sinks of :mod:`pollen.strategies.sinks`
+  (the running mean; FedAdaVR's table sink): outliers out, the round's aggregate in;
+- :class:`~pollen.strategies.step.ServerStep`: the server optimiser (:mod:`pollen.optim` transform)
+  stepped as a transaction;
+- :class:`~pollen.strategies.uplink.Uplink` (optional): what clients upload;
+- :class:`~pollen.strategies.accounting.Accounting`: per-round numbers measured on the wire;
+- state by declaration (:mod:`pollen.strategies.declared`): the parts and the fields a method
+  declares in ``state_fields`` are written and restored for resume.
 
-Subclasses choose the server optimiser and may override the small steps
-``aggregate_deltas`` (how client updates become one delta), ``train_config`` (extra config
-for clients), ``node_content``, ``mid_round`` and ``after_round``. Sign convention: a
-client's update is ``delta = x_local - x_global`` (points downhill); the server *adds* the
-optimiser's step.
+A method overrides small steps: ``train_config`` (extra client config), ``node_content`` (what one
+node receives), ``mid_round`` (more exchanges), ``aggregate_deltas`` / ``round_sink`` (how updates
+become one delta), ``after_round`` (per-client bookkeeping). Sign convention: a client's update is
+``delta = x_local - x_global`` (points downhill); the server *adds* the optimiser's step.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from pollen.core.layout import ModelLayout
 from pollen.optim import OptState, Transform
 from pollen.strategies.accounting import Accounting
 from pollen.strategies.collector import EVALUATE_PHASE, TRAIN_PHASE, ReplyCollector, reason_of
-from pollen.strategies.declared import PART, load_field, save_field
+from pollen.strategies.declared import restore_strategy_state, strategy_state
 from pollen.strategies.model import GlobalModel
 from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec
 from pollen.strategies.rounds import RoundLoop
@@ -60,6 +62,34 @@ def _check_fraction(name: str, value: float, allow_zero: bool) -> None:
     if not (low_ok and value <= 1.0):
         interval = "[0, 1]" if allow_zero else "(0, 1]"
         raise ValueError(f"{name}={value!r} is out of range; allowed: a number in {interval}")
+
+
+def _check_arguments(  # noqa: PLR0913 - the constructor's, checked in one place
+    fraction_train: float,
+    fraction_evaluate: float,
+    min_train_nodes: int,
+    min_evaluate_nodes: int,
+    min_available_nodes: int,
+    aggregation: str,
+    min_replies: int,
+    uplink: Uplink | None,
+) -> None:
+    """``ValueError`` naming the argument, its value and what is allowed, for the base's settings."""
+    _check_fraction("fraction_train", fraction_train, allow_zero=False)
+    if not isinstance(min_replies, int) or isinstance(min_replies, bool) or min_replies < 1:
+        raise ValueError(f"min_replies={min_replies!r} is invalid; allowed: an integer >= 1")
+    _check_fraction("fraction_evaluate", fraction_evaluate, allow_zero=True)
+    for name, value in (
+        ("min_train_nodes", min_train_nodes),
+        ("min_evaluate_nodes", min_evaluate_nodes),
+        ("min_available_nodes", min_available_nodes),
+    ):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= 0")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r} is unknown; allowed: {', '.join(AGGREGATIONS)}")
+    if uplink is not None and not isinstance(uplink, Uplink):
+        raise ValueError(f"uplink={uplink!r} is not an Uplink; allowed: pollen.strategies.Uplink(...) or None")
 
 
 class AdaptiveStrategy(RoundLoop, Strategy):
@@ -150,19 +180,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         transactional: bool = True,
         uplink: Uplink | None = None,
     ) -> None:
-        _check_fraction("fraction_train", fraction_train, allow_zero=False)
-        if not isinstance(min_replies, int) or isinstance(min_replies, bool) or min_replies < 1:
-            raise ValueError(f"min_replies={min_replies!r} is invalid; allowed: an integer >= 1")
-        _check_fraction("fraction_evaluate", fraction_evaluate, allow_zero=True)
-        for name, value in (
-            ("min_train_nodes", min_train_nodes),
-            ("min_evaluate_nodes", min_evaluate_nodes),
-            ("min_available_nodes", min_available_nodes),
-        ):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= 0")
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation={aggregation!r} is unknown; allowed: {', '.join(AGGREGATIONS)}")
+        _check_arguments(fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes, aggregation, min_replies, uplink)
         self.fraction_train = fraction_train
         self.fraction_evaluate = fraction_evaluate
         self.min_train_nodes = min_train_nodes
@@ -175,8 +193,6 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         self.configrecord_key = configrecord_key
         self.min_replies = min_replies
         self.transactional = transactional
-        if uplink is not None and not isinstance(uplink, Uplink):
-            raise ValueError(f"uplink={uplink!r} is not an Uplink; allowed: pollen.strategies.Uplink(...) or None")
         self.uplink = uplink
 
         self.server_step = ServerStep(optimizer)
@@ -218,22 +234,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         return self.server_step.state
 
     @property
-    def buffer_keys(self) -> tuple[str, ...] | None:
-        return self.model.buffer_keys
-
-    @property
-    def identify_clients(self) -> bool:
-        return self.sampler.identify_clients
-
-    @property
     def node_keys(self) -> dict[int, str]:
         """Node id -> stable client id, as far as known (kept by the sampler)."""
         return self.sampler.node_keys
-
-    @property
-    def client_devices(self) -> dict[str, str]:
-        """Client id -> the device it last reported training on."""
-        return self.replies.client_devices
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> None:
@@ -494,13 +497,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         if self.fraction_evaluate == 0.0:
             return []
         nodes = self.sampler.sample(grid, self.fraction_evaluate, self.min_evaluate_nodes)
-        config = ConfigRecord(dict(config))
-        config[protocol.CFG_SERVER_ROUND] = server_round
-        content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
-        stats = self.accounting.round(server_round)
-        stats.eval_downlink_bytes += int(sum(record.count_bytes() for record in content.values())) * len(nodes)
-        self.replies.ask(server_round, EVALUATE_PHASE, nodes)
-        return [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in nodes]
+        config = ConfigRecord({**config, protocol.CFG_SERVER_ROUND: server_round})
+        return self.transport.evaluate_messages(server_round, nodes, RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config}))
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Weighted average of the clients' evaluation metrics; failed or malformed replies are skipped."""
@@ -511,53 +509,11 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Everything the strategy holds: its collaborators' parts and the fields it declares."""
-        state: dict[str, Any] = {
-            "strategy": type(self).__name__,
-            "seed": self.seed,
-            "sampler": self.sampler.state_dict(),
-            "screen": self.screen.state_dict(),
-            "accounting": self.accounting.to_dict(),
-            **self.model.state_dict(),
-        }
-        if self.layout is not None:
-            state["optimizer"] = self.server_step.state_dict()
-        for name, kind in self.state_fields.items():
-            value = getattr(self, name)
-            if value is not None:
-                state[name] = save_field(kind, value)
-        return state
+        return strategy_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict()`` wrote (same strategy class and model), checking every part first.
-
-        The model, the optimiser state and the declared values are read and checked into new objects
-        before anything of this strategy changes; a file that does not fit raises ``ValueError``.
-        """
-        if state.get("strategy") != type(self).__name__:
-            raise ValueError(f"state was written by {state.get('strategy')!r}, not {type(self).__name__}")
-        model, step = GlobalModel(self.buffer_keys), ServerStep()
-        model.load_state_dict(state)
-        dim = model.layout.dim if model.layout is not None else None
-        if model.layout is not None:
-            step.load_state_dict(state["optimizer"], self.build_optimizer(model.layout), dim)
-        values = {
-            name: load_field(kind, name, state[name], dim=dim)
-            for name, kind in self.state_fields.items()
-            if kind != PART and name in state
-        }
-        self.seed = state["seed"]
-        self.sampler.load_state_dict(state["sampler"])
-        self.screen.load_state_dict(state.get("screen", {}))
-        self.accounting = Accounting.from_dict(state["accounting"])
-        self.model, self.server_step = model, step
-        for name, value in values.items():
-            setattr(self, name, value)
-        for name, kind in self.state_fields.items():
-            if kind == PART and name in state:
-                if getattr(self, name) is None and self.layout is not None:
-                    self.on_layout(self.layout)  # the part is built from the layout, then filled
-                getattr(self, name).load_state_dict(state[name])
-        self.check_state()
+        """Restore what ``state_dict()`` wrote (same class and model), every part checked before any changes."""
+        restore_strategy_state(self, state)
 
     def check_state(self) -> None:
         """Hook: raise ``ValueError`` when loaded state breaks an invariant of the method."""

@@ -14,7 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from pollen.strategies.accounting import Accounting
+from pollen.strategies.model import GlobalModel
 from pollen.strategies.screening import all_finite
+from pollen.strategies.step import ServerStep
 
 #: A flat float32 vector of the model's trainable dimension, finite (or ``None`` before the model is known).
 VECTOR = "vector"
@@ -61,3 +64,58 @@ def load_field(kind: str, name: str, plain: Any, *, dim: int | None) -> Any:
             raise ValueError(f"state '{name}' must map client ids to whole numbers")
         return {str(k): _whole(f"{name}[{k}]", v) for k, v in plain.items()}
     raise ValueError(f"state kind {kind!r} cannot be loaded as a value; allowed: {', '.join(KINDS[:3])}")
+
+
+def strategy_state(strategy: Any) -> dict[str, Any]:
+    """An ``AdaptiveStrategy``'s whole state: its parts (sampler, screen, accounting, model, server step)
+    and the fields its class declares in ``state_fields``."""
+    state: dict[str, Any] = {
+        "strategy": type(strategy).__name__,
+        "seed": strategy.seed,
+        "sampler": strategy.sampler.state_dict(),
+        "screen": strategy.screen.state_dict(),
+        "accounting": strategy.accounting.to_dict(),
+        **strategy.model.state_dict(),
+    }
+    if strategy.layout is not None:
+        state["optimizer"] = strategy.server_step.state_dict()
+    for name, kind in strategy.state_fields.items():
+        value = getattr(strategy, name)
+        if value is not None:
+            state[name] = save_field(kind, value)
+    return state
+
+
+def restore_strategy_state(strategy: Any, state: Mapping[str, Any]) -> None:
+    """Load what :func:`strategy_state` wrote into ``strategy`` (same class and model).
+
+    The model, the optimiser state and the declared values are read and checked into new objects
+    before anything of the strategy changes; a state that does not fit raises ``ValueError``. Parts
+    (``PART``) load themselves, built from the layout first when the strategy has none yet; then
+    the class's ``check_state`` hook checks its invariants.
+    """
+    if state.get("strategy") != type(strategy).__name__:
+        raise ValueError(f"state was written by {state.get('strategy')!r}, not {type(strategy).__name__}")
+    model, step = GlobalModel(strategy.model.buffer_keys), ServerStep()
+    model.load_state_dict(state)
+    dim = model.layout.dim if model.layout is not None else None
+    if model.layout is not None:
+        step.load_state_dict(state["optimizer"], strategy.build_optimizer(model.layout), dim)
+    values = {
+        name: load_field(kind, name, state[name], dim=dim)
+        for name, kind in strategy.state_fields.items()
+        if kind != PART and name in state
+    }
+    strategy.seed = state["seed"]
+    strategy.sampler.load_state_dict(state["sampler"])
+    strategy.screen.load_state_dict(state.get("screen", {}))
+    strategy.accounting = Accounting.from_dict(state["accounting"])
+    strategy.model, strategy.server_step = model, step
+    for name, value in values.items():
+        setattr(strategy, name, value)
+    for name, kind in strategy.state_fields.items():
+        if kind == PART and name in state:
+            if getattr(strategy, name) is None and strategy.layout is not None:
+                strategy.on_layout(strategy.layout)
+            getattr(strategy, name).load_state_dict(state[name])
+    strategy.check_state()

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from pollen.strategies.accounting import Accounting, RoundStats
-from pollen.strategies.collector import ReplyCollector
+from pollen.strategies.collector import EVALUATE_PHASE, ReplyCollector
 from pollen.wire import protocol
 
 
@@ -57,6 +57,13 @@ class Transport:
         messages = [Message(content=content_for(node), message_type="train", dst_node_id=node) for node in nodes]
         count_sent(self._accounting().round(server_round), messages)
         return messages
+
+    def evaluate_messages(self, server_round: int, nodes: list[int], content: RecordDict) -> list[Message]:
+        """One evaluate message per node, all with ``content``; asked nodes recorded, bytes counted."""
+        self.replies.ask(server_round, EVALUATE_PHASE, nodes)
+        stats = self._accounting().round(server_round)
+        stats.eval_downlink_bytes += int(sum(record.count_bytes() for record in content.values())) * len(nodes)
+        return [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node) for node in nodes]
 
     def exchange(
         self,
