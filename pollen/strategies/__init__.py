@@ -15,7 +15,6 @@ from pollen.strategies.fedcams import FedCAMS
 from pollen.strategies.fedlamb import FedLAMB
 from pollen.strategies.hafed import HAFed
 from pollen.strategies.lazy import FedLazy
-from pollen.strategies.registry import build_strategy, implementations, register, strategy_names
 from pollen.strategies.relay_demo import RelayAverage
 from pollen.strategies.replies import ClientUpdate, Extra, ReplyRejected, ReplySpec
 from pollen.strategies.rounds import RunInterrupted
@@ -43,8 +42,4 @@ __all__ = [
     "RoundStats",
     "RunCheckpoint",
     "RunInterrupted",
-    "build_strategy",
-    "implementations",
-    "register",
-    "strategy_names",
 ]

@@ -9,13 +9,11 @@ bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from pollen.wire import protocol
 from pollen.compression import CODECS, GRANULARITIES
-from pollen.strategies.fedams import FedAMS, fedams_kwargs
-from pollen.strategies.registry import register
+from pollen.strategies.fedams import FedAMS
 
 
 class FedCAMS(FedAMS):
@@ -78,13 +76,3 @@ class FedCAMS(FedAMS):
             protocol.CFG_GRANULARITY: self.granularity,
         }
 
-
-@register("fedcams", "pollen.strategies.FedCAMS")
-def _build_fedcams(cfg: Mapping[str, Any]) -> FedCAMS:
-    return FedCAMS(
-        **fedams_kwargs(cfg),
-        compressor=cfg["compressor"],
-        topk_ratio=cfg["topk-ratio"],
-        error_feedback=cfg["error-feedback"],
-        granularity=cfg["compression-granularity"],
-    )

@@ -20,7 +20,6 @@ The client side is :mod:`pollen.clientside.relay_demo`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -30,7 +29,6 @@ from flwr.serverapp import Grid
 from pollen.wire import protocol
 from pollen.optim import SGD
 from pollen.strategies.base import AdaptiveStrategy
-from pollen.strategies.registry import adaptive_kwargs, register
 from pollen.strategies.replies import ClientUpdate, Extra, ReplySpec
 from pollen.wire.records import arrays_to_record
 
@@ -111,7 +109,3 @@ class RelayAverage(AdaptiveStrategy):
     def extra_summary(self) -> dict[str, Any]:
         return {"relay": f"one mid-round exchange '{RELAY_PHASE}' after half of the local steps"}
 
-
-@register("relay-demo", "pollen.strategies.RelayAverage (the round-protocol example: one relayed mix per round)")
-def _build_relay_demo(cfg: Mapping[str, Any]) -> RelayAverage:
-    return RelayAverage(**adaptive_kwargs(cfg), eta=cfg["server-lr"])
