@@ -20,7 +20,8 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
 from pollen.wire import protocol
-from pollen.app.config import RESUME_MAY_DIFFER, AppConfig, ConfigError
+from pollen.app.config import RESUME_MAY_DIFFER, AppConfig, ConfigError, clients_need_given_keys
+from pollen.app.registry import Table
 from pollen.app.experiment import build_model, build_strategy, client_train_config, data_config
 from pollen.app.results import RunRecorder, human_bytes
 from pollen.strategies import RunCheckpoint, RunInterrupted
@@ -218,9 +219,14 @@ def make_checkpoint(cfg: AppConfig, out_dir: Path) -> RunCheckpoint:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run one experiment as the run-config says (or resume one)."""
+    serve(grid, context)
+
+
+def serve(grid: Grid, context: Context, methods: Table | None = None) -> None:
+    """The ServerApp's work with a method table (default: the product's; the test harness adds its demos)."""
     try:
         given = given_keys(grid)
-        cfg = AppConfig.from_run_config(context.run_config, given=given)
+        cfg = AppConfig.from_run_config(context.run_config, given=given, methods=methods)
         strategy = build_strategy(cfg)
         out_dir = run_dir(cfg)
         checkpoint = make_checkpoint(cfg, out_dir)
@@ -249,7 +255,8 @@ def main(grid: Grid, context: Context) -> None:
     train_config = client_train_config(cfg)
     train_config[protocol.CFG_RUN_KEY] = out_dir.name
     evaluate_config = {}
-    if cfg["preset"] and given:  # the ClientApps resolve the preset as the server did
+    if given and (cfg["preset"] or clients_need_given_keys(context.run_config, given, methods)):
+        # the ClientApps resolve the preset and the method's recommended values as the server did
         train_config[protocol.CFG_GIVEN_KEYS] = evaluate_config[protocol.CFG_GIVEN_KEYS] = protocol.join_keys(sorted(given))
     try:
         result = strategy.start(

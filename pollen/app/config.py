@@ -14,7 +14,14 @@ Where a value comes from, highest first:
 1. a key the user gave (``flwr run . --run-config "k=v"``; a value that differs from its pyproject
    default counts as given too);
 2. the ``preset`` (:mod:`pollen.app.preset`), for the keys its ``[config]`` sets;
-3. the defaults in ``pyproject.toml`` (``[tool.flwr.app.config]``; they equal the schema's).
+3. the chosen method's recommended values (its paper's: ``DEFAULTS`` in its family's module), so that
+   ``strategy=hafed`` alone runs with HA-Fed's server lr, eps and batch size, not FedAMS's;
+4. the defaults in ``pyproject.toml`` (``[tool.flwr.app.config]``; they equal the schema's, and are
+   the recommended values of FedAMS, the default method).
+
+:func:`effective_run_config` applies 2 and 3. A ClientApp resolves its run-config the same way; where
+it cannot tell a given key from a default (the user gave a key its default value), the ServerApp sends
+it the given keys (:func:`clients_need_given_keys`).
 """
 
 from __future__ import annotations
@@ -263,18 +270,34 @@ class AppConfig:
 def effective_run_config(
     run_config: Mapping[str, Any], given: Collection[str] = (), methods: registry.Table | None = None
 ) -> dict[str, Any]:
-    """``run_config`` with its ``preset`` applied (unchanged without one); ``ConfigError`` for a bad preset.
+    """``run_config`` with its ``preset`` and then its method's recommended values applied.
 
     ``given``: the keys the user set on the command line (they win even where they equal a default).
+    A key the preset sets wins over the method's values; a key nobody set takes the method's value,
+    else keeps its pyproject default (module docstring). ``methods``: the method table (default: the
+    product's). ``ConfigError`` for a bad preset.
     """
-    if not run_config.get("preset"):
-        return dict(run_config)
-    from pollen.app.preset import PresetError, apply_preset, pyproject_defaults
+    from pollen.app.preset import PresetError, apply_preset, fill_unset, load_preset, pyproject_defaults
 
-    try:
-        return apply_preset(run_config, pyproject_defaults(), given)
-    except PresetError as err:
-        raise ConfigError(f"run-config 'preset': {err}") from None
+    defaults = pyproject_defaults() or schema_defaults()
+    resolved, preset_keys = dict(run_config), set()
+    if run_config.get("preset"):
+        try:
+            resolved = apply_preset(run_config, defaults, given)
+            preset_keys = set(load_preset(str(run_config["preset"])).config)
+        except PresetError as err:
+            raise ConfigError(f"run-config 'preset': {err}") from None
+    recommended = registry.method_defaults(resolved.get("strategy"), methods)
+    return fill_unset(resolved, recommended, defaults, set(given) | preset_keys)
+
+
+def clients_need_given_keys(run_config: Mapping[str, Any], given: Collection[str], methods: registry.Table | None = None) -> bool:
+    """Whether a ClientApp that does not know ``given`` would resolve ``run_config`` differently.
+
+    It would where the user gave a key the value of its pyproject default and the preset or the
+    method recommends another: without the given keys the client would take that other value.
+    """
+    return bool(given) and effective_run_config(run_config, given, methods) != effective_run_config(run_config, (), methods)
 
 
 def defaults_from_pyproject(path: str) -> dict[str, Any]:
