@@ -8,6 +8,7 @@ appends a row to ``results/<run-name>/metrics.csv`` and ``metrics.json``.
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from datetime import datetime
@@ -23,7 +24,7 @@ from pollen.wire import protocol
 from pollen.app.config import RESUME_MAY_DIFFER, AppConfig, ConfigError, clients_need_given_keys
 from pollen.app.registry import Table
 from pollen.app.experiment import build_model, build_strategy, client_train_config, data_config
-from pollen.app.results import RunRecorder, human_bytes
+from pollen.app.results import METHOD_PREFIX, RunRecorder, human_bytes
 from pollen.strategies import RunCheckpoint, RunInterrupted
 from pollen.strategies.rounds import SetupError
 
@@ -107,8 +108,9 @@ class RoundReporter:
         by_kind = _records_in_words(row.get("uplink_by_record"), row.get("downlink_by_record"))
         if by_kind:
             log(INFO, "[pollen]   round %d by record: %s; %d gradient evaluations", server_round, by_kind, row.get("grad_evals", 0))
-        if row.get("lazy_events"):
-            log(INFO, "[pollen]   round %d lazy/accelerated: %s", server_round, _events_in_words(row["lazy_events"]))
+        counters = _method_in_words({name.removeprefix(METHOD_PREFIX): value for name, value in row.items() if name.startswith(METHOD_PREFIX)})
+        if counters:
+            log(INFO, "[pollen]   round %d method: %s", server_round, counters)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     def _row(self, server_round: int, accuracy: float | None, loss: float | None, now: float) -> dict[str, Any]:
@@ -137,10 +139,6 @@ class RoundReporter:
                 messages_sent=stats.messages_sent,
                 exchange_messages=stats.exchange_messages,
                 grad_evals=stats.grad_evals,
-                relayed_bytes=stats.relayed_bytes,
-                peer_bytes=stats.peer_bytes,
-                lazy_events=dict(stats.lazy_events),
-                lazy_rel={k: list(v) for k, v in stats.lazy_rel.items()},
                 compression_ratio=stats.compression_ratio,
                 downlink_bytes=stats.downlink_bytes + stats.eval_downlink_bytes,
                 server_state_bytes=getattr(stats, "server_state_bytes", 0),
@@ -148,6 +146,7 @@ class RoundReporter:
                 fed_accuracy=stats.evaluate_metrics.get("accuracy", ""),
                 fed_loss=stats.evaluate_metrics.get("loss", ""),
             )
+            row.update({METHOD_PREFIX + name: copy.deepcopy(value) for name, value in stats.method.items()})
         return row
 
 
@@ -173,17 +172,31 @@ def given_keys(grid: Grid) -> set[str]:
         return set()
 
 
-def _events_in_words(events: dict[str, int]) -> str:
-    """``uplink sent 3, skip 2 (2 flags) | downlink full 1, send 4 | resync 1`` from a round's lazy events."""
+def _method_in_words(counters: dict[str, Any]) -> str:
+    """A round's method counters in words, whatever the method: ``relayed_bytes 1.20 MB | lazy_events up-send 3, up-skip 1``.
+
+    A number named ``*_bytes`` reads as a size; a mapping lists its non-zero numbers, and its lists as
+    ``count in [min, max]``; zeros and empty values are left out.
+    """
+
+    def one(name: str, value: Any) -> str:
+        if isinstance(value, list):
+            numbers = [v for v in value if isinstance(v, (int, float))]
+            return f"{name} {len(numbers)} in [{min(numbers):.3g}, {max(numbers):.3g}]" if numbers else ""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value:
+            return ""
+        if name.endswith("_bytes"):
+            return f"{name} {human_bytes(value)}"
+        return f"{name} {value}" if isinstance(value, int) else f"{name} {value:.4g}"
+
     parts = []
-    for direction, name in (("up", "uplink"), ("down", "downlink")):
-        counts = [f"{kind} {events[f'{direction}-{kind}']}" for kind in ("dense", "full", "send", "skip", "aa", "keep")
-                  if events.get(f"{direction}-{kind}")]
-        if counts:
-            flags = events.get(f"{direction}-flags", 0)
-            parts.append(f"{name} {', '.join(counts)}" + (f" ({flags} flags)" if flags else ""))
-    if events.get("resync"):
-        parts.append(f"resync requests {events['resync']}")
+    for name, value in counters.items():
+        if isinstance(value, dict):
+            inner = ", ".join(words for key, item in value.items() if (words := one(str(key), item)))
+            if inner:
+                parts.append(f"{name} {inner}")
+        elif words := one(name, value):
+            parts.append(words)
     return " | ".join(parts)
 
 

@@ -246,8 +246,8 @@ class HAFed(AdaptiveStrategy):
                 self._mix(cluster, current, present)
         final = [current[node] for node in sorted(uploaders & present)]
         star = len(uploaders) * down_per_start + sum(sum(u.record_bytes.values()) for u in final)
-        stats.relayed_bytes = int(round(stats.uplink_bytes + stats.downlink_bytes - star))
-        stats.peer_bytes = self._peer_bytes(clusters, len(trained) - len(uploaders))
+        stats.method["relayed_bytes"] = int(round(stats.uplink_bytes + stats.downlink_bytes - star))
+        stats.method["peer_bytes"] = self._peer_bytes(clusters, len(trained) - len(uploaders))
         self._grad_evals[server_round] = grad_evals
         self._final[server_round] = final
         return []
@@ -290,7 +290,7 @@ class HAFed(AdaptiveStrategy):
         self._uploaders.pop(server_round, None)
         log(INFO, "HA-Fed round %d: %d gossip steps, %d gossip messages, relayed %.2f MB (a peer network: %.2f MB), %d gradient evaluations",
             server_round, len(self.segments) - 1 + (self.topology != "identity"), stats.exchange_messages,
-            stats.relayed_bytes / 1e6, stats.peer_bytes / 1e6, stats.grad_evals)
+            stats.method.get("relayed_bytes", 0) / 1e6, stats.method.get("peer_bytes", 0) / 1e6, stats.grad_evals)
         return result
 
     def _round_clusters(self) -> list[Cluster]:

@@ -39,7 +39,7 @@ from pollen.strategies.base import ReplyRejected, ReplySpec
 from pollen.strategies.fedams import FedAMS
 from pollen.wire.records import arrays_to_record, payload_to_records
 
-#: Every event of a round the family counts (results column ``lazy_events``).
+#: Every event of a round the family counts (``RoundStats.method["lazy_events"]``, results column ``method.lazy_events``).
 EVENTS = ("up-send", "up-skip", "up-aa", "up-flags", "down-dense", "down-full", "down-send", "down-skip", "down-aa", "down-keep", "down-flags", "resync")
 
 
@@ -164,11 +164,11 @@ class FedLazy(FedAMS):
         return make_codec(name, topk_ratio=ratio, segments=self.layout.segments, granularity=self.granularity)
 
     def _count(self, server_round: int, event: str, n: int = 1) -> None:
-        events = self.accounting.round(server_round).lazy_events
+        events = self.accounting.round(server_round).method.setdefault("lazy_events", {})
         events[event] = events.get(event, 0) + n
 
     def _note_rel(self, server_round: int, direction: str, rel: float) -> None:
-        self.accounting.round(server_round).lazy_rel.setdefault(direction, []).append(round(float(rel), 6))
+        self.accounting.round(server_round).method.setdefault("lazy_rel", {}).setdefault(direction, []).append(round(float(rel), 6))
 
     # ------------------------------------------------------------------ downlink
     def train_config(self, server_round: int) -> dict[str, Any]:

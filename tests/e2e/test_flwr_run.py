@@ -167,7 +167,7 @@ def test_hafed_gossips_in_two_clusters_of_four(flower: LocalFlower, results_dir:
         assert row["replies"] == 4 and row["failures"] == 0, row  # 2 uploaders in each cluster
         assert row["exchange_messages"] == 2 * 8  # gossip steps 1 and 2 relayed to all 8 clients
         assert row["grad_evals"] == 3 * 8  # every client trains
-        assert row["downlink_by_record"]["hafed-gossip/arrays"] > 0 and row["relayed_bytes"] > 0 and row["peer_bytes"] > 0
+        assert row["downlink_by_record"]["hafed-gossip/arrays"] > 0 and row["method.relayed_bytes"] > 0 and row["method.peer_bytes"] > 0
     assert metrics["rows"][-1]["accuracy"] > metrics["rows"][0]["accuracy"]
 
 
@@ -184,14 +184,14 @@ def test_lazy_family_runs_with_its_flags_and_increments_on_the_wire(flower: Loca
     first, last = metrics["rows"][1], metrics["rows"][-1]
     for row in (first, last):
         assert row["failures"] == 0 and row["replies"] == 4, row
-        events = row["lazy_events"]
+        events = row["method.lazy_events"]
         assert sum(events.get(f"up-{kind}", 0) for kind in ("send", "skip", "aa")) == 4, events
-    assert "up-skip" not in first["lazy_events"] and "up-aa" not in first["lazy_events"]  # no reference yet
+    assert "up-skip" not in first["method.lazy_events"] and "up-aa" not in first["method.lazy_events"]  # no reference yet
     dense_model = first["downlink_by_record"]["arrays"]
     if name.startswith("fedb"):
-        assert first["lazy_events"]["down-full"] == 4 and "pollen.down" not in first["downlink_by_record"]
+        assert first["method.lazy_events"]["down-full"] == 4 and "pollen.down" not in first["downlink_by_record"]
         assert "arrays" not in last["downlink_by_record"]
         assert 0 < last["downlink_by_record"].get("pollen.down", 0) < 0.3 * dense_model  # top-k 1/8: k values + k indices
     else:
-        assert last["downlink_by_record"]["arrays"] == dense_model and last["lazy_events"]["down-dense"] == 4
+        assert last["downlink_by_record"]["arrays"] == dense_model and last["method.lazy_events"]["down-dense"] == 4
     assert last["accuracy"] > metrics["rows"][0]["accuracy"]
