@@ -151,9 +151,6 @@ BAD_CLIENTS = {
     "min-replies": pos_int(1),
     "outlier-rule": choice(_outlier_rules, "reject", server_side=True),
     "outlier-factor": Key(float, 10.0, lambda v: v > 1, "a number > 1"),
-    "fault-fraction": unit_closed(0.0),
-    "fault-kind": choice(("error", "garbage", "timeout", "mixed"), "error"),
-    "fault-delay": non_negative(0.0),
 }
 
 #: Every key the app's run-config holds: the common keys, then each family's.

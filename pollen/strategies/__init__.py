@@ -15,7 +15,6 @@ from pollen.strategies.fedcams import FedCAMS
 from pollen.strategies.fedlamb import FedLAMB
 from pollen.strategies.hafed import HAFed
 from pollen.strategies.lazy import FedLazy
-from pollen.strategies.relay_demo import RelayAverage
 from pollen.strategies.replies import ClientUpdate, Extra, ReplyRejected, ReplySpec
 from pollen.strategies.rounds import RunInterrupted
 from pollen.strategies.sampling import ClientSampler
@@ -36,7 +35,6 @@ __all__ = [
     "MeteredFedAdam",
     "MeteredFedAvg",
     "MeteredFedYogi",
-    "RelayAverage",
     "ReplyRejected",
     "ReplySpec",
     "RoundStats",

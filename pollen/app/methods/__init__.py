@@ -9,16 +9,17 @@ Each family module declares
   run-config never imports the server-side strategies).
 
 :data:`METHODS` names every run-config ``strategy`` value, in the order the app lists them. Nothing
-registers itself by being imported: a method is in the app when it is in this table.
+registers itself by being imported: a method is in the app when it is in this table. (The test
+harness serves a larger table, with its demo: :data:`pollen.testing.apps.METHODS`.)
 """
 
 from __future__ import annotations
 
-from pollen.app.methods import baselines, fedadavr, fedams, fedlamb, hafed, lazy, relay_demo
+from pollen.app.methods import baselines, fedadavr, fedams, fedlamb, hafed, lazy
 from pollen.app.registry import Method
 
 #: The families whose keys make up the schema, in the order of ``pyproject.toml``'s config table.
-FAMILIES = (fedams, fedadavr, fedlamb, hafed, lazy, baselines, relay_demo)
+FAMILIES = (fedams, fedadavr, fedlamb, hafed, lazy, baselines)
 
 _FEDADAVR = "pollen.strategies.FedAdaVR"
 _FEDLAMB = "pollen.strategies.FedLAMB"
@@ -77,10 +78,6 @@ METHODS: dict[str, Method] = {
                         lazy.DEFAULTS["fedbnlaca"], lazy.codecs("fedbnlaca")),
     "fedbaca": Method(lazy.builder("fedbaca"), f"{_LAZY}(..., down_compressor=..., down_rule='aa') (Algorithm 2: both ways)", "lazy",
                       lazy.DEFAULTS["fedbaca"], lazy.codecs("fedbaca")),
-    # the round-protocol example (moves to the test harness)
-    "relay-demo": Method(relay_demo.build_relay_demo,
-                         "pollen.strategies.RelayAverage (the round-protocol example: one relayed mix per round)", "relay_demo",
-                         relay_demo.DEFAULTS["relay-demo"]),
 }
 
 __all__ = ["FAMILIES", "METHODS"]
