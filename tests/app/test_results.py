@@ -156,6 +156,17 @@ def test_compare_two_runs(tmp_path, capsys):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
 
 
+def test_compare_reads_each_runs_codecs_from_its_method():
+    """The method (pollen.app.methods) says which run-config keys are its codecs; no list of names in compare."""
+    assert compare._codecs({"strategy": "fedams", "compressor": "sign"}) == "-"
+    assert compare._codecs({"strategy": "fedcams", "compressor": "topk"}) == "topk"
+    assert compare._codecs({"strategy": "fednlaa", "compressor": "topk"}) == "-"  # lazy, uncompressed
+    assert compare._codecs({"strategy": "fedaca", "compressor": "fp16", "compressor-down": "topk"}) == "fp16"
+    assert compare._codecs({"strategy": "fedbaca", "compressor": "topk", "compressor-down": "sign"}) == "topk / down sign"
+    assert compare._codecs({"strategy": "relay-demo", "compressor": "sign"}) == "-"  # not a method of the product
+    assert compare._codecs({}) == "-"
+
+
 def test_compare_refuses_a_folder_without_metrics(tmp_path, capsys):
     good = tmp_path / "good"
     record_run(good, {"strategy": "fedams"}, fake_rows(2, 100, 0.1))
