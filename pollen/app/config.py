@@ -130,7 +130,9 @@ LOCAL_TRAINING = {
     "norm": choice(NORMS, "bn"),
     "local-lr": positive(0.01),
     "lr-schedule": choice(SCHEDULES, "constant"),
-    "lr-decay-rounds": Key(str, "", _decay_rounds_ok, "strictly increasing comma-separated rounds >= 2, e.g. \"30,70\" (or empty)"),
+    "lr-decay-rounds": Key(
+        str, "", _decay_rounds_ok, "strictly increasing comma-separated rounds >= 2, e.g. \"30,70\" (or empty)"
+    ),
     "lr-decay-factor": unit_open(0.1),
     "local-epochs": pos_int(1),
     "local-steps": non_neg_int(0),
@@ -154,7 +156,9 @@ BAD_CLIENTS = {
 }
 
 #: Every key the app's run-config holds: the common keys, then each family's.
-SCHEMA: dict[str, Key] = assemble(EXPERIMENT, SAMPLING, SERVER_OPTIMIZER, DATA, LOCAL_TRAINING, RESUME, BAD_CLIENTS, *(f.KEYS for f in FAMILIES))
+SCHEMA: dict[str, Key] = assemble(
+    EXPERIMENT, SAMPLING, SERVER_OPTIMIZER, DATA, LOCAL_TRAINING, RESUME, BAD_CLIENTS, *(family.KEYS for family in FAMILIES)
+)
 
 
 def schema_defaults() -> dict[str, Any]:

@@ -188,6 +188,7 @@ def build_relay_demo(cfg: Mapping[str, Any]) -> RelayAverage:
 
 #: The harness's methods beyond the product's.
 METHODS = {
-    "relay-demo": Method(build_relay_demo, "pollen.testing.relay_demo.RelayAverage (the round-protocol example: one relayed mix per round)",
-                         "relay_demo"),
+    "relay-demo": Method(
+        build_relay_demo, "pollen.testing.relay_demo.RelayAverage (the round-protocol example: one relayed mix per round)", "relay_demo"
+    ),
 }

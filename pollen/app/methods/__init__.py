@@ -15,69 +15,76 @@ harness serves a larger table, with its demo: :data:`pollen.testing.apps.METHODS
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Any
+
 from pollen.app.methods import baselines, fedadavr, fedams, fedlamb, hafed, lazy
-from pollen.app.registry import Method
+from pollen.app.registry import Builder, Method
 
 #: The families whose keys make up the schema, in the order of ``pyproject.toml``'s config table.
 FAMILIES = (fedams, fedadavr, fedlamb, hafed, lazy, baselines)
 
+
+def _row(family: ModuleType, name: str, build: Builder, implementation: str,
+         codecs: Callable[[Mapping[str, Any]], str] | None = None) -> tuple[str, Method]:
+    """One entry: ``name``, its builder, what it builds, its family and the family's recommended values for it."""
+    family_name = family.__name__.rpartition(".")[2]
+    if codecs is None:
+        return name, Method(build, implementation, family_name, family.DEFAULTS[name])
+    return name, Method(build, implementation, family_name, family.DEFAULTS[name], codecs)
+
+
+_FLOWER = "flwr.serverapp.strategy"
 _FEDADAVR = "pollen.strategies.FedAdaVR"
 _FEDLAMB = "pollen.strategies.FedLAMB"
+_HAFED = "pollen.strategies.HAFed"
 _LAZY = "pollen.strategies.FedLazy"
 
-METHODS: dict[str, Method] = {
-    # Flower's own, metered
-    "fedavg": Method(baselines.build_fedavg, "flwr.serverapp.strategy.FedAvg (Flower's own, metered)", "baselines", baselines.DEFAULTS["fedavg"]),
-    "fedadam": Method(baselines.build_fedadam, "flwr.serverapp.strategy.FedAdam (Flower's own, metered)", "baselines", baselines.DEFAULTS["fedadam"]),
-    "fedyogi": Method(baselines.build_fedyogi, "flwr.serverapp.strategy.FedYogi (Flower's own, metered)", "baselines", baselines.DEFAULTS["fedyogi"]),
-    "fedadagrad": Method(baselines.build_fedadagrad, "flwr.serverapp.strategy.FedAdagrad (Flower's own, metered)", "baselines",
-                         baselines.DEFAULTS["fedadagrad"]),
-    # FedAdaVR (papers/fedadavr.md)
-    "fedadavr": Method(fedadavr.builder("fedadavr"), f"{_FEDADAVR} (table-precision != fp32 is FedAdaVR-Quant)", "fedadavr",
-                       fedadavr.DEFAULTS["fedadavr"]),
-    "mifa": Method(fedadavr.builder("mifa"), f"{_FEDADAVR}(variant='mifa')", "fedadavr", fedadavr.DEFAULTS["mifa"]),
-    "fedvarp": Method(fedadavr.builder("fedvarp"), f"{_FEDADAVR}(variant='fedvarp')", "fedadavr", fedadavr.DEFAULTS["fedvarp"]),
-    "fedadavr-novr": Method(fedadavr.builder("fedadavr-novr"), f"{_FEDADAVR}(variant='novr')", "fedadavr", fedadavr.DEFAULTS["fedadavr-novr"]),
-    "fedadavr-noopt": Method(fedadavr.builder("fedadavr-noopt"), f"{_FEDADAVR}(variant='noopt')", "fedadavr",
-                             fedadavr.DEFAULTS["fedadavr-noopt"]),
-    # FedAMS / FedCAMS (papers/fedcams.md)
-    "fedams": Method(fedams.build_fedams, "pollen.strategies.FedAMS (Option 1 unless eps-mode=add)", "fedams", fedams.DEFAULTS["fedams"]),
-    "fedamsgrad": Method(fedams.build_fedamsgrad, "pollen.strategies.FedAMS(option=2)", "fedams", fedams.DEFAULTS["fedamsgrad"]),
-    "fedcams": Method(fedams.build_fedcams, "pollen.strategies.FedCAMS", "fedams", fedams.DEFAULTS["fedcams"], fedams.uplink_codec),
-    # Fed-LAMB (papers/fedlamb.md)
-    "fed-lamb": Method(fedlamb.builder("fed-lamb"), f"{_FEDLAMB} (LAMB local steps, v_hat = max(v_hat, mean v_i))", "fedlamb",
-                       fedlamb.DEFAULTS["fed-lamb"]),
-    "mime-lamb": Method(fedlamb.builder("mime-lamb"), f"{_FEDLAMB}(variant='mime-lamb') (full-batch gradients make v_hat)", "fedlamb",
-                        fedlamb.DEFAULTS["mime-lamb"]),
-    "fed-ams": Method(fedlamb.builder("fed-ams"), f"{_FEDLAMB}(variant='fed-ams') (local AMSGrad with the shared v_hat)", "fedlamb",
-                      fedlamb.DEFAULTS["fed-ams"]),
-    "mime": Method(fedlamb.builder("mime"), f"{_FEDLAMB}(variant='mime') (Mime with AMSGrad)", "fedlamb", fedlamb.DEFAULTS["mime"]),
-    "adp-fed": Method(fedlamb.builder("adp-fed"), f"{_FEDLAMB}(variant='adp-fed') (local SGD, server Adam of Algorithm 2)", "fedlamb",
-                      fedlamb.DEFAULTS["adp-fed"]),
-    "fed-sgd": Method(fedlamb.builder("fed-sgd"), f"{_FEDLAMB}(variant='fed-sgd') (local SGD, x <- mean x_i)", "fedlamb",
-                      fedlamb.DEFAULTS["fed-sgd"]),
-    # HA-Fed (papers/hafed.md)
-    "hafed": Method(hafed.build_hafed, "pollen.strategies.HAFed (gossip in clusters, relayed through the server; server AMSGrad)", "hafed",
-                    hafed.DEFAULTS["hafed"]),
-    "fedamsgrad-stratified": Method(hafed.build_fedamsgrad_stratified,
-                                    "pollen.strategies.HAFed(topology='identity') (HA-Fed without gossip: m per cluster)", "hafed",
-                                    hafed.DEFAULTS["fedamsgrad-stratified"]),
-    "fedamsgrad-uniform": Method(hafed.build_fedamsgrad_uniform,
-                                 "pollen.strategies.HAFed(topology='identity', clustered=False) (HA-Fed's baseline)", "hafed",
-                                 hafed.DEFAULTS["fedamsgrad-uniform"]),
-    # lazy / accelerated aggregation (papers/fedbaca.md)
-    "fednlaa": Method(lazy.builder("fednlaa"), f"{_LAZY}(up_rule='nla') (Algorithm 1: lazy uplink, uncompressed)", "lazy",
-                      lazy.DEFAULTS["fednlaa"], lazy.codecs("fednlaa")),
-    "fedaa": Method(lazy.builder("fedaa"), f"{_LAZY}(up_rule='aa') (Algorithm 1: accelerated uplink, uncompressed)", "lazy",
-                    lazy.DEFAULTS["fedaa"], lazy.codecs("fedaa")),
-    "fednlaca": Method(lazy.builder("fednlaca"), f"{_LAZY}(up_rule='nla', compressor=...) (Algorithm 3: lazy, compressed, error feedback)",
-                       "lazy", lazy.DEFAULTS["fednlaca"], lazy.codecs("fednlaca")),
-    "fedaca": Method(lazy.builder("fedaca"), f"{_LAZY}(up_rule='aa', compressor=...) (Algorithm 3: accelerated, compressed)", "lazy",
-                     lazy.DEFAULTS["fedaca"], lazy.codecs("fedaca")),
-    "fedbnlaca": Method(lazy.builder("fedbnlaca"), f"{_LAZY}(..., down_compressor=..., down_rule='nla') (Algorithm 2: both ways)", "lazy",
-                        lazy.DEFAULTS["fedbnlaca"], lazy.codecs("fedbnlaca")),
-    "fedbaca": Method(lazy.builder("fedbaca"), f"{_LAZY}(..., down_compressor=..., down_rule='aa') (Algorithm 2: both ways)", "lazy",
-                      lazy.DEFAULTS["fedbaca"], lazy.codecs("fedbaca")),
-}
+METHODS: dict[str, Method] = dict(
+    [
+        # Flower's own, metered
+        _row(baselines, "fedavg", baselines.build_fedavg, f"{_FLOWER}.FedAvg (Flower's own, metered)"),
+        _row(baselines, "fedadam", baselines.build_fedadam, f"{_FLOWER}.FedAdam (Flower's own, metered)"),
+        _row(baselines, "fedyogi", baselines.build_fedyogi, f"{_FLOWER}.FedYogi (Flower's own, metered)"),
+        _row(baselines, "fedadagrad", baselines.build_fedadagrad, f"{_FLOWER}.FedAdagrad (Flower's own, metered)"),
+        # FedAdaVR (papers/fedadavr.md)
+        _row(fedadavr, "fedadavr", fedadavr.builder("fedadavr"), f"{_FEDADAVR} (table-precision != fp32 is FedAdaVR-Quant)"),
+        _row(fedadavr, "mifa", fedadavr.builder("mifa"), f"{_FEDADAVR}(variant='mifa')"),
+        _row(fedadavr, "fedvarp", fedadavr.builder("fedvarp"), f"{_FEDADAVR}(variant='fedvarp')"),
+        _row(fedadavr, "fedadavr-novr", fedadavr.builder("fedadavr-novr"), f"{_FEDADAVR}(variant='novr')"),
+        _row(fedadavr, "fedadavr-noopt", fedadavr.builder("fedadavr-noopt"), f"{_FEDADAVR}(variant='noopt')"),
+        # FedAMS / FedCAMS (papers/fedcams.md)
+        _row(fedams, "fedams", fedams.build_fedams, "pollen.strategies.FedAMS (Option 1 unless eps-mode=add)"),
+        _row(fedams, "fedamsgrad", fedams.build_fedamsgrad, "pollen.strategies.FedAMS(option=2)"),
+        _row(fedams, "fedcams", fedams.build_fedcams, "pollen.strategies.FedCAMS", fedams.uplink_codec),
+        # Fed-LAMB (papers/fedlamb.md)
+        _row(fedlamb, "fed-lamb", fedlamb.builder("fed-lamb"), f"{_FEDLAMB} (LAMB local steps, v_hat = max(v_hat, mean v_i))"),
+        _row(fedlamb, "mime-lamb", fedlamb.builder("mime-lamb"), f"{_FEDLAMB}(variant='mime-lamb') (full-batch gradients make v_hat)"),
+        _row(fedlamb, "fed-ams", fedlamb.builder("fed-ams"), f"{_FEDLAMB}(variant='fed-ams') (local AMSGrad with the shared v_hat)"),
+        _row(fedlamb, "mime", fedlamb.builder("mime"), f"{_FEDLAMB}(variant='mime') (Mime with AMSGrad)"),
+        _row(fedlamb, "adp-fed", fedlamb.builder("adp-fed"), f"{_FEDLAMB}(variant='adp-fed') (local SGD, server Adam of Algorithm 2)"),
+        _row(fedlamb, "fed-sgd", fedlamb.builder("fed-sgd"), f"{_FEDLAMB}(variant='fed-sgd') (local SGD, x <- mean x_i)"),
+        # HA-Fed (papers/hafed.md)
+        _row(hafed, "hafed", hafed.build_hafed, f"{_HAFED} (gossip in clusters, relayed through the server; server AMSGrad)"),
+        _row(hafed, "fedamsgrad-stratified", hafed.build_fedamsgrad_stratified,
+             f"{_HAFED}(topology='identity') (HA-Fed without gossip: m per cluster)"),
+        _row(hafed, "fedamsgrad-uniform", hafed.build_fedamsgrad_uniform,
+             f"{_HAFED}(topology='identity', clustered=False) (HA-Fed's baseline)"),
+        # lazy / accelerated aggregation (papers/fedbaca.md)
+        _row(lazy, "fednlaa", lazy.builder("fednlaa"), f"{_LAZY}(up_rule='nla') (Algorithm 1: lazy uplink, uncompressed)",
+             lazy.codecs("fednlaa")),
+        _row(lazy, "fedaa", lazy.builder("fedaa"), f"{_LAZY}(up_rule='aa') (Algorithm 1: accelerated uplink, uncompressed)",
+             lazy.codecs("fedaa")),
+        _row(lazy, "fednlaca", lazy.builder("fednlaca"),
+             f"{_LAZY}(up_rule='nla', compressor=...) (Algorithm 3: lazy, compressed, error feedback)", lazy.codecs("fednlaca")),
+        _row(lazy, "fedaca", lazy.builder("fedaca"), f"{_LAZY}(up_rule='aa', compressor=...) (Algorithm 3: accelerated, compressed)",
+             lazy.codecs("fedaca")),
+        _row(lazy, "fedbnlaca", lazy.builder("fedbnlaca"), f"{_LAZY}(..., down_compressor=..., down_rule='nla') (Algorithm 2: both ways)",
+             lazy.codecs("fedbnlaca")),
+        _row(lazy, "fedbaca", lazy.builder("fedbaca"), f"{_LAZY}(..., down_compressor=..., down_rule='aa') (Algorithm 2: both ways)",
+             lazy.codecs("fedbaca")),
+    ]
+)
 
 __all__ = ["FAMILIES", "METHODS"]

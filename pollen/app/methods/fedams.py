@@ -36,12 +36,21 @@ KEYS = {
     "compression-granularity": choice(GRANULARITIES, "model"),
 }
 
-_SERVER = {"server-lr": 0.1, "beta1": 0.9, "beta2": 0.99, "eps": 0.001, "eps-mode": "paper", "bias-correction": False, "local-lr": 0.01}
+_SERVER = {
+    "server-lr": 0.1,
+    "beta1": 0.9,
+    "beta2": 0.99,
+    "eps": 0.001,
+    "eps-mode": "paper",
+    "bias-correction": False,
+    "local-lr": 0.01,
+}
+_UPLINK = {"compressor": "sign", "topk-ratio": 0.015625, "error-feedback": True, "compression-granularity": "model"}
 
 DEFAULTS: dict[str, Mapping[str, Any]] = {
     "fedams": _SERVER,
     "fedamsgrad": {**_SERVER, "eps": 0.1},
-    "fedcams": {**_SERVER, "compressor": "sign", "topk-ratio": 0.015625, "error-feedback": True, "compression-granularity": "model"},
+    "fedcams": {**_SERVER, **_UPLINK},
 }
 
 
@@ -61,7 +70,7 @@ def fedams_kwargs(cfg: Mapping[str, Any], option: int | None = None) -> dict[str
 
 
 def uplink_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The uplink compression of FedCAMS (and of the lazy family's compressed methods)."""
+    """FedCAMS's uplink compression from the run-config."""
     return dict(
         compressor=cfg["compressor"],
         topk_ratio=cfg["topk-ratio"],
