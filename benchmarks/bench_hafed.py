@@ -91,6 +91,11 @@ def mean_sd(values: list[float], digits: int = 4) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
 
 
+def counter(row: dict, name: str) -> float:
+    """A method counter of a results row: column ``method.<name>`` (``<name>`` in results written before those columns)."""
+    return row.get(f"method.{name}", row.get(name, 0)) or 0
+
+
 def seconds_per_round(rows: list[dict]) -> float:
     """Median training-round time, the evaluation rounds' test pass left out where it can be."""
     return statistics.median(r["round_seconds"] for r in rows[1:] if r["accuracy"] is None) if len(rows) > 2 else rows[-1]["round_seconds"]
@@ -140,7 +145,8 @@ def main() -> None:
             overhead = seconds_per_round(rows) - seconds_per_round(base) if name.startswith("HA") else 0.0
             per_msg = 1e3 * overhead / last["exchange_messages"] if name.startswith("HA") and last["exchange_messages"] else 0.0
             print(f"| {tau} / {every} | {name} | {seconds_per_round(rows):.1f} | {last['exchange_messages']} | {through:.1f} | "
-                  f"{last['relayed_bytes'] / 1e6:.1f} | {last['peer_bytes'] / 1e6:.1f} | {overhead:.1f} | {per_msg:.1f} |", flush=True)
+                  f"{counter(last, 'relayed_bytes') / 1e6:.1f} | {counter(last, 'peer_bytes') / 1e6:.1f} | {overhead:.1f} | {per_msg:.1f} |",
+                  flush=True)
     if len(seeds) > 1:
         g4 = [run_once(out, rounds, "HA-Fed", HAFED, 8, s, 4) for s in seeds]
         g1 = [run_once(out, rounds, "HA-Fed", HAFED, 8, s, 1) for s in seeds]

@@ -117,12 +117,17 @@ def rel_table(out: Path, model: str, rounds: int, seeds: list[int], report_only:
     for label, directions in REL_TABLE.items():
         runs = [rows for seed in seeds if (rows := finished_rows(out, run_name(label, model, seed), rounds, with_rel=True))]
         for direction, what in directions:
-            values = np.array([v for rows in runs for row in rows for v in (row.get("lazy_rel") or {}).get(direction, [])])
+            values = np.array([v for rows in runs for row in rows for v in (counter(row, "lazy_rel") or {}).get(direction, [])])
             if values.size == 0:
                 continue
             q = np.quantile(values, [0.1, 0.5, 0.9])
             shares = " | ".join(f"{np.mean(values <= tau):.0%}" for tau in TAUS)
             print(f"| {what} | {values.size} | {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} | {shares} |", flush=True)
+
+
+def counter(row: dict, name: str) -> object:
+    """A method counter of a results row: column ``method.<name>`` (``<name>`` in results written before those columns)."""
+    return row.get(f"method.{name}", row.get(name))
 
 
 def run_name(label: str, model: str, seed: int) -> str:
@@ -138,7 +143,7 @@ def finished_rows(out: Path, name: str, rounds: int, *, with_rel: bool = False) 
     done = out / name / "metrics.json"
     if done.is_file():
         rows = json.loads(done.read_text())["rows"]
-        if rows and rows[-1]["round"] == rounds and (not with_rel or "lazy_rel" in rows[-1]):
+        if rows and rows[-1]["round"] == rounds and (not with_rel or counter(rows[-1], "lazy_rel") is not None):
             return rows
     return None
 
@@ -162,11 +167,11 @@ def mean_sd(values: list[float], digits: int = 4) -> str:
 
 
 def event_share(runs: list[list[dict]], direction: str) -> str:
-    """Share of the direction's messages that were skipped / merged (``lazy_events`` summed over rounds)."""
+    """Share of the direction's messages that were skipped / merged (``method.lazy_events`` summed over rounds)."""
     counts: dict[str, int] = {}
     for rows in runs:
         for row in rows:
-            for key, n in (row.get("lazy_events") or {}).items():
+            for key, n in (counter(row, "lazy_events") or {}).items():
                 counts[key] = counts.get(key, 0) + n
     kinds = ("send", "skip", "aa") if direction == "up" else ("full", "send", "skip", "aa", "dense")
     total = sum(counts.get(f"{direction}-{kind}", 0) for kind in kinds)

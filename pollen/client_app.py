@@ -21,6 +21,7 @@ run-config.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from logging import INFO
 from typing import Any
 
@@ -30,11 +31,10 @@ from flwr.clientapp import ClientApp
 from flwr.common import log
 
 from pollen.wire import protocol
-from pollen.clientside import compression_mod, relay_demo
-from pollen.clientside.faults import fault_mod
+from pollen.clientside import compression_mod
 from pollen.clientside.lazy_mod import lazy_mod
 from pollen.clientside.compression_mod import client_state_for, compress_update, wants_compression
-from pollen.clientside.steps import LocalWork, StepOutcome, lookup, model_arrays, with_steps
+from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, Step, StepOutcome, lookup, model_arrays
 from pollen.app.config import AppConfig, effective_run_config
 from pollen.app.experiment import build_model, data_config
 from pollen.gossip import cluster_of
@@ -43,8 +43,6 @@ from pollen.wire.records import arrays_to_record, record_to_arrays
 
 app = ClientApp()
 
-# TEST/DEMO ONLY: the relay demo's steps (tests use them) join pollen's step tables here until relay_demo moves to pollen/testing/.
-LOCAL_STEPS, PHASES = with_steps(local_steps=relay_demo.RELAY_STEPS, phases=relay_demo.RELAY_PHASES)
 
 #: Seed offset of the i-th message of a round, so each phase draws its own batches.
 _PHASE_SEED_STRIDE = 7_919
@@ -114,7 +112,7 @@ def _config(msg: Message) -> ConfigRecord:
     return msg.content.config_records.get(protocol.CONFIG_RECORD, ConfigRecord())
 
 
-def _run(msg: Message, context: Context, handler_table: dict, handler_name: str, what: str, phase_index: int) -> Message:
+def _run(msg: Message, context: Context, handler_table: Mapping[str, Step], handler_name: str, what: str, phase_index: int) -> Message:
     """Run one handler of the step table and build the reply the strategy asked for."""
     config = _config(msg)
     task = LocalTask(context, config)
@@ -167,19 +165,34 @@ def _reply_records(
     return content
 
 
-@app.train(mods=[fault_mod, lazy_mod, compression_mod])
-def train(msg: Message, context: Context) -> Message:
-    """Train the global model locally with the strategy's local step and reply with the update."""
+#: The mods of a round's train message and of a mid-round phase message (another app reuses them).
+TRAIN_MODS = (lazy_mod, compression_mod)
+PHASE_MODS = (compression_mod,)
+
+
+def run_train(msg: Message, context: Context, steps: Mapping[str, Step] = LOCAL_STEPS) -> Message:
+    """A round's train message: the local step the strategy names, from ``steps`` (default: pollen's)."""
     step = str(_config(msg).get(protocol.CFG_LOCAL_STEP, "sgd"))
-    return _run(msg, context, LOCAL_STEPS, step, "local step", phase_index=0)
+    return _run(msg, context, steps, step, "local step", phase_index=0)
 
 
-@app.train("pollen_phase", mods=[fault_mod, compression_mod])
-def train_phase(msg: Message, context: Context) -> Message:
-    """A later message of a multi-phase round: run the handler ``pollen.phase`` names."""
+def run_phase(msg: Message, context: Context, phases: Mapping[str, Step] = PHASES) -> Message:
+    """A later message of a multi-phase round: the handler ``pollen.phase`` names, from ``phases``."""
     config = _config(msg)
     name = str(config.get(protocol.CFG_PHASE, ""))
-    return _run(msg, context, PHASES, name, "phase", phase_index=int(config.get(protocol.CFG_PHASE_INDEX, 1)))
+    return _run(msg, context, phases, name, "phase", phase_index=int(config.get(protocol.CFG_PHASE_INDEX, 1)))
+
+
+@app.train(mods=list(TRAIN_MODS))
+def train(msg: Message, context: Context) -> Message:
+    """Train the global model locally with the strategy's local step and reply with the update."""
+    return run_train(msg, context)
+
+
+@app.train("pollen_phase", mods=list(PHASE_MODS))
+def train_phase(msg: Message, context: Context) -> Message:
+    """A later message of a multi-phase round: run the handler ``pollen.phase`` names."""
+    return run_phase(msg, context)
 
 
 @app.evaluate()

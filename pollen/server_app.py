@@ -8,6 +8,7 @@ appends a row to ``results/<run-name>/metrics.csv`` and ``metrics.json``.
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from datetime import datetime
@@ -20,9 +21,10 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
 from pollen.wire import protocol
-from pollen.app.config import RESUME_MAY_DIFFER, AppConfig, ConfigError
+from pollen.app.config import RESUME_MAY_DIFFER, AppConfig, ConfigError, clients_need_given_keys
+from pollen.app.registry import Table
 from pollen.app.experiment import build_model, build_strategy, client_train_config, data_config
-from pollen.app.results import RunRecorder, human_bytes
+from pollen.app.results import METHOD_PREFIX, RunRecorder, human_bytes
 from pollen.strategies import RunCheckpoint, RunInterrupted
 from pollen.strategies.rounds import SetupError
 
@@ -106,8 +108,9 @@ class RoundReporter:
         by_kind = _records_in_words(row.get("uplink_by_record"), row.get("downlink_by_record"))
         if by_kind:
             log(INFO, "[pollen]   round %d by record: %s; %d gradient evaluations", server_round, by_kind, row.get("grad_evals", 0))
-        if row.get("lazy_events"):
-            log(INFO, "[pollen]   round %d lazy/accelerated: %s", server_round, _events_in_words(row["lazy_events"]))
+        counters = _method_in_words({name.removeprefix(METHOD_PREFIX): value for name, value in row.items() if name.startswith(METHOD_PREFIX)})
+        if counters:
+            log(INFO, "[pollen]   round %d method: %s", server_round, counters)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     def _row(self, server_round: int, accuracy: float | None, loss: float | None, now: float) -> dict[str, Any]:
@@ -136,10 +139,6 @@ class RoundReporter:
                 messages_sent=stats.messages_sent,
                 exchange_messages=stats.exchange_messages,
                 grad_evals=stats.grad_evals,
-                relayed_bytes=stats.relayed_bytes,
-                peer_bytes=stats.peer_bytes,
-                lazy_events=dict(stats.lazy_events),
-                lazy_rel={k: list(v) for k, v in stats.lazy_rel.items()},
                 compression_ratio=stats.compression_ratio,
                 downlink_bytes=stats.downlink_bytes + stats.eval_downlink_bytes,
                 server_state_bytes=getattr(stats, "server_state_bytes", 0),
@@ -147,6 +146,7 @@ class RoundReporter:
                 fed_accuracy=stats.evaluate_metrics.get("accuracy", ""),
                 fed_loss=stats.evaluate_metrics.get("loss", ""),
             )
+            row.update({METHOD_PREFIX + name: copy.deepcopy(value) for name, value in stats.method.items()})
         return row
 
 
@@ -172,17 +172,31 @@ def given_keys(grid: Grid) -> set[str]:
         return set()
 
 
-def _events_in_words(events: dict[str, int]) -> str:
-    """``uplink sent 3, skip 2 (2 flags) | downlink full 1, send 4 | resync 1`` from a round's lazy events."""
+def _method_in_words(counters: dict[str, Any]) -> str:
+    """A round's method counters in words, whatever the method: ``relayed_bytes 1.20 MB | lazy_events up-send 3, up-skip 1``.
+
+    A number named ``*_bytes`` reads as a size; a mapping lists its non-zero numbers, and its lists as
+    ``count in [min, max]``; zeros and empty values are left out.
+    """
+
+    def one(name: str, value: Any) -> str:
+        if isinstance(value, list):
+            numbers = [v for v in value if isinstance(v, (int, float))]
+            return f"{name} {len(numbers)} in [{min(numbers):.3g}, {max(numbers):.3g}]" if numbers else ""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value:
+            return ""
+        if name.endswith("_bytes"):
+            return f"{name} {human_bytes(value)}"
+        return f"{name} {value}" if isinstance(value, int) else f"{name} {value:.4g}"
+
     parts = []
-    for direction, name in (("up", "uplink"), ("down", "downlink")):
-        counts = [f"{kind} {events[f'{direction}-{kind}']}" for kind in ("dense", "full", "send", "skip", "aa", "keep")
-                  if events.get(f"{direction}-{kind}")]
-        if counts:
-            flags = events.get(f"{direction}-flags", 0)
-            parts.append(f"{name} {', '.join(counts)}" + (f" ({flags} flags)" if flags else ""))
-    if events.get("resync"):
-        parts.append(f"resync requests {events['resync']}")
+    for name, value in counters.items():
+        if isinstance(value, dict):
+            inner = ", ".join(words for key, item in value.items() if (words := one(str(key), item)))
+            if inner:
+                parts.append(f"{name} {inner}")
+        elif words := one(name, value):
+            parts.append(words)
     return " | ".join(parts)
 
 
@@ -218,9 +232,14 @@ def make_checkpoint(cfg: AppConfig, out_dir: Path) -> RunCheckpoint:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run one experiment as the run-config says (or resume one)."""
+    serve(grid, context)
+
+
+def serve(grid: Grid, context: Context, methods: Table | None = None) -> None:
+    """The ServerApp's work with a method table (default: the product's; the test harness adds its demos)."""
     try:
         given = given_keys(grid)
-        cfg = AppConfig.from_run_config(context.run_config, given=given)
+        cfg = AppConfig.from_run_config(context.run_config, given=given, methods=methods)
         strategy = build_strategy(cfg)
         out_dir = run_dir(cfg)
         checkpoint = make_checkpoint(cfg, out_dir)
@@ -249,7 +268,8 @@ def main(grid: Grid, context: Context) -> None:
     train_config = client_train_config(cfg)
     train_config[protocol.CFG_RUN_KEY] = out_dir.name
     evaluate_config = {}
-    if cfg["preset"] and given:  # the ClientApps resolve the preset as the server did
+    if given and (cfg["preset"] or clients_need_given_keys(context.run_config, given, methods)):
+        # the ClientApps resolve the preset and the method's recommended values as the server did
         train_config[protocol.CFG_GIVEN_KEYS] = evaluate_config[protocol.CFG_GIVEN_KEYS] = protocol.join_keys(sorted(given))
     try:
         result = strategy.start(

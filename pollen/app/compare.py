@@ -18,22 +18,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from pollen.app.registry import codecs_of
 from pollen.app.results import human_bytes, load_rows, plot_runs
 
 
-#: Strategies that compress their uploads with run-config ``compressor`` (and, the last two, the downlink too).
-_COMPRESSING = ("fedcams", "fednlaca", "fedaca", "fedbnlaca", "fedbaca")
-
-
 def _codecs(config: dict) -> str:
-    """The run's codecs in words: ``-`` (none), ``sign``, or ``topk / down topk`` for a compressed downlink."""
-    strategy = config.get("strategy")
-    if strategy not in _COMPRESSING:
-        return "-"
-    words = str(config.get("compressor", ""))
-    if strategy in ("fedbnlaca", "fedbaca"):
-        words += f" / down {config.get('compressor-down', '')}"
-    return words
+    """The run's codecs in words, as its method reads its config: ``-`` (dense), ``sign``, ``topk / down topk``."""
+    return codecs_of(config)
 
 
 def summarise(run_dir: Path) -> dict:

@@ -1,162 +1,170 @@
-"""The app's run-config: every key, its type, its allowed values, checked before round 1.
+"""The app's run-config: every key, its type, its default and its allowed values, checked before round 1.
 
-``AppConfig.from_run_config(context.run_config)`` returns a typed, validated config or
-raises ``ConfigError`` with one line naming the key, the bad value and what is allowed.
-Defaults live in ``pyproject.toml`` (``[tool.flwr.app.config]``); the table below is
-the single place that says what each key may hold.
+``AppConfig.from_run_config(context.run_config)`` returns a typed, validated config or raises
+``ConfigError`` with one line naming the key, the bad value and what is allowed.
+
+The schema is assembled from fragments (:mod:`pollen.app.spec`): the keys every run has are below
+(experiment, sampling, the server optimiser's common settings, data, model, local training, resume,
+bad clients); each method family declares its own next to its builders (:mod:`pollen.app.methods`).
+Allowed names are imported from the modules that own them (the task catalog, the codecs, the
+quantiser, the gossip topologies, the strategies' screen), not copied.
+
+Where a value comes from, highest first:
+
+1. a key the user gave (``flwr run . --run-config "k=v"``; a value that differs from its pyproject
+   default counts as given too);
+2. the ``preset`` (:mod:`pollen.app.preset`), for the keys its ``[config]`` sets;
+3. the chosen method's recommended values (its paper's: ``DEFAULTS`` in its family's module), so that
+   ``strategy=hafed`` alone runs with HA-Fed's server lr, eps and batch size, not FedAMS's;
+4. the defaults in ``pyproject.toml`` (``[tool.flwr.app.config]``; they equal the schema's, and are
+   the recommended values of FedAMS, the default method).
+
+:func:`effective_run_config` applies 2 and 3. A ClientApp resolves its run-config the same way; where
+it cannot tell a given key from a default (the user gave a key its default value), the ServerApp sends
+it the given keys (:func:`clients_need_given_keys`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pollen.gossip import TOPOLOGIES
-from pollen.lazy.rules import DOWNLINK_MODES, EF_MODES, REF_MODES
+from pollen.app import registry
+from pollen.app.methods import FAMILIES, METHODS
+from pollen.app.spec import (
+    ConfigError,
+    Key,
+    assemble,
+    beta,
+    choice,
+    defaults_of,
+    non_neg_int,
+    non_negative,
+    pos_int,
+    positive,
+    text,
+    unit_closed,
+    unit_open,
+)
 from pollen.optim.schedule import SCHEDULES, parse_decay_rounds
+from pollen.task.catalog import DATASETS, DEVICES, MODELS, NORMS, PARTITIONERS, is_device
+
+__all__ = [
+    "DATASETS",
+    "MODELS",
+    "PARTITIONERS",
+    "RESUME_MAY_DIFFER",
+    "SCHEMA",
+    "AppConfig",
+    "ConfigError",
+    "Key",
+    "defaults_from_pyproject",
+    "effective_run_config",
+    "schema_defaults",
+    "strategy_names",
+]
 
 
-def strategy_names() -> tuple[str, ...]:
-    """The names the strategy modules register (``pollen.strategies.registry``), in registration order.
-
-    Read from the registry, not copied here, and only when a run-config is checked on the server:
-    a ClientApp (a fresh ``flwr-clientapp`` process per message in deployment) validates its
-    run-config without the strategy check, so it never imports the server-side strategies.
-    """
-    from pollen.strategies import strategy_names as registered
-
-    return registered()
+def strategy_names(methods: registry.Table | None = None) -> tuple[str, ...]:
+    """The names of the method table (:data:`pollen.app.methods.METHODS` unless another is given), in its order."""
+    return registry.strategy_names(methods)
 
 
-SERVER_OPTIMIZERS = ("adagrad", "adam", "adabelief", "yogi", "lamb", "sgd")
-TABLE_PRECISIONS = ("fp32", "fp16", "int8", "int4")
-VR_WEIGHTINGS = ("sampled-normalised", "horvitz-thompson", "literal")
-DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100")
-PARTITIONERS = ("iid", "dirichlet", "pathological", "shards")
-MODELS = ("mlp", "cnn", "lenet5", "resnet18", "convmixer")
-NORMS = ("bn", "gn")
-COMPRESSORS = ("sign", "topk", "fp16", "none")
-GRANULARITIES = ("model", "tensor")
-AGGREGATIONS = ("mean", "weighted")
-EPS_MODES = ("paper", "max", "add", "inside")  # paper: each method's own placement
+def _aggregations() -> tuple[str, ...]:
+    """How a pollen strategy averages updates (owned by the strategies; read on the server only)."""
+    from pollen.strategies.base import AGGREGATIONS
+
+    return AGGREGATIONS
 
 
-def _decay_rounds_ok(text: str) -> bool:
+def _outlier_rules() -> tuple[str, ...]:
+    """What the outlier screen does with an outlier (owned by the strategies; read on the server only)."""
+    from pollen.strategies.screening import RULES
+
+    return RULES
+
+
+def _decay_rounds_ok(value: str) -> bool:
     try:
-        parse_decay_rounds(text)
+        parse_decay_rounds(value)
     except ValueError:
         return False
     return True
 
 
-class ConfigError(ValueError):
-    """A run-config value that cannot be used; the message is one line for the user."""
-
-
-@dataclass(frozen=True)
-class Key:
-    """One run-config key: its Python type, a check and the words that say what is allowed."""
-
-    type: type
-    check: Callable[[Any], bool] = lambda value: True
-    allowed: str | Callable[[], str] = ""
-
-    @property
-    def words(self) -> str:
-        """What is allowed, in words (computed on demand where it names registered things)."""
-        return self.allowed() if callable(self.allowed) else self.allowed
-
-
-def _choice(options: tuple[str, ...]) -> Key:
-    return Key(str, lambda v: v in options, "one of " + ", ".join(options))
-
-
-_POSITIVE = Key(float, lambda v: v > 0, "a number > 0")
-_NON_NEGATIVE = Key(float, lambda v: v >= 0, "a number >= 0")
-_BETA = Key(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
-_POS_INT = Key(int, lambda v: v >= 1, "an integer >= 1")
-_NON_NEG_INT = Key(int, lambda v: v >= 0, "an integer >= 0")
-_ANY_STR = Key(str)
-
-SCHEMA: dict[str, Key] = {
-    "run-name": _ANY_STR,
-    "preset": _ANY_STR,
-    "results-dir": Key(str, lambda v: bool(v), "a non-empty path"),
-    "seed": _NON_NEG_INT,
-    "num-server-rounds": _POS_INT,
-    "strategy": Key(str, lambda v: v in strategy_names(), lambda: "one of " + ", ".join(strategy_names())),
-    "fraction-train": Key(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "fraction-evaluate": Key(float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    "min-train-nodes": _POS_INT,
-    "min-evaluate-nodes": _NON_NEG_INT,
-    "node-wait-seconds": _NON_NEGATIVE,
-    "aggregation": _choice(AGGREGATIONS),
-    "server-lr": _POSITIVE,
-    "beta1": _BETA,
-    "beta2": _BETA,
-    "eps": _NON_NEGATIVE,
-    "eps-mode": _choice(EPS_MODES),
-    "bias-correction": Key(bool, allowed="true or false"),
-    "compressor": _choice(COMPRESSORS),
-    "topk-ratio": Key(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "error-feedback": Key(bool, allowed="true or false"),
-    "compression-granularity": _choice(GRANULARITIES),
-    "server-optimizer": _choice(SERVER_OPTIMIZERS),
-    "table-precision": _choice(TABLE_PRECISIONS),
-    "table-path": _ANY_STR,
-    "vr-weighting": _choice(VR_WEIGHTINGS),
-    "num-clients": _NON_NEG_INT,
-    "dataset": _choice(DATASETS),
-    "partitioner": _choice(PARTITIONERS),
-    "dirichlet-alpha": _POSITIVE,
-    "classes-per-partition": _POS_INT,
-    "shards-per-partition": _POS_INT,
-    "val-fraction": Key(float, lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    "data-dir": _ANY_STR,
-    "model": _choice(MODELS),
-    "norm": _choice(NORMS),
-    "local-lr": _POSITIVE,
-    "lr-schedule": _choice(SCHEDULES),
-    "lr-decay-rounds": Key(str, _decay_rounds_ok, "strictly increasing comma-separated rounds >= 2, e.g. \"30,70\" (or empty)"),
-    "lr-decay-factor": Key(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "local-epochs": _POS_INT,
-    "local-steps": _NON_NEG_INT,
-    "batch-size": _POS_INT,
-    "momentum": Key(float, lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    "weight-decay": _NON_NEGATIVE,
-    "device": Key(str, lambda v: v in ("auto", "cpu", "cuda", "mps") or v.startswith("cuda:"), "auto, cpu, cuda, cuda:N or mps"),
-    "eval-batch-size": _POS_INT,
-    "eval-every": _POS_INT,
-    "resume": _ANY_STR,
-    "stop-after-round": _NON_NEG_INT,
-    "state-dir": _ANY_STR,
-    "round-timeout": _POSITIVE,
-    "sync-every": _POS_INT,
-    "cluster-size": _NON_NEG_INT,
-    "topology": _choice(TOPOLOGIES),
-    "gossip-every": _POS_INT,
-    "active-prob": Key(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "gossip-lambda": Key(float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    "gossip-offsets": Key(str, lambda v: all(p.strip().isdigit() for p in v.split(",")) if v.strip() else True,
-                          "comma-separated positive integers, e.g. \"1,3\" (or empty)"),
-    "uploaders-per-cluster": _POS_INT,
-    "sync-phase": _choice(("first", "last")),
-    "min-replies": _POS_INT,
-    "outlier-rule": _choice(("reject", "clip", "off")),
-    "outlier-factor": Key(float, lambda v: v > 1, "a number > 1"),
-    "tau-up": _NON_NEGATIVE,
-    "tau-down": _NON_NEGATIVE,
-    "compressor-down": _choice(COMPRESSORS),
-    "topk-ratio-down": Key(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "downlink-mode": _choice(DOWNLINK_MODES),
-    "ef-mode": _choice(EF_MODES),
-    "ref-mode": _choice(REF_MODES),
-    "bookkeeping-dir": _ANY_STR,
-    "fault-fraction": Key(float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    "fault-kind": _choice(("error", "garbage", "timeout", "mixed")),
-    "fault-delay": _NON_NEGATIVE,
+EXPERIMENT = {
+    "run-name": text(""),
+    "preset": text(""),
+    "results-dir": Key(str, "results", lambda v: bool(v), "a non-empty path"),
+    "seed": non_neg_int(42),
+    "num-server-rounds": pos_int(10),
 }
+SAMPLING = {
+    "strategy": Key(str, "fedams", lambda v: v in METHODS, lambda: "one of " + ", ".join(METHODS)),
+    "fraction-train": unit_open(0.5),
+    "fraction-evaluate": unit_closed(0.3),
+    "min-train-nodes": pos_int(2),
+    "min-evaluate-nodes": non_neg_int(2),
+    "node-wait-seconds": non_negative(30.0),
+    "aggregation": choice(_aggregations, "mean", server_side=True),
+}
+#: The server optimiser's settings every adaptive method shares (each family's defaults say its own).
+SERVER_OPTIMIZER = {
+    "server-lr": positive(0.1),
+    "beta1": beta(0.9),
+    "beta2": beta(0.99),
+    "eps": non_negative(0.001),
+}
+DATA = {
+    "dataset": choice(DATASETS, "fashion-mnist"),
+    "partitioner": choice(PARTITIONERS, "dirichlet"),
+    "dirichlet-alpha": positive(0.5),
+    "classes-per-partition": pos_int(2),
+    "shards-per-partition": pos_int(2),
+    "val-fraction": Key(float, 0.1, lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "data-dir": text(""),
+}
+LOCAL_TRAINING = {
+    "model": choice(MODELS, "cnn"),
+    "norm": choice(NORMS, "bn"),
+    "local-lr": positive(0.01),
+    "lr-schedule": choice(SCHEDULES, "constant"),
+    "lr-decay-rounds": Key(
+        str, "", _decay_rounds_ok, "strictly increasing comma-separated rounds >= 2, e.g. \"30,70\" (or empty)"
+    ),
+    "lr-decay-factor": unit_open(0.1),
+    "local-epochs": pos_int(1),
+    "local-steps": non_neg_int(0),
+    "batch-size": pos_int(32),
+    "momentum": beta(0.0),
+    "weight-decay": non_negative(0.0),
+    "device": Key(str, "auto", is_device, ", ".join(DEVICES)),
+    "eval-batch-size": pos_int(512),
+    "eval-every": pos_int(1),
+}
+RESUME = {
+    "resume": text(""),
+    "stop-after-round": non_neg_int(0),
+    "state-dir": text(""),
+}
+BAD_CLIENTS = {
+    "round-timeout": positive(3600.0),
+    "min-replies": pos_int(1),
+    "outlier-rule": choice(_outlier_rules, "reject", server_side=True),
+    "outlier-factor": Key(float, 10.0, lambda v: v > 1, "a number > 1"),
+}
+
+#: Every key the app's run-config holds: the common keys, then each family's.
+SCHEMA: dict[str, Key] = assemble(
+    EXPERIMENT, SAMPLING, SERVER_OPTIMIZER, DATA, LOCAL_TRAINING, RESUME, BAD_CLIENTS, *(family.KEYS for family in FAMILIES)
+)
+
+
+def schema_defaults() -> dict[str, Any]:
+    """Key -> default of :data:`SCHEMA` (what ``pyproject.toml``'s config table holds)."""
+    return defaults_of(SCHEMA)
+
 
 #: Keys that may differ between a checkpoint and the run that resumes it (the rest must be equal).
 RESUME_MAY_DIFFER = (
@@ -189,22 +197,40 @@ def _coerce(key: str, value: Any, spec: Key) -> Any:
     return value
 
 
+def _strategy_key(methods: registry.Table | None) -> Key:
+    """The ``strategy`` key of a method table other than the product's (the test harness adds its demos)."""
+    if methods is None:
+        return SCHEMA["strategy"]
+    return Key(str, "fedams", lambda v: v in methods, lambda: "one of " + ", ".join(methods))
+
+
 @dataclass(frozen=True)
 class AppConfig:
     """The validated run-config (kebab-case keys become snake_case attributes)."""
 
     values: Mapping[str, Any] = field(default_factory=dict)
+    methods: registry.Table | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_run_config(cls, run_config: Mapping[str, Any], *, check_strategy: bool = True, given: Collection[str] = ()) -> AppConfig:
+    def from_run_config(
+        cls,
+        run_config: Mapping[str, Any],
+        *,
+        check_strategy: bool = True,
+        given: Collection[str] = (),
+        methods: registry.Table | None = None,
+    ) -> AppConfig:
         """Check every key; unknown keys and bad values raise ``ConfigError``.
 
-        ``check_strategy=False`` skips only the strategy name (checked by the ServerApp before
-        round 1), so a ClientApp does not import the server-side strategy registry. A ``preset``
-        (:mod:`pollen.app.preset`) is applied first: its values replace the pyproject defaults, keys given
-        on the command line (``given``, and any that differ from their default) win.
+        ``check_strategy=False`` (a ClientApp) skips what only the ServerApp can check: the strategy
+        name (the server may serve another method table, as the test harness does) and the keys whose
+        allowed values the server-side strategy modules own (``Key.server_side``; their types are still
+        checked), so a ClientApp never imports the strategies. The ServerApp checks all of them before
+        round 1. ``given``: the keys the user set; values come from the user, the preset, the method's
+        recommended values and the pyproject defaults, in that order (module docstring). ``methods``:
+        the method table (default: the product's, :data:`pollen.app.methods.METHODS`).
         """
-        run_config = effective_run_config(run_config, given)
+        run_config = effective_run_config(run_config, given, methods)
         unknown = sorted(set(run_config) - set(SCHEMA))
         if unknown:
             raise ConfigError(
@@ -215,18 +241,18 @@ class AppConfig:
             raise ConfigError(f"run-config key '{missing[0]}' is missing (it has a default in pyproject.toml)")
         values = {}
         for key, spec in SCHEMA.items():
-            value = _coerce(key, run_config[key], spec)
             if key == "strategy":
-                if check_strategy and not spec.check(value):
-                    raise ConfigError(f"run-config '{key}' = {value!r} is out of range; allowed: {spec.words}")
-            elif not spec.check(value):
+                spec = _strategy_key(methods)
+            value = _coerce(key, run_config[key], spec)
+            server_only = key == "strategy" or spec.server_side
+            if (check_strategy or not server_only) and not spec.check(value):
                 raise ConfigError(f"run-config '{key}' = {value!r} is out of range; allowed: {spec.words}")
             values[key] = value
         if values["lr-schedule"] == "step" and not values["lr-decay-rounds"].strip():
             raise ConfigError("run-config 'lr-schedule' = 'step' needs 'lr-decay-rounds', e.g. \"30,70\"; it is empty")
         if values["min-evaluate-nodes"] == 0 and values["fraction-evaluate"] > 0:
             raise ConfigError("run-config 'min-evaluate-nodes' = 0 with 'fraction-evaluate' > 0; allowed: >= 1")
-        return cls(values)
+        return cls(values, methods)
 
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
@@ -235,23 +261,44 @@ class AppConfig:
         return dict(self.values)
 
     def replace(self, **changes: Any) -> AppConfig:
-        """A copy with some keys changed (kebab-case names via ``**{"key": v}``), re-validated."""
-        return AppConfig.from_run_config({**self.values, **changes})
+        """A copy with some keys changed (kebab-case names via ``**{"key": v}``), re-validated.
+
+        The values are already resolved, so every key counts as given: the changes, and only they, change.
+        """
+        return AppConfig.from_run_config({**self.values, **changes}, given=set(self.values) | set(changes), methods=self.methods)
 
 
-def effective_run_config(run_config: Mapping[str, Any], given: Collection[str] = ()) -> dict[str, Any]:
-    """``run_config`` with its ``preset`` applied (unchanged without one); ``ConfigError`` for a bad preset.
+def effective_run_config(
+    run_config: Mapping[str, Any], given: Collection[str] = (), methods: registry.Table | None = None
+) -> dict[str, Any]:
+    """``run_config`` with its ``preset`` and then its method's recommended values applied.
 
     ``given``: the keys the user set on the command line (they win even where they equal a default).
+    A key the preset sets wins over the method's values; a key nobody set takes the method's value,
+    else keeps its pyproject default (module docstring). ``methods``: the method table (default: the
+    product's). ``ConfigError`` for a bad preset.
     """
-    if not run_config.get("preset"):
-        return dict(run_config)
-    from pollen.app.preset import PresetError, apply_preset, pyproject_defaults
+    from pollen.app.preset import PresetError, apply_preset, fill_unset, load_preset, pyproject_defaults
 
-    try:
-        return apply_preset(run_config, pyproject_defaults(), given)
-    except PresetError as err:
-        raise ConfigError(f"run-config 'preset': {err}") from None
+    defaults = pyproject_defaults() or schema_defaults()
+    resolved, preset_keys = dict(run_config), set()
+    if run_config.get("preset"):
+        try:
+            resolved = apply_preset(run_config, defaults, given)
+            preset_keys = set(load_preset(str(run_config["preset"])).config)
+        except PresetError as err:
+            raise ConfigError(f"run-config 'preset': {err}") from None
+    recommended = registry.method_defaults(resolved.get("strategy"), methods)
+    return fill_unset(resolved, recommended, defaults, set(given) | preset_keys)
+
+
+def clients_need_given_keys(run_config: Mapping[str, Any], given: Collection[str], methods: registry.Table | None = None) -> bool:
+    """Whether a ClientApp that does not know ``given`` would resolve ``run_config`` differently.
+
+    It would where the user gave a key the value of its pyproject default and the preset or the
+    method recommends another: without the given keys the client would take that other value.
+    """
+    return bool(given) and effective_run_config(run_config, given, methods) != effective_run_config(run_config, (), methods)
 
 
 def defaults_from_pyproject(path: str) -> dict[str, Any]:
@@ -260,4 +307,3 @@ def defaults_from_pyproject(path: str) -> dict[str, Any]:
 
     with open(path, "rb") as handle:
         return dict(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
-

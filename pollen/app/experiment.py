@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from pollen.app import registry
 from pollen.app.config import AppConfig
 
-def build_strategy(cfg: AppConfig) -> Any:
-    """The server strategy named by ``strategy``, with the run-config's settings (see the registry)."""
-    from pollen.strategies import build_strategy as build
 
-    return build(cfg)
+def build_strategy(cfg: AppConfig, methods: registry.Table | None = None) -> Any:
+    """The server strategy named by ``strategy``, with the run-config's settings.
+
+    ``methods``: the method table (:mod:`pollen.app.registry`); default: the config's own, else the product's.
+    """
+    return registry.build_strategy(cfg, methods if methods is not None else cfg.methods)
 
 
 def data_config(cfg: AppConfig, num_partitions: int, data_dir: str | None = None) -> Any:

@@ -114,6 +114,22 @@ def load_preset(name: str) -> Preset:
 NODE_LOCAL_KEYS = frozenset({"state-dir"})
 
 
+def fill_unset(
+    run_config: Mapping[str, Any], values: Mapping[str, Any], defaults: Mapping[str, Any], given: Collection[str] = ()
+) -> dict[str, Any]:
+    """``run_config`` with ``values`` in place of the keys nobody set; the keys somebody set keep theirs.
+
+    A key counts as set when it is in ``given`` (the keys the user gave: Flower's override config, or
+    those a preset set) or when its value differs from its pyproject default (``defaults``). Keys of
+    ``values`` that ``run_config`` lacks are left out (the schema reports a missing key).
+    """
+    merged = dict(run_config)
+    for key, value in values.items():
+        if key in merged and key not in given and (key not in defaults or run_config[key] == defaults[key]):
+            merged[key] = value
+    return merged
+
+
 def apply_preset(run_config: Mapping[str, Any], defaults: Mapping[str, Any], given: Collection[str] = ()) -> dict[str, Any]:
     """``run_config`` with its ``preset`` applied: preset values replace defaults, given values win.
 
@@ -131,11 +147,7 @@ def apply_preset(run_config: Mapping[str, Any], defaults: Mapping[str, Any], giv
     node_local = sorted(set(preset.config) & NODE_LOCAL_KEYS)
     if node_local:
         raise PresetError(f"preset {name!r} sets {node_local}; allowed: set them in node-config or on the command line")
-    merged = dict(run_config)
-    for key, value in preset.config.items():
-        if key not in given and (key not in defaults or run_config[key] == defaults[key]):
-            merged[key] = value
-    return merged
+    return fill_unset(run_config, preset.config, defaults, given)
 
 
 @functools.lru_cache(maxsize=1)

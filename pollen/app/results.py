@@ -3,7 +3,7 @@
 Layout of ``results/<run-name>/``::
 
     config.json      the validated run-config used
-    metrics.csv      one row per round (0 = the initial model)
+    metrics.csv      one row per round (0 = the initial model): COLUMNS, then the method's own counters
     metrics.json     the same rows plus the run's summary
     final_model.npz  the final global model, one array per name
     accuracy_vs_round.png, accuracy_vs_uplink.png, accuracy_vs_downlink.png, accuracy_vs_total_bytes.png
@@ -14,7 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +41,6 @@ COLUMNS = (
     "messages_sent",
     "exchange_messages",
     "grad_evals",
-    "relayed_bytes",
-    "peer_bytes",
-    "lazy_events",
-    "lazy_rel",
     "uplink_by_record",
     "downlink_by_record",
     "server_state_bytes",
@@ -53,6 +49,15 @@ COLUMNS = (
     "round_seconds",
     "elapsed_seconds",
 )
+"""The columns every run has; a method's own counters (``RoundStats.method``) follow as ``method.<name>``."""
+
+#: Prefix of the columns that hold a method's own counters (``method.relayed_bytes``, ``method.lazy_events``, ...).
+METHOD_PREFIX = "method."
+
+
+def method_columns(names: Iterable[str]) -> dict[str, None]:
+    """The ``method.<name>`` columns among ``names``, in their order (a dict: ordered, no repeats)."""
+    return {name: None for name in names if name.startswith(METHOD_PREFIX)}
 
 
 def human_bytes(n: float) -> str:
@@ -70,6 +75,7 @@ class RunRecorder:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, Any]] = []
+        self.columns: list[str] = list(COLUMNS)
         self.summary: dict[str, Any] = {}
         name = "config.json" if fresh else "config-resumed.json"
         (self.out_dir / name).write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
@@ -78,22 +84,32 @@ class RunRecorder:
 
     def restore(self, rows: list[Mapping[str, Any]]) -> None:
         """Start from the rows a checkpoint kept (rows written after it, before a crash, are dropped)."""
-        self.rows = [{column: row.get(column, "") for column in COLUMNS} for row in rows]
+        self.columns = list(COLUMNS) + list(method_columns(name for row in rows for name in row))
+        self.rows = [{column: row.get(column, "") for column in self.columns} for row in rows]
         self._rewrite_csv()
         self._write_json()
 
     def _rewrite_csv(self) -> None:
         with open(self.out_dir / "metrics.csv", "w", newline="") as handle:
             writer = csv.writer(handle)
-            writer.writerow(COLUMNS)
+            writer.writerow(self.columns)
             for row in self.rows:
-                writer.writerow([_fmt(row[c]) for c in COLUMNS])
+                writer.writerow([_fmt(row[c]) for c in self.columns])
 
     def record(self, row: Mapping[str, Any]) -> None:
-        full = {column: row.get(column, "") for column in COLUMNS}
+        """Add one round's row; a method counter seen for the first time adds its column to every row."""
+        new = [name for name in method_columns(row) if name not in self.columns]
+        if new:
+            self.columns += new
+            for earlier in self.rows:
+                earlier.update({name: "" for name in new})
+        full = {column: row.get(column, "") for column in self.columns}
         self.rows.append(full)
-        with open(self.out_dir / "metrics.csv", "a", newline="") as handle:
-            csv.writer(handle).writerow([_fmt(full[c]) for c in COLUMNS])
+        if new:  # the header grew: write the file again
+            self._rewrite_csv()
+        else:
+            with open(self.out_dir / "metrics.csv", "a", newline="") as handle:
+                csv.writer(handle).writerow([_fmt(full[c]) for c in self.columns])
         self._write_json()
 
     def finish(self, final_arrays: Mapping[str, np.ndarray], summary: Mapping[str, Any]) -> None:

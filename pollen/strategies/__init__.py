@@ -16,8 +16,6 @@ from pollen.strategies.fedopt import FedOpt
 from pollen.strategies.fedlamb import FedLAMB
 from pollen.strategies.hafed import HAFed
 from pollen.strategies.lazy import FedLazy
-from pollen.strategies.registry import build_strategy, implementations, register, strategy_names
-from pollen.strategies.relay_demo import RelayAverage
 from pollen.strategies.replies import ClientUpdate, Extra, ReplyRejected, ReplySpec
 from pollen.strategies.rounds import RunInterrupted
 from pollen.strategies.sampling import ClientSampler
@@ -40,15 +38,10 @@ __all__ = [
     "MeteredFedAdam",
     "MeteredFedAvg",
     "MeteredFedYogi",
-    "RelayAverage",
     "ReplyRejected",
     "ReplySpec",
     "Uplink",
     "RoundStats",
     "RunCheckpoint",
     "RunInterrupted",
-    "build_strategy",
-    "implementations",
-    "register",
-    "strategy_names",
 ]

@@ -44,12 +44,11 @@ class RoundStats:
     ``<phase>/<record>``. ``messages_sent`` counts every training message, all phases.
     ``grad_evals`` sums the gradient evaluations (mini-batch forward/backward passes) the applied
     replies report (``grad-evals``, else ``num-steps``): a full local pass shows up here.
-    ``relayed_bytes`` is the share of the round's traffic that only relays peer-to-peer exchanges
-    through the SuperLink (HA-Fed's gossip) and ``peer_bytes`` what those exchanges would cost on
-    a peer network. ``lazy_events`` counts what the lazy / bidirectional family did per direction
-    (``up-skip``, ``up-aa``, ``down-full``, ``down-skip``, ``resync``, ...; :mod:`pollen.strategies.lazy`) and
-    ``lazy_rel`` the relative changes ``||cand - ref|| / ||ref||`` the rules compared with the thresholds,
-    per direction, where the server saw both vectors (what a threshold would have made fire).
+    ``method`` holds what one method counts for itself, by name: a number, or a mapping of numbers or
+    of lists of numbers (HA-Fed's ``relayed_bytes`` and ``peer_bytes``, the lazy family's
+    ``lazy_events`` and ``lazy_rel``; each strategy's docstring says what its own mean). The strategy
+    writes them; the results show each as a column ``method.<name>`` and the round line prints them,
+    without knowing the names.
     """
 
     server_round: int
@@ -70,10 +69,7 @@ class RoundStats:
     train_seconds: float = 0.0
     server_state_bytes: int = 0
     grad_evals: int = 0
-    relayed_bytes: int = 0
-    peer_bytes: int = 0
-    lazy_events: dict[str, int] = field(default_factory=dict)
-    lazy_rel: dict[str, list[float]] = field(default_factory=dict)
+    method: dict[str, Any] = field(default_factory=dict)
     train_metrics: dict[str, float] = field(default_factory=dict)
     evaluate_metrics: dict[str, float] = field(default_factory=dict)
 

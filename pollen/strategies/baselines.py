@@ -30,7 +30,6 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedYogi
 from pollen.wire import protocol
 from pollen.core.layout import ModelLayout
 from pollen.strategies.accounting import Accounting
-from pollen.strategies.registry import register, sampling_kwargs, screening_kwargs
 from pollen.strategies.collector import EVALUATE_PHASE, TRAIN_PHASE, ReplyCollector, positive_weight, reason_of
 from pollen.strategies.replies import ReplyRejected, count_records, read_reply
 from pollen.strategies.sampling import ClientSampler
@@ -243,29 +242,3 @@ class MeteredFedYogi(Metered, FedYogi):
 class MeteredFedAdagrad(Metered, FedAdagrad):
     """Flower's FedAdagrad, metered."""
 
-
-def _flower_optimizer_kwargs(cfg: Any, *, moments: bool = True) -> dict[str, Any]:
-    kwargs = dict(eta=cfg["server-lr"], eta_l=cfg["local-lr"], tau=cfg["eps"])
-    if moments:
-        kwargs.update(beta_1=cfg["beta1"], beta_2=cfg["beta2"])
-    return kwargs
-
-
-@register("fedavg", "flwr.serverapp.strategy.FedAvg (Flower's own, metered)")
-def _build_fedavg(cfg: Any) -> MeteredFedAvg:
-    return MeteredFedAvg(**sampling_kwargs(cfg), **screening_kwargs(cfg))
-
-
-@register("fedadam", "flwr.serverapp.strategy.FedAdam (Flower's own, metered)")
-def _build_fedadam(cfg: Any) -> MeteredFedAdam:
-    return MeteredFedAdam(**sampling_kwargs(cfg), **screening_kwargs(cfg), **_flower_optimizer_kwargs(cfg))
-
-
-@register("fedyogi", "flwr.serverapp.strategy.FedYogi (Flower's own, metered)")
-def _build_fedyogi(cfg: Any) -> MeteredFedYogi:
-    return MeteredFedYogi(**sampling_kwargs(cfg), **screening_kwargs(cfg), **_flower_optimizer_kwargs(cfg))
-
-
-@register("fedadagrad", "flwr.serverapp.strategy.FedAdagrad (Flower's own, metered)")
-def _build_fedadagrad(cfg: Any) -> MeteredFedAdagrad:
-    return MeteredFedAdagrad(**sampling_kwargs(cfg), **screening_kwargs(cfg), **_flower_optimizer_kwargs(cfg, moments=False))

@@ -20,16 +20,14 @@ SuperNode reconnects; clients that cannot say fall back to ``node-<id>``.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from pollen.core.layout import ModelLayout
 from pollen.optim import BY_NAME, Transform, make_server_optimizer
-from pollen.optim.schedule import schedule_factor
 from pollen.strategies.base import AdaptiveStrategy, ClientUpdate, ScreenedSink
-from pollen.strategies.registry import register, sampling_kwargs, screening_kwargs
 from pollen.vr import UpdateTable, VARIANTS, get_variant
 from pollen.vr.aggregate import VRRound
 from pollen.strategies.declared import PART
@@ -224,44 +222,6 @@ class _VRSink(ScreenedSink):
 
     def mean(self) -> np.ndarray:
         return self.strategy._round_delta(self.server_round, self.vr_round)
-
-
-def _fedadavr_builder(variant: str):  # noqa: ANN202
-    """A run-config builder of one FedAdaVR variant."""
-
-    def build(cfg: Mapping[str, Any]) -> FedAdaVR:
-        adaptive = variant == "fedadavr"
-        own_table = variant in ("fedadavr", "noopt")
-        return FedAdaVR(
-            **sampling_kwargs(cfg),
-            variant=variant,
-            server_optimizer=cfg["server-optimizer"] if adaptive else None,
-            eta=cfg["server-lr"],
-            client_lr=cfg["local-lr"],
-            client_lr_factor=lambda server_round: schedule_factor(cfg, server_round),
-            beta_1=cfg["beta1"],
-            beta_2=cfg["beta2"],
-            eps=cfg["eps"],
-            vr_weighting=cfg["vr-weighting"] if own_table else None,
-            table_precision=cfg["table-precision"] if own_table else None,
-            table_path=cfg["table-path"] or None,
-            num_clients=cfg["num-clients"] or None,
-            seed=cfg["seed"],
-            min_replies=cfg["min-replies"],
-            **screening_kwargs(cfg),
-        )
-
-    return build
-
-
-for _name, _variant, _what in (
-    ("fedadavr", "fedadavr", "pollen.strategies.FedAdaVR (table-precision != fp32 is FedAdaVR-Quant)"),
-    ("mifa", "mifa", "pollen.strategies.FedAdaVR(variant='mifa')"),
-    ("fedvarp", "fedvarp", "pollen.strategies.FedAdaVR(variant='fedvarp')"),
-    ("fedadavr-novr", "novr", "pollen.strategies.FedAdaVR(variant='novr')"),
-    ("fedadavr-noopt", "noopt", "pollen.strategies.FedAdaVR(variant='noopt')"),
-):
-    register(_name, _what)(_fedadavr_builder(_variant))
 
 
 __all__ = ["FedAdaVR", "OPTIMIZERS", "VARIANTS"]

@@ -17,12 +17,10 @@ and, transparently, compressed updates from pollen's ``compression_mod``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from pollen.optim import amsgrad
 from pollen.strategies.base import AdaptiveStrategy
-from pollen.strategies.registry import adaptive_kwargs, register
 
 OPTIONS = (1, 2)
 
@@ -83,27 +81,3 @@ class FedAMS(AdaptiveStrategy):
     def extra_summary(self) -> dict[str, Any]:
         return {"option": f"{self.option} ({'FedAMS' if self.option == 1 else 'FedAMSGrad'})"}
 
-
-def fedams_kwargs(cfg: Mapping[str, Any], option: int | None = None) -> dict[str, Any]:
-    """FedAMS's arguments from the run-config (``option`` from ``eps-mode`` unless given)."""
-    if option is None and cfg["eps-mode"] == "inside":
-        raise ValueError("run-config 'eps-mode' = 'inside' is HA-Fed's form; FedAMS and FedCAMS allow paper, max or add")
-    return dict(
-        **adaptive_kwargs(cfg),
-        eta=cfg["server-lr"],
-        beta_1=cfg["beta1"],
-        beta_2=cfg["beta2"],
-        eps=cfg["eps"],
-        option=option or (2 if cfg["eps-mode"] == "add" else 1),
-        bias_correction=cfg["bias-correction"],
-    )
-
-
-@register("fedams", "pollen.strategies.FedAMS (Option 1 unless eps-mode=add)")  # paper = max = Option 1
-def _build_fedams(cfg: Mapping[str, Any]) -> FedAMS:
-    return FedAMS(**fedams_kwargs(cfg))
-
-
-@register("fedamsgrad", "pollen.strategies.FedAMS(option=2)")
-def _build_fedamsgrad(cfg: Mapping[str, Any]) -> FedAMS:
-    return FedAMS(**fedams_kwargs(cfg, option=2))

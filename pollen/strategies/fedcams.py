@@ -9,12 +9,10 @@ bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from pollen.compression import CODECS
-from pollen.strategies.fedams import FedAMS, fedams_kwargs
-from pollen.strategies.registry import register
+from pollen.strategies.fedams import FedAMS
 from pollen.strategies.uplink import Uplink
 
 
@@ -72,13 +70,3 @@ class FedCAMS(FedAMS):
     def granularity(self) -> str:
         return self.uplink.granularity
 
-
-@register("fedcams", "pollen.strategies.FedCAMS")
-def _build_fedcams(cfg: Mapping[str, Any]) -> FedCAMS:
-    return FedCAMS(
-        **fedams_kwargs(cfg),
-        compressor=cfg["compressor"],
-        topk_ratio=cfg["topk-ratio"],
-        error_feedback=cfg["error-feedback"],
-        granularity=cfg["compression-granularity"],
-    )

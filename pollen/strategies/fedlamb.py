@@ -25,7 +25,6 @@ with the client across rounds (client state). Sign convention: the server's step
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +47,6 @@ from pollen.wire.protocol import (
 )
 from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
 from pollen.strategies.declared import COUNT, COUNTS, VECTOR
-from pollen.strategies.registry import adaptive_kwargs, register
 from pollen.strategies.replies import ClientUpdate, Extra, ReplySpec
 from pollen.wire.records import arrays_to_record
 
@@ -253,30 +251,3 @@ class FedLAMB(AdaptiveStrategy):
         if self.v_hat is not None and (self.v is None or not (self.v_hat >= self.eps).all()):
             raise ValueError("state v_hat / v do not fit the model (or v_hat < eps)")
 
-
-def _fedlamb_builder(variant: str):  # noqa: ANN202
-    def build(cfg: Mapping[str, Any]) -> FedLAMB:
-        return FedLAMB(
-            **adaptive_kwargs(cfg),
-            variant=variant,
-            beta_1=cfg["beta1"],
-            beta_2=cfg["beta2"],
-            eps=cfg["eps"],
-            weight_decay=cfg["weight-decay"],
-            sync_every=cfg["sync-every"],
-            sync_phase=cfg["sync-phase"],
-            eta=cfg["server-lr"],
-        )
-
-    return build
-
-
-for _variant, _what in (
-    ("fed-lamb", "pollen.strategies.FedLAMB (LAMB local steps, v_hat = max(v_hat, mean v_i))"),
-    ("mime-lamb", "pollen.strategies.FedLAMB(variant='mime-lamb') (full-batch gradients make v_hat)"),
-    ("fed-ams", "pollen.strategies.FedLAMB(variant='fed-ams') (local AMSGrad with the shared v_hat)"),
-    ("mime", "pollen.strategies.FedLAMB(variant='mime') (Mime with AMSGrad)"),
-    ("adp-fed", "pollen.strategies.FedLAMB(variant='adp-fed') (local SGD, server Adam of Algorithm 2)"),
-    ("fed-sgd", "pollen.strategies.FedLAMB(variant='fed-sgd') (local SGD, x <- mean x_i)"),
-):
-    register(_variant, _what)(_fedlamb_builder(_variant))

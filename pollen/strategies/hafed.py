@@ -40,7 +40,6 @@ intra-cluster relay of ``x_t`` to non-uploaders, §3.4), gossip messages and gra
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import INFO
 from typing import Any
@@ -55,13 +54,9 @@ from pollen.gossip import TOPOLOGIES, gossip_step, mixing_matrix, segment_bounds
 from pollen.optim import amsgrad
 from pollen.strategies.accounting import grad_evals_of
 from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
-from pollen.strategies.registry import adaptive_kwargs, register
 from pollen.strategies.replies import ClientUpdate, ReplySpec
 from pollen.strategies.rounds import SetupError
 from pollen.wire.records import arrays_to_record
-
-#: The paper's local iterations per round (§9), used when run-config ``local-steps`` is 0.
-PAPER_TAU = 48
 
 #: Topologies that need at least three clients per cluster to mean anything.
 NEEDS_NEIGHBOURS = ("ring", "bipartite", "circulant", "interpolated")
@@ -251,8 +246,8 @@ class HAFed(AdaptiveStrategy):
                 self._mix(cluster, current, present)
         final = [current[node] for node in sorted(uploaders & present)]
         star = len(uploaders) * down_per_start + sum(sum(u.record_bytes.values()) for u in final)
-        stats.relayed_bytes = int(round(stats.uplink_bytes + stats.downlink_bytes - star))
-        stats.peer_bytes = self._peer_bytes(clusters, len(trained) - len(uploaders))
+        stats.method["relayed_bytes"] = int(round(stats.uplink_bytes + stats.downlink_bytes - star))
+        stats.method["peer_bytes"] = self._peer_bytes(clusters, len(trained) - len(uploaders))
         self._grad_evals[server_round] = grad_evals
         self._final[server_round] = final
         return []
@@ -295,7 +290,7 @@ class HAFed(AdaptiveStrategy):
         self._uploaders.pop(server_round, None)
         log(INFO, "HA-Fed round %d: %d gossip steps, %d gossip messages, relayed %.2f MB (a peer network: %.2f MB), %d gradient evaluations",
             server_round, len(self.segments) - 1 + (self.topology != "identity"), stats.exchange_messages,
-            stats.relayed_bytes / 1e6, stats.peer_bytes / 1e6, stats.grad_evals)
+            stats.method.get("relayed_bytes", 0) / 1e6, stats.method.get("peer_bytes", 0) / 1e6, stats.grad_evals)
         return result
 
     def _round_clusters(self) -> list[Cluster]:
@@ -356,40 +351,3 @@ class HAFed(AdaptiveStrategy):
             f"iterations ({len(self.segments)} steps), active-prob {self.active_prob:g}, "
             f"m = {self.uploaders_per_cluster} uploaders per cluster",
         }
-
-
-
-def _hafed_builder(topology: str | None, clustered: bool):  # noqa: ANN202
-    def build(cfg: Mapping[str, Any]) -> HAFed:
-        mode = cfg["eps-mode"]
-        offsets = tuple(int(o) for o in str(cfg["gossip-offsets"]).split(",") if o.strip())
-        return HAFed(
-            **adaptive_kwargs(cfg),
-            eta=cfg["server-lr"],
-            beta_1=cfg["beta1"],
-            beta_2=cfg["beta2"],
-            eps=cfg["eps"],
-            eps_mode="inside" if mode == "paper" else mode,
-            bias_correction=cfg["bias-correction"],
-            local_steps=cfg["local-steps"] or PAPER_TAU,  # 0 (the app's "epochs" default): the paper's tau
-            gossip_every=cfg["gossip-every"],
-            active_prob=cfg["active-prob"],
-            topology=topology or cfg["topology"],
-            lam=cfg["gossip-lambda"] if (topology or cfg["topology"]) == "interpolated" else None,
-            offsets=offsets if (topology or cfg["topology"]) == "circulant" else None,
-            uploaders_per_cluster=cfg["uploaders-per-cluster"],
-            clustered=clustered,
-        )
-
-    return build
-
-
-register("hafed", "pollen.strategies.HAFed (gossip in clusters, relayed through the server; server AMSGrad)")(
-    _hafed_builder(None, True)
-)
-register("fedamsgrad-stratified", "pollen.strategies.HAFed(topology='identity') (HA-Fed without gossip: m per cluster)")(
-    _hafed_builder("identity", True)
-)
-register("fedamsgrad-uniform", "pollen.strategies.HAFed(topology='identity', clustered=False) (HA-Fed's baseline)")(
-    _hafed_builder("identity", False)
-)

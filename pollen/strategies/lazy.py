@@ -26,7 +26,7 @@ FedAMS, FedNLACA = FedACA = FedCAMS, FedBNLACA = FedBACA = FedCAMS with an error
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -37,22 +37,11 @@ from pollen.strategies.lazy_book import ClientBook
 from pollen.lazy.rules import DOWNLINK_MODES, EF_MODES, REF_MODES, RULES, check_choice, check_tau, checksum, downlink_step, norm64, replay
 from pollen.strategies.base import ReplyRejected, ReplySpec
 from pollen.strategies.declared import COUNTS, PART
-from pollen.strategies.fedams import FedAMS, fedams_kwargs
-from pollen.strategies.registry import register
+from pollen.strategies.fedams import FedAMS
 from pollen.wire.records import arrays_to_record, payload_to_records
 
-#: Every event of a round the family counts (results column ``lazy_events``).
+#: Every event of a round the family counts (``RoundStats.method["lazy_events"]``, results column ``method.lazy_events``).
 EVENTS = ("up-send", "up-skip", "up-aa", "up-flags", "down-dense", "down-full", "down-send", "down-skip", "down-aa", "down-keep", "down-flags", "resync")
-
-#: The six methods: (uplink rule, compressed uplink, bidirectional).
-METHODS = {
-    "fednlaa": ("nla", False, False),
-    "fedaa": ("aa", False, False),
-    "fednlaca": ("nla", True, False),
-    "fedaca": ("aa", True, False),
-    "fedbnlaca": ("nla", True, True),
-    "fedbaca": ("aa", True, True),
-}
 
 
 class FedLazy(FedAMS):
@@ -177,11 +166,11 @@ class FedLazy(FedAMS):
         return make_codec(name, topk_ratio=ratio, segments=self.layout.segments, granularity=self.granularity)
 
     def _count(self, server_round: int, event: str, n: int = 1) -> None:
-        events = self.accounting.round(server_round).lazy_events
+        events = self.accounting.round(server_round).method.setdefault("lazy_events", {})
         events[event] = events.get(event, 0) + n
 
     def _note_rel(self, server_round: int, direction: str, rel: float) -> None:
-        self.accounting.round(server_round).lazy_rel.setdefault(direction, []).append(round(float(rel), 6))
+        self.accounting.round(server_round).method.setdefault("lazy_rel", {}).setdefault(direction, []).append(round(float(rel), 6))
 
     # ------------------------------------------------------------------ downlink
     def train_config(self, server_round: int) -> dict[str, Any]:
@@ -320,39 +309,4 @@ class FedLazy(FedAMS):
 
 
 
-def _builder(method: str):  # noqa: ANN202
-    up_rule, compressed, bidirectional = METHODS[method]
-
-    def build(cfg: Mapping[str, Any]) -> FedLazy:
-        return FedLazy(
-            **fedams_kwargs(cfg),
-            up_rule=up_rule,
-            up_tau=cfg["tau-up"],
-            compressor=cfg["compressor"] if compressed else "none",
-            topk_ratio=cfg["topk-ratio"],
-            error_feedback=cfg["error-feedback"],
-            granularity=cfg["compression-granularity"],
-            down_compressor=cfg["compressor-down"] if bidirectional else None,
-            down_rule=up_rule if bidirectional else "none",
-            down_tau=cfg["tau-down"],
-            down_topk_ratio=cfg["topk-ratio-down"],
-            downlink_mode=cfg["downlink-mode"],
-            ef_mode=cfg["ef-mode"],
-            ref_mode=cfg["ref-mode"],
-            bookkeeping_dir=cfg["bookkeeping-dir"] or None,
-        )
-
-    return build
-
-
-for _method, _what in (
-    ("fednlaa", "pollen.strategies.FedLazy(up_rule='nla') (Algorithm 1: lazy uplink, uncompressed)"),
-    ("fedaa", "pollen.strategies.FedLazy(up_rule='aa') (Algorithm 1: accelerated uplink, uncompressed)"),
-    ("fednlaca", "pollen.strategies.FedLazy(up_rule='nla', compressor=...) (Algorithm 3: lazy, compressed, error feedback)"),
-    ("fedaca", "pollen.strategies.FedLazy(up_rule='aa', compressor=...) (Algorithm 3: accelerated, compressed)"),
-    ("fedbnlaca", "pollen.strategies.FedLazy(..., down_compressor=..., down_rule='nla') (Algorithm 2: both ways)"),
-    ("fedbaca", "pollen.strategies.FedLazy(..., down_compressor=..., down_rule='aa') (Algorithm 2: both ways)"),
-):
-    register(_method, _what)(_builder(_method))
-
-__all__ = ["EVENTS", "METHODS", "FedLazy"]
+__all__ = ["EVENTS", "FedLazy"]

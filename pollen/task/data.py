@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from pollen.core.files import NpzError, read_npz, write_npz_atomic
+from pollen.task.catalog import DATASETS
 from pollen.task import partitions as _partitions_module
 from pollen.task import sources as _sources_module
 from pollen.task.partitions import (
@@ -69,8 +70,6 @@ __all__ = [
     "partition_cache_key",
     "validate_data_config",
 ]
-
-DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100")
 
 
 @dataclass(frozen=True)

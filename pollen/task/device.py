@@ -6,6 +6,8 @@ import re
 
 import torch
 
+from pollen.task.catalog import DEVICES
+
 __all__ = ["available_devices", "resolve_device"]
 
 _CUDA_N = re.compile(r"cuda:(\d+)")
@@ -52,4 +54,4 @@ def resolve_device(spec: str) -> torch.device:
         if not _mps_available():
             raise ValueError(f"device={spec!r} is not available: this machine has no Apple MPS device (it has: {have})")
         return torch.device("mps")
-    raise ValueError(f"device={spec!r} is not allowed; allowed: auto, cpu, cuda, cuda:N, mps (this machine has: {have})")
+    raise ValueError(f"device={spec!r} is not allowed; allowed: {', '.join(DEVICES)} (this machine has: {have})")

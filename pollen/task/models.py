@@ -33,12 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pollen.task.catalog import MODELS, NORMS
 from pollen.task.sources import DatasetInfo
 
 __all__ = ["MODELS", "NORMS", "build_model", "num_parameters"]
-
-MODELS = ("mlp", "cnn", "lenet5", "resnet18", "convmixer")
-NORMS = ("bn", "gn")
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -23,9 +23,9 @@ import warnings
 
 import numpy as np
 
-__all__ = ["PARTITIONERS", "PARTITIONER_SETTINGS", "make_partitions", "split_train_val"]
+from pollen.task.catalog import PARTITIONERS
 
-PARTITIONERS = ("iid", "dirichlet", "pathological", "shards")
+__all__ = ["PARTITIONERS", "PARTITIONER_SETTINGS", "make_partitions", "split_train_val"]
 
 #: The ``make_partitions`` keyword arguments each partitioner reads besides ``num_partitions`` and
 #: ``seed`` (the on-disk partition cache keys on exactly these; keep in step with ``_partitioner``).

@@ -19,6 +19,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
+#: The apps :meth:`LocalFlower.app` snapshots: the product's, or the test harness's (:mod:`pollen.testing.apps`).
+VARIANTS = ("product", "testing")
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -31,6 +34,7 @@ class LocalFlower:
 
     def __init__(self, home: Path) -> None:
         self.home = home
+        self._apps: dict[str, Path] = {}
         self.http_port = str(free_port())
         self.control_port = str(free_port())
         bin_dir = str(Path(sys.executable).parent)
@@ -44,24 +48,33 @@ class LocalFlower:
             "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
         }
 
-    def app(self) -> Path:
-        """A snapshot of the files ``flwr run`` packs, made once.
+    def app(self, variant: str = "product") -> Path:
+        """A snapshot of the files ``flwr run`` packs, made once per variant.
 
         ``flwr run <dir>`` walks every file under ``<dir>`` before it filters them, so a checkout with
         virtual environments inside (as CI makes them) costs several seconds per run; the snapshot holds
-        only what goes into the FAB.
+        only what goes into the FAB. ``variant="testing"``: the same files, with a ``pyproject.toml`` that
+        runs the test harness's apps (fault injection, the relay demo; :mod:`pollen.testing.apps`).
         """
-        if not hasattr(self, "_app"):
+        if variant not in VARIANTS:
+            raise ValueError(f"app variant {variant!r} is unknown; allowed: {', '.join(VARIANTS)}")
+        if variant not in self._apps:
             from pollen.testing import local_federation as lf
 
-            self._app = lf.snapshot_app(self.home / "app")
-        return self._app
+            app = lf.snapshot_app(self.home / f"app-{variant}")
+            if variant == "testing":
+                from pollen.testing.apps import testing_pyproject
 
-    def run(self, run_config: dict, num_supernodes: int = 4, timeout: float = 400) -> subprocess.CompletedProcess:
+                pyproject = app / "pyproject.toml"
+                pyproject.write_text(testing_pyproject(pyproject.read_text()))
+            self._apps[variant] = app
+        return self._apps[variant]
+
+    def run(self, run_config: dict, num_supernodes: int = 4, timeout: float = 400, variant: str = "product") -> subprocess.CompletedProcess:
         overrides = " ".join(f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}" for k, v in run_config.items())
         flwr = shutil.which("flwr", path=self.env["PATH"])
         command = [
-            flwr, "run", str(self.app()), "--stream",
+            flwr, "run", str(self.app(variant)), "--stream",
             "--federation-config", f"num-supernodes={num_supernodes}",
             "--run-config", overrides,
         ]

@@ -101,6 +101,36 @@ def test_run_recorder_writes_every_file(tmp_path):
         assert (out / name).stat().st_size > 1000
 
 
+def test_a_methods_counters_get_columns_of_their_own(tmp_path):
+    """``method.<name>`` columns follow COLUMNS, appear with the first row that has them, and survive a resume."""
+    out = tmp_path / "lazy-run"
+    recorder = RunRecorder(out, {"strategy": "fednlaca"})
+    rows = fake_rows(2, 1000, 0.1)
+    recorder.record(rows[0])
+    recorder.record({**rows[1], "method.lazy_events": {"up-send": 4, "up-skip": 1}, "method.relayed_bytes": 700})
+    recorder.record({**rows[2], "method.lazy_events": {"up-send": 3}, "method.lazy_rel": {"up": [0.5]}})
+    extra = ["method.lazy_events", "method.relayed_bytes", "method.lazy_rel"]
+    with open(out / "metrics.csv", newline="") as handle:
+        table = list(csv.reader(handle))
+    assert table[0] == [*COLUMNS, *extra]
+    assert len(table) == 4 and all(len(line) == len(table[0]) for line in table)
+    by_name = [dict(zip(table[0], line)) for line in table[1:]]
+    assert by_name[0]["method.lazy_events"] == "" and by_name[1]["method.relayed_bytes"] == "700"
+    assert json.loads(by_name[1]["method.lazy_events"]) == {"up-send": 4, "up-skip": 1}
+    assert json.loads(by_name[2]["method.lazy_rel"]) == {"up": [0.5]} and by_name[2]["method.relayed_bytes"] == ""
+    data = json.loads((out / "metrics.json").read_text())["rows"]
+    assert [set(row) for row in data] == [set(COLUMNS) | set(extra)] * 3
+    assert data[2]["method.lazy_events"] == {"up-send": 3}
+
+    resumed = RunRecorder(out, {"strategy": "fednlaca"}, fresh=False)
+    resumed.restore(data[:2])  # a checkpoint after round 1
+    assert resumed.columns == [*COLUMNS, *extra]
+    resumed.record({**rows[2], "method.lazy_events": {"up-send": 3}, "method.lazy_rel": {"up": [0.5]}})
+    with open(out / "metrics.csv", newline="") as handle:
+        assert next(csv.reader(handle)) == [*COLUMNS, *extra]
+    assert json.loads((out / "metrics.json").read_text())["rows"] == data
+
+
 def test_compare_two_runs(tmp_path, capsys):
     run_a = tmp_path / "fedams-a"
     run_b = tmp_path / "fedcams-sign-b"
@@ -124,6 +154,17 @@ def test_compare_two_runs(tmp_path, capsys):
     assert summaries[1]["uplink_bytes"] == 50_000 and summaries[0]["rounds"] == 4
     for name in PLOTS:
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_compare_reads_each_runs_codecs_from_its_method():
+    """The method (pollen.app.methods) says which run-config keys are its codecs; no list of names in compare."""
+    assert compare._codecs({"strategy": "fedams", "compressor": "sign"}) == "-"
+    assert compare._codecs({"strategy": "fedcams", "compressor": "topk"}) == "topk"
+    assert compare._codecs({"strategy": "fednlaa", "compressor": "topk"}) == "-"  # lazy, uncompressed
+    assert compare._codecs({"strategy": "fedaca", "compressor": "fp16", "compressor-down": "topk"}) == "fp16"
+    assert compare._codecs({"strategy": "fedbaca", "compressor": "topk", "compressor-down": "sign"}) == "topk / down sign"
+    assert compare._codecs({"strategy": "relay-demo", "compressor": "sign"}) == "-"  # not a method of the product
+    assert compare._codecs({}) == "-"
 
 
 def test_compare_refuses_a_folder_without_metrics(tmp_path, capsys):

@@ -53,9 +53,37 @@ def test_the_round_log_names_each_record_kind_only_when_there_is_more_than_the_m
     assert "hafed-gossip/arrays 3.00 KB" in _records_in_words(plain, {"arrays": 1000, "hafed-gossip/arrays": 3000})
 
 
-def test_round_log_names_the_lazy_family_events():
-    from pollen.server_app import _events_in_words
+def test_round_log_names_each_methods_counters_without_knowing_them():
+    from pollen.server_app import _method_in_words
 
     events = {"up-send": 3, "up-skip": 2, "up-flags": 2, "down-full": 1, "down-send": 3, "down-skip": 1, "down-flags": 1, "resync": 1}
-    assert _events_in_words(events) == "uplink send 3, skip 2 (2 flags) | downlink full 1, send 3, skip 1 (1 flags) | resync requests 1"
-    assert _events_in_words({"up-send": 4, "down-dense": 4}) == "uplink send 4 | downlink dense 4"
+    assert _method_in_words({"lazy_events": events}) == (
+        "lazy_events up-send 3, up-skip 2, up-flags 2, down-full 1, down-send 3, down-skip 1, down-flags 1, resync 1"
+    )
+    assert _method_in_words({"lazy_events": {"up-send": 4, "up-skip": 0, "down-dense": 4}}) == "lazy_events up-send 4, down-dense 4"
+    assert _method_in_words({"lazy_events": {}, "lazy_rel": {"up": [0.5, 0.125, 0.25], "down": []}}) == "lazy_rel up 3 in [0.125, 0.5]"
+    assert _method_in_words({"relayed_bytes": 1_200_000, "peer_bytes": 3_400_000}) == "relayed_bytes 1.20 MB | peer_bytes 3.40 MB"
+    assert _method_in_words({"relayed_bytes": 0, "merges": 2, "share": 0.123456}) == "merges 2 | share 0.1235"
+    assert _method_in_words({}) == ""
+
+
+def test_a_methods_counters_become_method_columns_of_the_row(tmp_path):
+    cfg = AppConfig.from_run_config({**defaults_from_pyproject(str(REPO / "pyproject.toml")), "device": "cpu"})
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    loader = DataLoader(TensorDataset(torch.randn(4, 4), torch.randint(0, 3, (4,))), batch_size=4)
+    strategy = _Strategy()
+    stats = strategy.accounting.round(1)
+    stats.method["relayed_bytes"] = 500
+    stats.method["lazy_events"] = {"up-send": 2}
+    stats.method["lazy_rel"] = {"up": [0.25]}
+    recorder = RunRecorder(tmp_path / "run", cfg.as_dict())
+    reporter = RoundReporter(cfg, strategy, recorder, model, loader)
+    arrays = ArrayRecord(model.state_dict())
+    reporter(0, arrays)
+    reporter(1, arrays)
+    stats.method["lazy_events"]["up-send"] = 99  # the row keeps the round's values, not a live view
+    rows = json.loads((tmp_path / "run" / "metrics.json").read_text())["rows"]
+    assert rows[1]["method.relayed_bytes"] == 500 and rows[1]["method.lazy_events"] == {"up-send": 2}
+    assert rows[1]["method.lazy_rel"] == {"up": [0.25]}
+    assert rows[0]["method.relayed_bytes"] == ""  # round 0 had none: the column is there, empty
+    assert recorder.rows[1]["method.lazy_events"] == {"up-send": 2}

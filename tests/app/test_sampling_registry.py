@@ -8,7 +8,8 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from pollen.wire import protocol
 from pollen.app.config import SCHEMA, AppConfig, ConfigError, defaults_from_pyproject
 from pollen.app.config import strategy_names as config_strategy_names
-from pollen.strategies import ClientSampler, build_strategy, implementations, strategy_names
+from pollen.app.registry import build_strategy, implementations, strategy_names
+from pollen.strategies import ClientSampler
 from pollen.testing.fakes import FakeGrid
 
 pytestmark = pytest.mark.flower_compat
@@ -59,7 +60,8 @@ def test_sampler_state_round_trip_continues_the_same_draws():
 def test_the_run_config_allows_exactly_the_registered_strategies():
     assert config_strategy_names() == strategy_names()
     assert set(implementations()) == set(strategy_names())
-    assert {"fedams", "fedcams", "fedadavr", "fedavg", "relay-demo", "fed-lamb"} <= set(strategy_names())
+    assert {"fedams", "fedcams", "fedadavr", "fedavg", "fed-lamb"} <= set(strategy_names())
+    assert "relay-demo" not in strategy_names()  # the demo is the test harness's (pollen.testing.apps), not the product's
     defaults = defaults_from_pyproject("pyproject.toml")
     with pytest.raises(ConfigError, match="'strategy' = 'fedfoo' is out of range; allowed: one of fedavg"):
         AppConfig.from_run_config({**defaults, "strategy": "fedfoo"})

@@ -196,7 +196,7 @@ def run_hafed_round(fed, results):
     row = lf.load_metrics(results, "e2e-hafed")["rows"][-1]
     assert row["replies"] == 2 and row["failures"] == 0, row  # the 2 uploaders of the one cluster
     assert row["exchange_messages"] == NUM_NODES and row["grad_evals"] == 2 * NUM_NODES, row
-    assert row["downlink_by_record"]["hafed-gossip/arrays"] > 0 and row["relayed_bytes"] > 0, row
+    assert row["downlink_by_record"]["hafed-gossip/arrays"] > 0 and row["method.relayed_bytes"] > 0, row
 
 
 def run_fedbnlaca_rounds(fed, results):
@@ -210,8 +210,8 @@ def run_fedbnlaca_rounds(fed, results):
     first, second = lf.load_metrics(results, "e2e-fedbnlaca")["rows"][1:]
     for row in (first, second):
         assert row["replies"] == NUM_NODES and row["failures"] == 0, row
-    assert first["lazy_events"]["down-full"] == NUM_NODES and "pollen.down" not in first["downlink_by_record"], first
-    assert second["lazy_events"]["down-send"] == NUM_NODES and "arrays" not in second["downlink_by_record"], second
+    assert first["method.lazy_events"]["down-full"] == NUM_NODES and "pollen.down" not in first["downlink_by_record"], first
+    assert second["method.lazy_events"]["down-send"] == NUM_NODES and "arrays" not in second["downlink_by_record"], second
     d = 29_034
     payload = make_codec("topk", topk_ratio=0.125).payload_bytes(d)
     per_node_down = second["downlink_by_record"]["pollen.down"] / NUM_NODES

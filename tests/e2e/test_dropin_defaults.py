@@ -62,7 +62,8 @@ from flwr.serverapp.strategy import FedAvg
 
 from pollen.clientside import compression_mod
 from pollen.clientside.lazy_mod import lazy_mod
-from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, FedLAMB, FedLazy, HAFed, RelayAverage
+from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, FedLAMB, FedLazy, HAFed
+from pollen.testing.relay_demo import RelayAverage
 from pollen.strategies.rounds import SetupError
 from pollen.testing.fakes import FakeGrid
 

@@ -43,8 +43,8 @@ def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("results")
 
 
-def _run(flower: LocalFlower, results_dir: Path, name: str, num_supernodes: int = 4, **config) -> dict:
-    proc = flower.run({**TINY, **config, "results-dir": str(results_dir), "run-name": name}, num_supernodes=num_supernodes)
+def _run(flower: LocalFlower, results_dir: Path, name: str, num_supernodes: int = 4, variant: str = "product", **config) -> dict:
+    proc = flower.run({**TINY, **config, "results-dir": str(results_dir), "run-name": name}, num_supernodes=num_supernodes, variant=variant)
     out_dir = Path(config["resume"]) if config.get("resume") else results_dir / name
     assert proc.returncode == 0 and (out_dir / "final_model.npz").is_file(), proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads((out_dir / "metrics.json").read_text())
@@ -84,8 +84,8 @@ def test_fedadavr_int4_with_partial_participation(flower: LocalFlower, results_d
 
 
 def test_relay_demo_runs_its_mid_round_exchange(flower: LocalFlower, results_dir: Path) -> None:
-    """The round-protocol example through a real simulation: a relay phase, an extra uplink record."""
-    metrics = _run(flower, results_dir, "relay", strategy="relay-demo", **{"local-steps": 4, "fraction-train": 0.75})
+    """The round-protocol example through a real simulation (the test harness's apps): a relay phase, an extra uplink record."""
+    metrics = _run(flower, results_dir, "relay", variant="testing", strategy="relay-demo", **{"local-steps": 4, "fraction-train": 0.75})
     last = metrics["rows"][-1]
     assert last["replies"] == 3 and last["failures"] == 0
     assert last["exchange_messages"] == 3 and last["messages_sent"] == 6
@@ -114,9 +114,9 @@ def test_resume_in_simulation_equals_the_uninterrupted_run(flower: LocalFlower, 
 
 
 def test_a_third_of_clients_failing_every_round_does_not_stop_the_run(flower: LocalFlower, results_dir: Path) -> None:
-    """fault-fraction: seeded clients raise or send NaN models each round; every round completes."""
+    """fault-fraction (the test harness's apps): seeded clients raise or send NaN models each round; every round completes."""
     metrics = _run(
-        flower, results_dir, "faults",
+        flower, results_dir, "faults", variant="testing",
         strategy="fedams", **{"num-server-rounds": 3, "fraction-train": 1.0, "fault-fraction": 0.3, "fault-kind": "mixed"},
     )
     rows = metrics["rows"][1:]
@@ -167,7 +167,7 @@ def test_hafed_gossips_in_two_clusters_of_four(flower: LocalFlower, results_dir:
         assert row["replies"] == 4 and row["failures"] == 0, row  # 2 uploaders in each cluster
         assert row["exchange_messages"] == 2 * 8  # gossip steps 1 and 2 relayed to all 8 clients
         assert row["grad_evals"] == 3 * 8  # every client trains
-        assert row["downlink_by_record"]["hafed-gossip/arrays"] > 0 and row["relayed_bytes"] > 0 and row["peer_bytes"] > 0
+        assert row["downlink_by_record"]["hafed-gossip/arrays"] > 0 and row["method.relayed_bytes"] > 0 and row["method.peer_bytes"] > 0
     assert metrics["rows"][-1]["accuracy"] > metrics["rows"][0]["accuracy"]
 
 
@@ -184,14 +184,14 @@ def test_lazy_family_runs_with_its_flags_and_increments_on_the_wire(flower: Loca
     first, last = metrics["rows"][1], metrics["rows"][-1]
     for row in (first, last):
         assert row["failures"] == 0 and row["replies"] == 4, row
-        events = row["lazy_events"]
+        events = row["method.lazy_events"]
         assert sum(events.get(f"up-{kind}", 0) for kind in ("send", "skip", "aa")) == 4, events
-    assert "up-skip" not in first["lazy_events"] and "up-aa" not in first["lazy_events"]  # no reference yet
+    assert "up-skip" not in first["method.lazy_events"] and "up-aa" not in first["method.lazy_events"]  # no reference yet
     dense_model = first["downlink_by_record"]["arrays"]
     if name.startswith("fedb"):
-        assert first["lazy_events"]["down-full"] == 4 and "pollen.down" not in first["downlink_by_record"]
+        assert first["method.lazy_events"]["down-full"] == 4 and "pollen.down" not in first["downlink_by_record"]
         assert "arrays" not in last["downlink_by_record"]
         assert 0 < last["downlink_by_record"].get("pollen.down", 0) < 0.3 * dense_model  # top-k 1/8: k values + k indices
     else:
-        assert last["downlink_by_record"]["arrays"] == dense_model and last["lazy_events"]["down-dense"] == 4
+        assert last["downlink_by_record"]["arrays"] == dense_model and last["method.lazy_events"]["down-dense"] == 4
     assert last["accuracy"] > metrics["rows"][0]["accuracy"]

@@ -6,7 +6,7 @@ import pytest
 from flwr.app import ConfigRecord
 
 import pollen.clientside
-from pollen.clientside import relay_demo
+from pollen.testing import relay_demo
 from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, fedlamb, hafed, lookup, sgd, with_steps
 from pollen.wire import protocol
 
@@ -22,13 +22,15 @@ def test_the_production_tables_name_each_method_step_by_its_wire_name():
         LOCAL_STEPS["mine"] = sgd.run  # type: ignore[index]  # no registration by mutation either
 
 
-def test_the_relay_demo_is_not_in_the_production_tables_but_the_app_adds_it():
+def test_the_relay_demo_is_not_in_the_product_only_in_the_testing_app():
     import pollen.client_app as client_app
+    from pollen.testing import apps
 
-    assert not set(relay_demo.RELAY_STEPS) & set(LOCAL_STEPS) and not set(relay_demo.RELAY_PHASES) & set(PHASES)
-    assert client_app.LOCAL_STEPS["relay-first-half"] is relay_demo.first_half
-    assert client_app.PHASES["relay-mix"] is relay_demo.relay_mix
-    assert {k: v for k, v in client_app.LOCAL_STEPS.items() if k in LOCAL_STEPS} == dict(LOCAL_STEPS)
+    assert not set(relay_demo.CLIENT_STEPS) & set(client_app.LOCAL_STEPS)
+    assert not set(relay_demo.CLIENT_PHASES) & set(client_app.PHASES)
+    assert apps.STEPS["relay-first-half"] is relay_demo.first_half
+    assert apps.PHASES["relay-mix"] is relay_demo.relay_mix
+    assert {k: v for k, v in apps.STEPS.items() if k in LOCAL_STEPS} == dict(LOCAL_STEPS)
 
 
 def test_with_steps_adds_an_apps_own_steps_and_refuses_to_shadow_pollens():

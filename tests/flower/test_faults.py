@@ -7,7 +7,8 @@ import pytest
 from flwr.app import Context, RecordDict
 
 from pollen.wire import protocol
-from pollen.clientside.faults import InjectedFault, fault_for, fault_mod
+from pollen.app.spec import ConfigError
+from pollen.testing.faults import InjectedFault, fault_for, fault_mod
 from pollen.testing.fakes import full_model_reply, tiny_model, train_message
 
 pytestmark = pytest.mark.flower_compat
@@ -41,3 +42,37 @@ def test_each_kind_does_what_it_says():
     assert model["bn.num_batches_tracked"].numpy().dtype == np.int64
     untouched = fault_mod(msg, context(0.0, "error"), trainer)
     np.testing.assert_array_equal(untouched.content.array_records[protocol.ARRAYS_RECORD]["conv.weight"].numpy(), tiny_model(1)["conv.weight"])
+
+
+def test_node_config_wins_over_the_run_config():
+    """A SuperNode's own fault settings (node-config) come first; the run-config keys are the testing app's fallback."""
+    msg = train_message(tiny_model(), {protocol.CFG_SERVER_ROUND: 1})
+    ctx = context(0.0, "error")
+    ctx.node_config.update({"fault-fraction": 1.0, "fault-kind": "garbage"})
+    garbage = fault_mod(msg, ctx, trainer)
+    assert np.isnan(garbage.content.array_records[protocol.ARRAYS_RECORD]["conv.weight"].numpy()).all()
+    ctx = context(1.0, "error")
+    ctx.node_config["fault-fraction"] = 0.0
+    untouched = fault_mod(msg, ctx, trainer)
+    np.testing.assert_array_equal(untouched.content.array_records[protocol.ARRAYS_RECORD]["conv.weight"].numpy(), tiny_model(1)["conv.weight"])
+    off = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={"seed": 1})
+    fault_mod(msg, off, trainer)  # no fault keys anywhere: off
+
+
+@pytest.mark.parametrize(
+    ("where", "key", "value", "allowed"),
+    [
+        ("run-config", "fault-kind", "boom", "one of error, garbage, timeout, mixed"),
+        ("run-config", "fault-fraction", 1.5, "a number in [0, 1]"),
+        ("node-config", "fault-delay", -1.0, "a number >= 0"),
+        ("node-config", "fault-fraction", "0.3", "a number in [0, 1]"),
+    ],
+)
+def test_a_bad_fault_setting_is_one_line_naming_key_value_and_allowed(where, key, value, allowed):
+    msg = train_message(tiny_model(), {protocol.CFG_SERVER_ROUND: 1})
+    ctx = context(1.0, "error")
+    (ctx.run_config if where == "run-config" else ctx.node_config)[key] = value
+    with pytest.raises(ConfigError) as info:
+        fault_mod(msg, ctx, trainer)
+    assert str(info.value) == f"{where} '{key}' = {value!r} is out of range; allowed: {allowed}"
+

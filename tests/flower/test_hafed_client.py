@@ -62,7 +62,7 @@ def test_a_round_cut_into_segments_trains_exactly_like_one_uninterrupted_segment
 
 def run_inprocess(overrides: dict, num_nodes: int, cluster_size: int) -> np.ndarray:
     import pollen.client_app as client_module
-    from pollen.strategies import build_strategy
+    from pollen.app.registry import build_strategy
     from pollen.app.config import AppConfig
 
     run_config = {**defaults_from_pyproject(str(ROOT / "pyproject.toml")), **SMALL, **overrides}

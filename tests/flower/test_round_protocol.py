@@ -31,12 +31,11 @@ from pollen.strategies import (
     FedLazy,
     HAFed,
     MeteredFedAdam,
-    RelayAverage,
     ReplySpec,
     RunCheckpoint,
     RunInterrupted,
 )
-from pollen.strategies.relay_demo import CFG_WEIGHT, NORMS_EXTRA, RELAY_EXTRA, RELAY_PHASE
+from pollen.testing.relay_demo import CFG_WEIGHT, NORMS_EXTRA, RELAY_EXTRA, RELAY_PHASE, RelayAverage
 from pollen.wire.records import arrays_to_record, record_to_arrays
 from pollen.testing.fakes import (
     TRAINABLE,
@@ -112,7 +111,7 @@ def test_node_content_sends_each_node_its_own_record_and_counts_each_message():
 
 # --------------------------------------------------------------------------- the worked example
 def relay_client(steps_first: dict, steps_second: dict, seen: list):  # noqa: ANN001, ANN201
-    """Numpy stand-in of pollen.clientside.relay_demo: x_i = x_t + a_i; x'' = mix + b_i."""
+    """Numpy stand-in of the client side of pollen.testing.relay_demo: x_i = x_t + a_i; x'' = mix + b_i."""
     state: dict[int, dict] = {}
 
     def client(msg):  # noqa: ANN001, ANN202

@@ -166,7 +166,7 @@ def test_identity_with_everyone_uploading_is_fedamsgrad_with_full_participation(
 def test_identity_trains_only_the_uploaders_in_one_message():
     strategy, _, seen = run(topology="identity", uploaders_per_cluster=1, local_steps=5)
     assert len(seen) == K and all(kind == "train" for *_, kind in seen)
-    assert strategy.accounting.rounds[1].relayed_bytes == 0
+    assert strategy.accounting.rounds[1].method["relayed_bytes"] == 0
 
 
 def test_relayed_and_peer_bytes():
@@ -174,8 +174,8 @@ def test_relayed_and_peer_bytes():
     stats = strategy.accounting.rounds[1]
     model = 4 * D + sum(b.nbytes for b in strategy.buffers.values())
     edges = K * N * 2  # a ring: two directed edges out of each client
-    assert stats.peer_bytes == model * (edges * 2 + K * (N - 2))
-    assert 0 < stats.relayed_bytes < stats.uplink_bytes + stats.downlink_bytes
+    assert stats.method["peer_bytes"] == model * (edges * 2 + K * (N - 2))
+    assert 0 < stats.method["relayed_bytes"] < stats.uplink_bytes + stats.downlink_bytes
     assert stats.downlink_records[f"{GOSSIP_PHASE}/arrays"] > 0
 
 

@@ -102,7 +102,7 @@ def client_copy(context) -> np.ndarray:  # noqa: ANN001
 def events(strategy) -> dict:  # noqa: ANN001
     total: dict[str, int] = {}
     for stats in strategy.accounting.rounds.values():
-        for key, n in stats.lazy_events.items():
+        for key, n in stats.method.get("lazy_events", {}).items():
             total[key] = total.get(key, 0) + n
     return total
 
@@ -517,11 +517,11 @@ def test_relative_changes_are_recorded_where_the_server_sees_both_vectors():
     grid, _ = run(lazy, lazy_mod, rounds=6)
     for r, call in enumerate(grid.calls[-6:], start=1):
         with_ref = sum(1 for m in call if m.metadata.message_type == MessageType.TRAIN and protocol.CFG_LAZY_REF_SUM in config_of(m))
-        rel = lazy.accounting.rounds[r].lazy_rel
+        rel = lazy.accounting.rounds[r].method.get("lazy_rel", {})
         assert len(rel.get("up", [])) == with_ref, r
         assert all(value > 0 for value in rel.get("up", []) + rel.get("down", []))
-    downs = [v for stats in lazy.accounting.rounds.values() for v in stats.lazy_rel.get("down", [])]
-    increments = sum(stats.lazy_events.get("down-send", 0) for stats in lazy.accounting.rounds.values())
+    downs = [v for stats in lazy.accounting.rounds.values() for v in stats.method.get("lazy_rel", {}).get("down", [])]
+    increments = sum(stats.method.get("lazy_events", {}).get("down-send", 0) for stats in lazy.accounting.rounds.values())
     assert 0 < len(downs) < increments  # a client's first increment has no earlier one to compare with
 
 

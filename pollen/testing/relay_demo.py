@@ -1,7 +1,9 @@
-"""RelayAverage: local SGD with one relayed averaging half-way through the round.
+"""RelayAverage: local SGD with one relayed averaging half-way through the round (server and client side).
 
 The worked example of pollen's round protocol (README, "Write your own strategy"): it uses each
-extension point once, on a method small enough to read in one sitting. Round t:
+extension point once, on a method small enough to read in one sitting. It is a demo, not a method of
+the product: the test harness's apps run it (:mod:`pollen.testing.apps`, strategy ``relay-demo``),
+the product's method table does not list it. Round t:
 
 1. **train** (local step ``relay-first-half``): every sampled client runs the first half of its
    ``local-steps`` from ``x_t`` and uploads its model ``x_i``;
@@ -15,7 +17,13 @@ extension point once, on a method small enough to read in one sitting. Round t:
 
 With ``eta = 1`` and one client it is FedAvg; with several it is local SGD with one intermediate
 synchronisation, the simplest member of HA-Fed's family (one cluster, fully connected, one gossip).
-The client side is :mod:`pollen.clientside.relay_demo`.
+
+Client side: ``relay-first-half`` (local step of the train message): K1 = K // 2 SGD steps from the
+global model ``x_t``; ``x_t`` and the result ``x_i`` (and the model's buffers) stay in client state for
+the second message of the round. ``relay-mix`` (mid-round phase): mix ``x_i' = w x_i + (1 - w) r`` with
+the relay ``r`` the server sent, run the other K - K1 steps from there and report the squared norm of
+each tensor's move as the extra ``layer-sq-norms``. A ClientApp runs them from its step tables:
+:data:`CLIENT_STEPS` and :data:`CLIENT_PHASES`.
 """
 
 from __future__ import annotations
@@ -27,12 +35,14 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from pollen.wire import protocol
+from pollen.app.methods.common import adaptive_kwargs
+from pollen.app.registry import Method
+from pollen.clientside.steps import LocalWork, StepOutcome, load_flat, model_arrays, run_sgd, train_metrics
 from pollen.optim import sgd
 from pollen.strategies.base import AdaptiveStrategy
-from pollen.strategies.registry import adaptive_kwargs, register
 from pollen.strategies.replies import ClientUpdate, Extra, ReplySpec
-from pollen.wire.records import arrays_to_record
+from pollen.wire import protocol
+from pollen.wire.records import arrays_to_record, record_to_arrays
 
 RELAY_PHASE = "relay-mix"
 FIRST_HALF_STEP = "relay-first-half"
@@ -112,6 +122,73 @@ class RelayAverage(AdaptiveStrategy):
         return {"relay": f"one mid-round exchange '{RELAY_PHASE}' after half of the local steps"}
 
 
-@register("relay-demo", "pollen.strategies.RelayAverage (the round-protocol example: one relayed mix per round)")
-def _build_relay_demo(cfg: Mapping[str, Any]) -> RelayAverage:
+# ----------------------------------------------------------------------------------------- client side
+X_START = "relay.x_t"
+X_FIRST = "relay.x_i"
+BUFFER_PREFIX = "relay.buffer:"
+
+
+def _halves(work: LocalWork) -> tuple[int, int]:
+    total = int(work.setting("local-steps"))
+    if total < 2:
+        raise ValueError(f"relay-demo needs local-steps >= 2 (one half before the relay, one after); got {total}")
+    return total // 2, total - total // 2
+
+
+def first_half(work: LocalWork) -> StepOutcome:
+    """The first K // 2 steps; keep x_t, x_i and the buffers for the relay phase."""
+    first, _ = _halves(work)
+    layout = work.layout()
+    work.state.set(X_START, layout.flatten(model_arrays(work.task.model)))
+    result = run_sgd(work, first)
+    arrays = model_arrays(work.task.model)
+    work.state.set(X_FIRST, layout.flatten(arrays))
+    for name in layout.buffer_keys:
+        work.state.set(BUFFER_PREFIX + name, arrays[name])
+    return StepOutcome(train_metrics(result))
+
+
+def relay_mix(work: LocalWork) -> StepOutcome:
+    """Mix with the relay, run the second half, report per-tensor squared norms of the move."""
+    import torch
+
+    _, second = _halves(work)
+    x_start, x_first = work.state.get(X_START), work.state.get(X_FIRST)
+    if x_start is None or x_first is None:
+        raise ValueError("relay-mix without the first half of this round in client state")
+    relay = record_to_arrays(work.msg.content.array_records[protocol.extra_record(RELAY_EXTRA)])[protocol.EXTRA_ARRAY]
+    weight = float(work.config[CFG_WEIGHT])
+    if relay.shape != x_first.shape or not 0.0 < weight <= 1.0:
+        raise ValueError(f"relay of shape {relay.shape} / weight {weight} does not fit a model of {x_first.size} values")
+    mixed = (weight * x_first + (1.0 - weight) * relay).astype(np.float32)
+    layout = work.layout()
+    state = work.task.model.state_dict()
+    with torch.no_grad():
+        for name in layout.buffer_keys:
+            state[name].copy_(torch.from_numpy(np.array(work.state.get(BUFFER_PREFIX + name))))
+    load_flat(work.task.model, layout, mixed)
+    result = run_sgd(work, second)
+    moved = layout.flatten(model_arrays(work.task.model)) - mixed
+    norms = np.array([np.sum(np.square(moved[a:b], dtype=np.float64)) for a, b in layout.segments], dtype=np.float32)
+    for name in [X_START, X_FIRST, *(BUFFER_PREFIX + n for n in layout.buffer_keys)]:
+        work.state.pop(name)
+    return StepOutcome(train_metrics(result), extras={NORMS_EXTRA: norms}, reference=x_start)
+
+
+#: The client side, for a ClientApp's step tables (the testing ClientApp adds them to pollen's).
+CLIENT_STEPS = {FIRST_HALF_STEP: first_half}
+CLIENT_PHASES = {RELAY_PHASE: relay_mix}
+
+
+# ----------------------------------------------------------------------------------------- app
+def build_relay_demo(cfg: Mapping[str, Any]) -> RelayAverage:
+    """``strategy=relay-demo`` from the run-config (the test harness's method table)."""
     return RelayAverage(**adaptive_kwargs(cfg), eta=cfg["server-lr"])
+
+
+#: The harness's methods beyond the product's.
+METHODS = {
+    "relay-demo": Method(
+        build_relay_demo, "pollen.testing.relay_demo.RelayAverage (the round-protocol example: one relayed mix per round)", "relay_demo"
+    ),
+}

@@ -1,0 +1,55 @@
+"""Flower's own FedAvg, FedAdam, FedYogi and FedAdagrad, metered: builders and recommended values.
+
+No keys of their own: they take the common server-optimiser keys (``server-lr`` is Flower's ``eta``,
+``eps`` its ``tau``, ``local-lr`` its ``eta_l``). Recommended values: Flower's own constructor defaults,
+which is how the papers ran them as baselines ("Flower's built-in strategies with default
+hyper-parameter values", ``papers/fedadavr.md`` section 3.9); a test keeps them equal to the installed
+Flower's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pollen.app.methods.common import sampling_kwargs, screening_kwargs
+
+KEYS: dict = {}
+
+DEFAULTS: dict[str, Mapping[str, Any]] = {
+    "fedavg": {},
+    "fedadam": {"server-lr": 0.1, "beta1": 0.9, "beta2": 0.99, "eps": 0.001},
+    "fedyogi": {"server-lr": 0.01, "beta1": 0.9, "beta2": 0.99, "eps": 0.001},
+    "fedadagrad": {"server-lr": 0.1, "eps": 0.001},
+}
+
+
+def _optimizer_kwargs(cfg: Mapping[str, Any], *, moments: bool = True) -> dict[str, Any]:
+    kwargs = dict(eta=cfg["server-lr"], eta_l=cfg["local-lr"], tau=cfg["eps"])
+    if moments:
+        kwargs.update(beta_1=cfg["beta1"], beta_2=cfg["beta2"])
+    return kwargs
+
+
+def build_fedavg(cfg: Mapping[str, Any]) -> Any:
+    from pollen.strategies.baselines import MeteredFedAvg
+
+    return MeteredFedAvg(**sampling_kwargs(cfg), **screening_kwargs(cfg))
+
+
+def build_fedadam(cfg: Mapping[str, Any]) -> Any:
+    from pollen.strategies.baselines import MeteredFedAdam
+
+    return MeteredFedAdam(**sampling_kwargs(cfg), **screening_kwargs(cfg), **_optimizer_kwargs(cfg))
+
+
+def build_fedyogi(cfg: Mapping[str, Any]) -> Any:
+    from pollen.strategies.baselines import MeteredFedYogi
+
+    return MeteredFedYogi(**sampling_kwargs(cfg), **screening_kwargs(cfg), **_optimizer_kwargs(cfg))
+
+
+def build_fedadagrad(cfg: Mapping[str, Any]) -> Any:
+    from pollen.strategies.baselines import MeteredFedAdagrad
+
+    return MeteredFedAdagrad(**sampling_kwargs(cfg), **screening_kwargs(cfg), **_optimizer_kwargs(cfg, moments=False))

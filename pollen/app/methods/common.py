@@ -1,0 +1,38 @@
+"""The constructor arguments every strategy takes, read from the validated run-config.
+
+Sampling, screening and the :class:`pollen.strategies.AdaptiveStrategy` basics come from the common
+keys of :mod:`pollen.app.config`; each family's builders add their own on top.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def sampling_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling arguments every strategy takes, from the run-config."""
+    return {
+        "fraction_train": cfg["fraction-train"],
+        "fraction_evaluate": cfg["fraction-evaluate"],
+        "min_train_nodes": cfg["min-train-nodes"],
+        "min_evaluate_nodes": cfg["min-evaluate-nodes"] if cfg["fraction-evaluate"] > 0 else 0,
+        "min_available_nodes": cfg["min-train-nodes"],
+    }
+
+
+def screening_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The outlier screen's settings (every strategy, Flower's own included)."""
+    return {"outlier_rule": cfg["outlier-rule"], "outlier_factor": cfg["outlier-factor"]}
+
+
+def adaptive_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Sampling plus what every pollen ``AdaptiveStrategy`` takes from the run-config."""
+    return {
+        **sampling_kwargs(cfg),
+        **screening_kwargs(cfg),
+        "aggregation": cfg["aggregation"],
+        "seed": cfg["seed"],
+        "identify_clients": True,
+        "min_replies": cfg["min-replies"],
+    }

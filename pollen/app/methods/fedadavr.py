@@ -1,0 +1,91 @@
+"""FedAdaVR / FedAdaVR-Quant, its ablations and its table-based baselines (MIFA, FedVARP): keys, values, builders.
+
+Keys: the server optimiser FedAdaVR puts on the variance-reduced aggregate (``server-optimizer``), the
+stored-update table's precision, file and weighting (``table-precision``, ``table-path``,
+``vr-weighting``) and the population size N (``num-clients``).
+
+Recommended values (``papers/fedadavr.md`` Table 1 and section 8, the Fashion-MNIST column, the app's
+default dataset): server optimiser beta 0.9 / 0.999, eps 1e-8, clients with SGD momentum 0.9, 3 local
+epochs of batch 20; each variant's server optimiser and lr as :data:`pollen.vr.VARIANTS` pairs them
+(FedAdaVR: adam at 0.01 of the paper's grid {0.001, 0.005, 0.01}; MIFA and FedVARP: plain steps at 1.0;
+the ablations at 0.01).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pollen.app.methods.common import sampling_kwargs, screening_kwargs
+from pollen.app.spec import choice, non_neg_int, text
+from pollen.compression.quant import PRECISIONS
+from pollen.vr import VARIANTS, WEIGHTINGS
+
+
+def _server_optimizers() -> tuple[str, ...]:
+    """The optimisers :class:`pollen.strategies.FedAdaVR` accepts (read on the server only)."""
+    from pollen.strategies.fedadavr import OPTIMIZERS
+
+    return OPTIMIZERS
+
+
+#: ``none`` is the weighting of the variants without variance reduction (fedadavr-novr), not a choice.
+VR_WEIGHTINGS = tuple(w for w in WEIGHTINGS if w != "none")
+
+KEYS = {
+    "server-optimizer": choice(_server_optimizers, "adam", server_side=True),
+    "table-precision": choice(PRECISIONS, "fp32"),
+    "table-path": text(""),
+    "vr-weighting": choice(VR_WEIGHTINGS, "sampled-normalised"),
+    "num-clients": non_neg_int(0),
+}
+
+#: Run-config name -> :data:`pollen.vr.VARIANTS` name.
+VARIANT_OF = {"fedadavr": "fedadavr", "mifa": "mifa", "fedvarp": "fedvarp", "fedadavr-novr": "novr", "fedadavr-noopt": "noopt"}
+
+_PAPER = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "momentum": 0.9, "batch-size": 20, "local-epochs": 3}
+
+
+
+def _recommended(variant: str) -> dict[str, Any]:
+    """The paper's values plus the variant's server lr (and, for FedAdaVR, its optimiser) from its owner."""
+    values: dict[str, Any] = {**_PAPER, "server-lr": VARIANTS[variant].server_lr}
+    if variant == "fedadavr":  # the others take no optimiser from the run-config
+        values["server-optimizer"] = VARIANTS[variant].optimizer
+    return values
+
+
+DEFAULTS: dict[str, Mapping[str, Any]] = {name: _recommended(variant) for name, variant in VARIANT_OF.items()}
+
+
+def builder(name: str) -> Callable[[Mapping[str, Any]], Any]:
+    """The run-config builder of one FedAdaVR variant (``name`` is its run-config name)."""
+    variant = VARIANT_OF[name]
+
+    def build(cfg: Mapping[str, Any]) -> Any:
+        from pollen.optim.schedule import schedule_factor
+        from pollen.strategies.fedadavr import FedAdaVR
+
+        adaptive = variant == "fedadavr"
+        own_table = variant in ("fedadavr", "noopt")
+        return FedAdaVR(
+            **sampling_kwargs(cfg),
+            variant=variant,
+            server_optimizer=cfg["server-optimizer"] if adaptive else None,
+            eta=cfg["server-lr"],
+            client_lr=cfg["local-lr"],
+            client_lr_factor=lambda server_round: schedule_factor(cfg, server_round),
+            beta_1=cfg["beta1"],
+            beta_2=cfg["beta2"],
+            eps=cfg["eps"],
+            vr_weighting=cfg["vr-weighting"] if own_table else None,
+            table_precision=cfg["table-precision"] if own_table else None,
+            table_path=cfg["table-path"] or None,
+            num_clients=cfg["num-clients"] or None,
+            seed=cfg["seed"],
+            min_replies=cfg["min-replies"],
+            **screening_kwargs(cfg),
+        )
+
+    build.__name__ = build.__qualname__ = f"build_{name.replace('-', '_')}"
+    return build

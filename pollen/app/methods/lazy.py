@@ -1,0 +1,111 @@
+"""The lazy / accelerated family (FedNLAA, FedAA, FedNLACA, FedACA, FedBNLACA, FedBACA): keys, values, builders.
+
+Keys: the effective thresholds of the lazy (NLA) or accelerated (AA) rule each way (``tau-up``,
+``tau-down``; 0 never fires), the downlink codec of the bidirectional methods (``compressor-down``,
+``topk-ratio-down``), the readings the spec leaves open (``downlink-mode``, ``ef-mode``, ``ref-mode``)
+and where the per-client copies live (``bookkeeping-dir``). The uplink codec is FedCAMS's
+(:mod:`pollen.app.methods.fedams`).
+
+Recommended values (``papers/fedbaca.md`` section 12, the paper's setting with the FedCAMS lineage's
+gaps filled): 3 local epochs of batch 32 at lr 0.01, server FedAMS (Option A, ``eps-mode`` = ``paper``: eps 1e-3 as a floor) at lr
+0.1 with beta 0.9 / 0.99 and no bias correction, top-k 1/8 with applied error feedback each way. The
+paper gives no thresholds (its C, D and alpha do not recover them): they stay 0 until set, and the
+``fedbaca-*`` presets carry the ones calibrated on the CNN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pollen.app.methods.fedams import fedams_kwargs
+from pollen.app.spec import choice, non_negative, text, unit_open
+from pollen.compression import CODECS
+from pollen.lazy.rules import DOWNLINK_MODES, EF_MODES, REF_MODES
+
+KEYS = {
+    "tau-up": non_negative(0.0),
+    "tau-down": non_negative(0.0),
+    "compressor-down": choice(CODECS, "topk"),
+    "topk-ratio-down": unit_open(0.125),
+    "downlink-mode": choice(DOWNLINK_MODES, "increment"),
+    "ef-mode": choice(EF_MODES, "applied"),
+    "ref-mode": choice(REF_MODES, "last-transmitted"),
+    "bookkeeping-dir": text(""),
+}
+
+#: The six methods: (uplink rule, compressed uplink, bidirectional).
+SHAPES = {
+    "fednlaa": ("nla", False, False),
+    "fedaa": ("aa", False, False),
+    "fednlaca": ("nla", True, False),
+    "fedaca": ("aa", True, False),
+    "fedbnlaca": ("nla", True, True),
+    "fedbaca": ("aa", True, True),
+}
+
+_PAPER = {
+    "local-epochs": 3,
+    "batch-size": 32,
+    "local-lr": 0.01,
+    "server-lr": 0.1,
+    "beta1": 0.9,
+    "beta2": 0.99,
+    "eps": 0.001,
+    "bias-correction": False,
+    "ef-mode": "applied",
+    "ref-mode": "last-transmitted",
+    "downlink-mode": "increment",
+}
+_UP = {"compressor": "topk", "topk-ratio": 0.125, "error-feedback": True, "compression-granularity": "model"}
+_DOWN = {"compressor-down": "topk", "topk-ratio-down": 0.125}
+
+
+def _recommended(method: str) -> dict[str, Any]:
+    _, compressed, bidirectional = SHAPES[method]
+    return {**_PAPER, **(_UP if compressed else {}), **(_DOWN if bidirectional else {})}
+
+
+DEFAULTS: dict[str, Mapping[str, Any]] = {method: _recommended(method) for method in SHAPES}
+
+
+def builder(method: str) -> Callable[[Mapping[str, Any]], Any]:
+    """The run-config builder of one of the six methods."""
+    up_rule, compressed, bidirectional = SHAPES[method]
+
+    def build(cfg: Mapping[str, Any]) -> Any:
+        from pollen.strategies.lazy import FedLazy
+
+        return FedLazy(
+            **fedams_kwargs(cfg),
+            up_rule=up_rule,
+            up_tau=cfg["tau-up"],
+            compressor=cfg["compressor"] if compressed else "none",
+            topk_ratio=cfg["topk-ratio"],
+            error_feedback=cfg["error-feedback"],
+            granularity=cfg["compression-granularity"],
+            down_compressor=cfg["compressor-down"] if bidirectional else None,
+            down_rule=up_rule if bidirectional else "none",
+            down_tau=cfg["tau-down"],
+            down_topk_ratio=cfg["topk-ratio-down"],
+            downlink_mode=cfg["downlink-mode"],
+            ef_mode=cfg["ef-mode"],
+            ref_mode=cfg["ref-mode"],
+            bookkeeping_dir=cfg["bookkeeping-dir"] or None,
+        )
+
+    build.__name__ = build.__qualname__ = f"build_{method}"
+    return build
+
+
+def codecs(method: str) -> Callable[[Mapping[str, Any]], str]:
+    """The codecs of one of the six methods in words, from a run's config (``-`` when it sends dense updates)."""
+    _, compressed, bidirectional = SHAPES[method]
+
+    def words(cfg: Mapping[str, Any]) -> str:
+        if not compressed:
+            return "-"
+        up = str(cfg.get("compressor", ""))
+        return f"{up} / down {cfg.get('compressor-down', '')}" if bidirectional else up
+
+    return words
