@@ -64,6 +64,12 @@ class FedOpt(AdaptiveStrategy):
     def _accepted(self) -> set[str]:
         return set(inspect.signature(BY_NAME[self.optimizer_name]).parameters)
 
+    @staticmethod
+    def settings_of(optimizer: str) -> tuple[str, ...]:
+        """The settings (in the strategy's spelling) that the named optimiser takes."""
+        accepted = set(inspect.signature(BY_NAME[optimizer]).parameters)
+        return tuple(key for key, name in _SPELLING.items() if name in accepted)
+
     def build_optimizer(self, layout: ModelLayout) -> Transform:
         return self._optimizer_for(layout)
 

@@ -49,7 +49,7 @@ def test_enumerations_come_from_their_owners() -> None:
     from pollen.compression.quant import PRECISIONS
     from pollen.gossip import TOPOLOGIES
     from pollen.lazy.rules import DOWNLINK_MODES
-    from pollen.strategies.fedadavr import OPTIMIZERS
+    from pollen.optim import SERVER_OPTIMIZERS
     from pollen.strategies.fedlamb import SYNC_PHASES
     from pollen.strategies.screening import RULES
     from pollen.task.catalog import DATASETS, MODELS, NORMS, PARTITIONERS
@@ -57,7 +57,7 @@ def test_enumerations_come_from_their_owners() -> None:
     owned = {
         "dataset": DATASETS, "model": MODELS, "norm": NORMS, "partitioner": PARTITIONERS, "compressor": CODECS,
         "compressor-down": CODECS, "compression-granularity": GRANULARITIES, "table-precision": PRECISIONS,
-        "topology": TOPOLOGIES, "downlink-mode": DOWNLINK_MODES, "server-optimizer": OPTIMIZERS,
+        "topology": TOPOLOGIES, "downlink-mode": DOWNLINK_MODES, "server-optimizer": SERVER_OPTIMIZERS,
         "sync-phase": SYNC_PHASES, "outlier-rule": RULES,
     }
     for key, names in owned.items():
@@ -97,12 +97,13 @@ PAPER_VALUES = {
     "fedbaca": {"local-epochs": 3, "compressor": "topk", "topk-ratio": 0.125},
     "fednlaa": {"local-epochs": 3},
     "fedyogi": {"server-lr": 0.01},
+    "fedopt": {"server-lr": 0.01, "compressor": "none"},  # dense unless a codec is named
 }
 
 
 def test_every_family_with_values_of_its_own_is_tested(defaults: dict) -> None:
     own = {m.family for m in METHODS.values() if any(defaults[k] != v for k, v in m.defaults.items())}
-    assert own == {METHODS[name].family for name in PAPER_VALUES} == {"fedams", "fedadavr", "fedlamb", "hafed", "lazy", "baselines"}
+    assert own == {METHODS[name].family for name in PAPER_VALUES} == {"fedams", "fedadavr", "fedlamb", "hafed", "lazy", "baselines", "fedopt"}
 
 
 @pytest.mark.parametrize("name", list(PAPER_VALUES))

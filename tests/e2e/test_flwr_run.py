@@ -73,6 +73,21 @@ def test_fedcams_sign_uploads_about_one_32nd_of_fedams(flower: LocalFlower, resu
     assert sign["compression_ratio"] > 28
 
 
+def test_compositions_no_paper_ran_run_end_to_end(flower: LocalFlower, results_dir: Path) -> None:
+    """AdaBelief with scaled-sign uploads (strategy=fedopt) and FedAdaVR with error-fed top-k uploads: no class
+    of their own, chosen from the run-config, compressed on the wire and learning."""
+    belief = _run(flower, results_dir, "adabelief-sign", strategy="fedopt", **{"server-optimizer": "adabelief", "compressor": "sign"})
+    vr = _run(flower, results_dir, "fedadavr-topk", strategy="fedadavr",
+              **{"compressor": "topk", "topk-ratio": 0.015625, "error-feedback": True, "server-lr": 0.01})
+    for metrics, least in ((belief, 28), (vr, 10)):  # 1 bit a value; top-k 1/64 sends values and indices
+        last = metrics["rows"][-1]
+        assert last["replies"] == 2 and last["failures"] == 0
+        assert last["compression_ratio"] > least
+        assert np.isfinite(last["loss"]) and last["accuracy"] > metrics["rows"][0]["accuracy"]
+    config = json.loads((results_dir / "adabelief-sign" / "config.json").read_text())
+    assert (config["strategy"], config["server-optimizer"], config["compressor"]) == ("fedopt", "adabelief", "sign")
+
+
 def test_fedadavr_int4_with_partial_participation(flower: LocalFlower, results_dir: Path) -> None:
     metrics = _run(
         flower, results_dir, "vr", strategy="fedadavr", **{"table-precision": "int4", "server-lr": 0.01, "fraction-train": 0.34},

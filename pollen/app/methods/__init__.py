@@ -19,11 +19,11 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-from pollen.app.methods import baselines, fedadavr, fedams, fedlamb, hafed, lazy
+from pollen.app.methods import baselines, fedadavr, fedams, fedlamb, fedopt, hafed, lazy
 from pollen.app.registry import Builder, Method
 
 #: The families whose keys make up the schema, in the order of ``pyproject.toml``'s config table.
-FAMILIES = (fedams, fedadavr, fedlamb, hafed, lazy, baselines)
+FAMILIES = (fedams, fedadavr, fedlamb, hafed, lazy, baselines, fedopt)
 
 
 def _row(family: ModuleType, name: str, build: Builder, implementation: str,
@@ -49,15 +49,18 @@ METHODS: dict[str, Method] = dict(
         _row(baselines, "fedyogi", baselines.build_fedyogi, f"{_FLOWER}.FedYogi (Flower's own, metered)"),
         _row(baselines, "fedadagrad", baselines.build_fedadagrad, f"{_FLOWER}.FedAdagrad (Flower's own, metered)"),
         # FedAdaVR (papers/fedadavr.md)
-        _row(fedadavr, "fedadavr", fedadavr.builder("fedadavr"), f"{_FEDADAVR} (table-precision != fp32 is FedAdaVR-Quant)"),
-        _row(fedadavr, "mifa", fedadavr.builder("mifa"), f"{_FEDADAVR}(variant='mifa')"),
-        _row(fedadavr, "fedvarp", fedadavr.builder("fedvarp"), f"{_FEDADAVR}(variant='fedvarp')"),
-        _row(fedadavr, "fedadavr-novr", fedadavr.builder("fedadavr-novr"), f"{_FEDADAVR}(variant='novr')"),
-        _row(fedadavr, "fedadavr-noopt", fedadavr.builder("fedadavr-noopt"), f"{_FEDADAVR}(variant='noopt')"),
+        _row(fedadavr, "fedadavr", fedadavr.builder("fedadavr"), f"{_FEDADAVR} (table-precision != fp32 is FedAdaVR-Quant)", fedopt.uplink_codec),
+        _row(fedadavr, "mifa", fedadavr.builder("mifa"), f"{_FEDADAVR}(variant='mifa')", fedopt.uplink_codec),
+        _row(fedadavr, "fedvarp", fedadavr.builder("fedvarp"), f"{_FEDADAVR}(variant='fedvarp')", fedopt.uplink_codec),
+        _row(fedadavr, "fedadavr-novr", fedadavr.builder("fedadavr-novr"), f"{_FEDADAVR}(variant='novr')", fedopt.uplink_codec),
+        _row(fedadavr, "fedadavr-noopt", fedadavr.builder("fedadavr-noopt"), f"{_FEDADAVR}(variant='noopt')", fedopt.uplink_codec),
         # FedAMS / FedCAMS (papers/fedcams.md)
         _row(fedams, "fedams", fedams.build_fedams, "pollen.strategies.FedAMS (Option 1 unless eps-mode=add)"),
         _row(fedams, "fedamsgrad", fedams.build_fedamsgrad, "pollen.strategies.FedAMS(option=2)"),
         _row(fedams, "fedcams", fedams.build_fedcams, "pollen.strategies.FedCAMS", fedams.uplink_codec),
+        # a composition no paper ran: any server optimiser x any uplink x mean / weighted mean
+        _row(fedopt, "fedopt", fedopt.build_fedopt, "pollen.strategies.FedOpt(optimizer=server-optimizer, uplink=Uplink(compressor))",
+             fedopt.uplink_codec),
         # Fed-LAMB (papers/fedlamb.md)
         _row(fedlamb, "fed-lamb", fedlamb.builder("fed-lamb"), f"{_FEDLAMB} (LAMB local steps, v_hat = max(v_hat, mean v_i))"),
         _row(fedlamb, "mime-lamb", fedlamb.builder("mime-lamb"), f"{_FEDLAMB}(variant='mime-lamb') (full-batch gradients make v_hat)"),

@@ -1,6 +1,7 @@
 """FedAdaVR / FedAdaVR-Quant, its ablations and its table-based baselines (MIFA, FedVARP): keys, values, builders.
 
-Keys: the server optimiser FedAdaVR puts on the variance-reduced aggregate (``server-optimizer``), the
+Keys: the server optimiser FedAdaVR puts on the variance-reduced aggregate (``server-optimizer``, also
+FedOpt's), the
 stored-update table's precision, file and weighting (``table-precision``, ``table-path``,
 ``vr-weighting``) and the population size N (``num-clients``).
 
@@ -8,7 +9,9 @@ Recommended values (``papers/fedadavr.md`` Table 1 and section 8, the Fashion-MN
 default dataset): server optimiser beta 0.9 / 0.999, eps 1e-8, clients with SGD momentum 0.9, 3 local
 epochs of batch 20; each variant's server optimiser and lr as :data:`pollen.vr.VARIANTS` pairs them
 (FedAdaVR: adam at 0.01 of the paper's grid {0.001, 0.005, 0.01}; MIFA and FedVARP: plain steps at 1.0;
-the ablations at 0.01).
+the ablations at 0.01). Uploads are dense (``compressor = "none"``) as in the paper; naming a codec gives
+FedAdaVR with compressed, error-fed uploads (``compressor``, ``topk-ratio``, ``error-feedback``), which no
+paper ran.
 """
 
 from __future__ import annotations
@@ -17,16 +20,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pollen.app.methods.common import sampling_kwargs, screening_kwargs
+from pollen.app.methods.fedopt import uplink_of
 from pollen.app.spec import choice, non_neg_int, text
 from pollen.compression.quant import PRECISIONS
 from pollen.vr import VARIANTS, WEIGHTINGS
 
 
 def _server_optimizers() -> tuple[str, ...]:
-    """The optimisers :class:`pollen.strategies.FedAdaVR` accepts (read on the server only)."""
-    from pollen.strategies.fedadavr import OPTIMIZERS
+    """Every server optimiser by name (FedOpt takes them all; FedAdaVR refuses the ones outside its paper)."""
+    from pollen.optim import SERVER_OPTIMIZERS
 
-    return OPTIMIZERS
+    return SERVER_OPTIMIZERS
 
 
 #: ``none`` is the weighting of the variants without variance reduction (fedadavr-novr), not a choice.
@@ -43,7 +47,7 @@ KEYS = {
 #: Run-config name -> :data:`pollen.vr.VARIANTS` name.
 VARIANT_OF = {"fedadavr": "fedadavr", "mifa": "mifa", "fedvarp": "fedvarp", "fedadavr-novr": "novr", "fedadavr-noopt": "noopt"}
 
-_PAPER = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "momentum": 0.9, "batch-size": 20, "local-epochs": 3}
+_PAPER = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "momentum": 0.9, "batch-size": 20, "local-epochs": 3, "compressor": "none"}
 
 
 
@@ -84,6 +88,7 @@ def builder(name: str) -> Callable[[Mapping[str, Any]], Any]:
             num_clients=cfg["num-clients"] or None,
             seed=cfg["seed"],
             min_replies=cfg["min-replies"],
+            uplink=uplink_of(cfg),
             **screening_kwargs(cfg),
         )
 
