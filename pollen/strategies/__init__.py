@@ -1,11 +1,15 @@
 """Server strategies (Flower Message API) that drop in where ``FedAvg``/``FedAdam`` are used.
 
+Exported: the strategies, Flower's baselines with pollen's metering, and what a user builds a new
+method from or catches (``AdaptiveStrategy``, ``Uplink``, ``ReplySpec``, ``Extra``, ``ClientUpdate``,
+``ReplyRejected``, ``RunCheckpoint``, ``RunInterrupted``). The parts of the engine (model, transport,
+reply collector, sinks, server step, sampler, accounting) are imported from their modules.
+
 >>> from pollen.strategies import FedAMS
 >>> strategy = FedAMS(fraction_train=0.5, eta=1.0, eps=1e-3)       # doctest: +SKIP
 >>> result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=10)  # doctest: +SKIP
 """
 
-from pollen.strategies.accounting import Accounting, RoundStats
 from pollen.strategies.base import AdaptiveStrategy
 from pollen.strategies.baselines import MeteredFedAdagrad, MeteredFedAdam, MeteredFedAvg, MeteredFedYogi
 from pollen.strategies.checkpointing import RunCheckpoint
@@ -18,13 +22,10 @@ from pollen.strategies.hafed import HAFed
 from pollen.strategies.lazy import FedLazy
 from pollen.strategies.replies import ClientUpdate, Extra, ReplyRejected, ReplySpec
 from pollen.strategies.rounds import RunInterrupted
-from pollen.strategies.sampling import ClientSampler
 from pollen.strategies.uplink import Uplink
 
 __all__ = [
-    "Accounting",
     "AdaptiveStrategy",
-    "ClientSampler",
     "ClientUpdate",
     "Extra",
     "FedAMS",
@@ -41,7 +42,6 @@ __all__ = [
     "ReplyRejected",
     "ReplySpec",
     "Uplink",
-    "RoundStats",
     "RunCheckpoint",
     "RunInterrupted",
 ]

@@ -9,7 +9,7 @@ from pollen.wire import protocol
 from pollen.app.config import SCHEMA, AppConfig, ConfigError, defaults_from_pyproject
 from pollen.app.config import strategy_names as config_strategy_names
 from pollen.app.registry import build_strategy, implementations, strategy_names
-from pollen.strategies import ClientSampler
+from pollen.strategies.sampling import ClientSampler
 from pollen.testing.fakes import FakeGrid
 
 pytestmark = pytest.mark.flower_compat
