@@ -12,14 +12,10 @@ machines, so one client's training is the round's critical path) plus the server
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
-
-
 import torch  # noqa: E402
 from flwr.app import ArrayRecord  # noqa: E402
 
@@ -53,7 +49,10 @@ def measure(name: str, dataset: str, steps: int, rounds: int) -> dict[str, float
     rng = np.random.default_rng(0)
 
     def client(msg):  # noqa: ANN001, ANN202
-        local = {k: (v + rng.standard_normal(v.shape).astype(v.dtype) * 1e-3) if v.dtype.kind == "f" else v for k, v in global_arrays_of(msg).items()}
+        local = {
+            k: (v + rng.standard_normal(v.shape).astype(v.dtype) * 1e-3) if v.dtype.kind == "f" else v
+            for k, v in global_arrays_of(msg).items()
+        }
         return full_model_reply(msg, local)
 
     strategy = FedAMS(eta=0.1, fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=len(NODES))

@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
-
 
 import torch  # noqa: E402
 from flwr.app import ArrayRecord, Context, RecordDict  # noqa: E402
 
-from pollen.wire import protocol  # noqa: E402
 from pollen.app.config import AppConfig, defaults_from_pyproject  # noqa: E402
 from pollen.app.experiment import build_model  # noqa: E402
 from pollen.testing.fakes import train_message  # noqa: E402
+from pollen.wire import protocol  # noqa: E402
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
@@ -49,7 +47,12 @@ def main() -> None:
     from pollen.clientside.steps import sgd as sgd_step
     from pollen.task.train import TrainResult
 
-    run_config = {**defaults_from_pyproject(str(PYPROJECT)), "model": "resnet18", "local-steps": 1, "partitioner": "iid"}
+    run_config = {
+        **defaults_from_pyproject(str(PYPROJECT)),
+        "model": "resnet18",
+        "local-steps": 1,
+        "partitioner": "iid",
+    }
     cfg = AppConfig.from_run_config(run_config)
     model = build_model(cfg)
     global_record = ArrayRecord(model.state_dict())
@@ -59,7 +62,13 @@ def main() -> None:
         global_record.to_torch_state_dict()
 
     sgd_step.run_sgd = lambda work, n, seed=None: TrainResult(0.0, 1, 100, 32)  # no forward/backward
-    context = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 10}, state=RecordDict(), run_config=run_config)
+    context = Context(
+        run_id=1,
+        node_id=1,
+        node_config={"partition-id": 0, "num-partitions": 10},
+        state=RecordDict(),
+        run_config=run_config,
+    )
     named = {k: v.numpy() for k, v in model.state_dict().items()}
     buffer_keys = "\n".join(k for k in named if k.endswith(("running_mean", "running_var", "num_batches_tracked")))
 
@@ -71,7 +80,9 @@ def main() -> None:
         return lambda: client_app.app(msg, context)
 
     base = median_seconds(floor, args.repeats)
-    print(f"floor (ArrayRecord(state_dict) + to_torch_state_dict), d = {sum(v.numel() for v in model.parameters()):,}: {1e3 * base:.0f} ms")
+    print(
+        f"floor (ArrayRecord(state_dict) + to_torch_state_dict), d = {sum(v.numel() for v in model.parameters()):,}: {1e3 * base:.0f} ms"
+    )
     for name, codec in (("pollen ClientApp, dense reply", None), ("pollen ClientApp, sign reply", "sign")):
         seconds = median_seconds(message(codec), args.repeats)
         print(f"{name:<32} {1e3 * seconds:>6.0f} ms  = {seconds / base:.2f} x floor")

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -43,7 +41,9 @@ def main() -> None:
     gb = x.nbytes / 1e9
 
     print(f"bench_codecs: d = {d:,} float32 ({x.nbytes / 2**20:.1f} MiB), median of {repeats} repeats")
-    print(f"numpy {np.__version__}, {platform.machine()}, {platform.python_implementation()} {platform.python_version()}")
+    print(
+        f"numpy {np.__version__}, {platform.machine()}, {platform.python_implementation()} {platform.python_version()}"
+    )
     print(f"{'np.copyto (baseline)':<28} {copy_s * 1e3:8.2f} ms  {gb / copy_s:6.2f} GB/s    1.00x copy")
 
     for name, kwargs in (("sign", {}), ("topk", {"topk_ratio": 1 / 64}), ("fp16", {})):

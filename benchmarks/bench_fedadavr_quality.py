@@ -57,16 +57,25 @@ def main() -> None:
     args = parser.parse_args()
     out = tempfile.mkdtemp(prefix="pollen-fedadavr-")
     last = 3
-    print(f"Fashion-MNIST, {CLIENTS} clients, 5 per round, LeNet-5, E=1 batch 20, eta_l=0.05, {args.rounds} rounds, "
-          f"seed {args.seed}; accuracy = final, and mean of the last {last} evaluations (every 5 rounds)")
+    print(
+        f"Fashion-MNIST, {CLIENTS} clients, 5 per round, LeNet-5, E=1 batch 20, eta_l=0.05, {args.rounds} rounds, "
+        f"seed {args.seed}; accuracy = final, and mean of the last {last} evaluations (every 5 rounds)"
+    )
     print("| partition | method | final accuracy | mean last rounds | table bytes |")
     print("|---|---|---|---|---|")
     for part_name, part in PARTITIONS.items():
         for name, method in METHODS.items():
             run = f"{part_name}-{name}".replace(" ", "_").replace("(", "").replace(")", "")
             rows = run_inprocess(
-                {**SETUP, **part, **method, "seed": args.seed, "num-server-rounds": args.rounds,
-                 "results-dir": out, "run-name": run},
+                {
+                    **SETUP,
+                    **part,
+                    **method,
+                    "seed": args.seed,
+                    "num-server-rounds": args.rounds,
+                    "results-dir": out,
+                    "run-name": run,
+                },
                 CLIENTS,
             )
             evaluated = [r["accuracy"] for r in rows if isinstance(r["accuracy"], float)]

@@ -48,8 +48,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     args = parser.parse_args()
     out = tempfile.mkdtemp(prefix="pollen-fedcams-")
-    print(f"Fashion-MNIST, {CLIENTS} clients, 10 per round, CNN, K=20 steps of batch 20, eta_l=0.05, "
-          f"FedAMS Option 1 eta=0.1 eps=1e-3, {args.rounds} rounds, seeds {args.seeds}")
+    print(
+        f"Fashion-MNIST, {CLIENTS} clients, 10 per round, CNN, K=20 steps of batch 20, eta_l=0.05, "
+        f"FedAMS Option 1 eta=0.1 eps=1e-3, {args.rounds} rounds, seeds {args.seeds}"
+    )
     print("| partition | method | final accuracy (mean ± sd) | uplink update bytes (total) | vs FedAMS |")
     print("|---|---|---|---|---|")
     for part_name, part in PARTITIONS.items():
@@ -57,10 +59,23 @@ def main() -> None:
         for name, method in METHODS.items():
             accs, up = [], []
             for seed in args.seeds:
-                run = f"{part_name}-{name}-{seed}".replace(" ", "_").replace("/", "_").replace("(", "").replace(")", "").replace(",", "")
+                run = (
+                    f"{part_name}-{name}-{seed}".replace(" ", "_")
+                    .replace("/", "_")
+                    .replace("(", "")
+                    .replace(")", "")
+                    .replace(",", "")
+                )
                 rows = run_inprocess(
-                    {**SETUP, **part, **method, "seed": seed, "num-server-rounds": args.rounds,
-                     "results-dir": out, "run-name": run},
+                    {
+                        **SETUP,
+                        **part,
+                        **method,
+                        "seed": seed,
+                        "num-server-rounds": args.rounds,
+                        "results-dir": out,
+                        "run-name": run,
+                    },
                     CLIENTS,
                 )
                 accs.append(rows[-1]["accuracy"])
@@ -68,8 +83,11 @@ def main() -> None:
             mean_up = statistics.mean(up)
             dense_bytes = dense_bytes or mean_up
             spread = statistics.stdev(accs) if len(accs) > 1 else 0.0
-            print(f"| {part_name} | {name} | {statistics.mean(accs):.4f} ± {spread:.4f} | {mean_up:,.0f} | "
-                  f"1/{dense_bytes / mean_up:.1f} |", flush=True)
+            print(
+                f"| {part_name} | {name} | {statistics.mean(accs):.4f} ± {spread:.4f} | {mean_up:,.0f} | "
+                f"1/{dense_bytes / mean_up:.1f} |",
+                flush=True,
+            )
     print(f"runs written under {out}")
 
 

@@ -90,8 +90,17 @@ def run_once(out: Path, rounds: int, method: str, part: str, rates: dict, seed: 
     if REPORT_ONLY:
         return None
     started = time.perf_counter()
-    overrides = {**SETUP, **PARTITIONS[part], **rates, "strategy": method, "seed": seed, "sync-every": z,
-                 "num-server-rounds": rounds, "results-dir": str(out), "run-name": name}
+    overrides = {
+        **SETUP,
+        **PARTITIONS[part],
+        **rates,
+        "strategy": method,
+        "seed": seed,
+        "sync-every": z,
+        "num-server-rounds": rounds,
+        "results-dir": str(out),
+        "run-name": name,
+    }
     rows = run_inprocess(overrides, CLIENTS)
     print(f"  {name}: final {rows[-1]['accuracy']:.4f} in {time.perf_counter() - started:.0f} s", flush=True)
     return rows
@@ -135,18 +144,29 @@ def print_grid(out: Path, rounds: int) -> None:
                 if rows is None:
                     continue
                 rate = ", ".join(f"{k} {v:g}" for k, v in rates.items())
-                print(f"| {part} | {method} | {rate} | {rows[-1]['accuracy']:.4f} | {max(r['accuracy'] or 0 for r in rows):.4f} |")
+                print(
+                    f"| {part} | {method} | {rate} | {rows[-1]['accuracy']:.4f} | {max(r['accuracy'] or 0 for r in rows):.4f} |"
+                )
 
 
 def print_seeds(out: Path, rounds: int, best: dict, jobs: int = 1) -> None:
     # seed-major: an interrupted sweep still has every method on the first seeds
-    calls = [(out, rounds, method, part, best[(method, part)], seed)
-             for seed in SEEDS for part in PARTITIONS for method in GRID if (method, part) in best]
+    calls = [
+        (out, rounds, method, part, best[(method, part)], seed)
+        for seed in SEEDS
+        for part in PARTITIONS
+        for method in GRID
+        if (method, part) in best
+    ]
     if not REPORT_ONLY:
         run_parallel(run_once, calls, jobs)
-    checkpoints = sorted({r for r in (2, 4, 6, 8, 10, 15, 20, 30, 40) if r <= rounds and r % SETUP["eval-every"] == 0} | {rounds})
+    checkpoints = sorted(
+        {r for r in (2, 4, 6, 8, 10, 15, 20, 30, 40) if r <= rounds and r % SETUP["eval-every"] == 0} | {rounds}
+    )
     head = " | ".join(f"acc @ {r}" for r in checkpoints)
-    print(f"\n| partition | method | rate(s) | {head} | rounds to 80% | rounds to 85% | rounds to 90% | up MB/round | down MB/round | grad evals/round | seeds |")
+    print(
+        f"\n| partition | method | rate(s) | {head} | rounds to 80% | rounds to 85% | rounds to 90% | up MB/round | down MB/round | grad evals/round | seeds |"
+    )
     print("|---|---|---|" + "---|" * len(checkpoints) + "---|---|---|---|---|---|---|")
     for part in PARTITIONS:
         for method in GRID:
@@ -162,7 +182,10 @@ def print_seeds(out: Path, rounds: int, best: dict, jobs: int = 1) -> None:
             down = statistics.mean(sum(r.get("downlink_bytes") or 0 for r in run) for run in runs) / rounds / 1e6
             evals = statistics.mean(sum(r.get("grad_evals") or 0 for r in run) for run in runs) / rounds
             rate = ", ".join(f"{k} {v:g}" for k, v in rates.items())
-            print(f"| {part} | {method} | {rate} | {accs} | {to[0]} | {to[1]} | {to[2]} | {up:.2f} | {down:.2f} | {evals:.0f} | {len(runs)} |", flush=True)
+            print(
+                f"| {part} | {method} | {rate} | {accs} | {to[0]} | {to[1]} | {to[2]} | {up:.2f} | {down:.2f} | {evals:.0f} | {len(runs)} |",
+                flush=True,
+            )
 
 
 def plot_seed_one(out: Path, rounds: int, best: dict, plots: Path) -> None:
@@ -187,17 +210,33 @@ def print_skip(out: Path, rounds: int, best: dict, seeds: tuple[int, ...], jobs:
     if not REPORT_ONLY:
         calls = [(out, rounds, "fed-lamb", part, best[("fed-lamb", part)], s, z) for s in seeds for z in (1, 3, 5)]
         run_parallel(run_once, calls, jobs)
-    print(f"\n| method ({part}) | Z | final accuracy | statistic uploads (MB, total) | uplink MB total | v_hat downlink MB total |")
+    print(
+        f"\n| method ({part}) | Z | final accuracy | statistic uploads (MB, total) | uplink MB total | v_hat downlink MB total |"
+    )
     print("|---|---|---|---|---|---|")
     for method, stat in (("fed-lamb", "pollen.x.v"),):
         for z in (1, 3, 5):
-            runs = [run for run in (run_once(out, rounds, method, part, best[(method, part)], s, z) for s in seeds) if run is not None]
+            runs = [
+                run
+                for run in (run_once(out, rounds, method, part, best[(method, part)], s, z) for s in seeds)
+                if run is not None
+            ]
             if not runs:
                 continue
-            stat_mb = statistics.mean(sum((r.get("uplink_by_record") or {}).get(stat, 0) for r in run) for run in runs) / 1e6
+            stat_mb = (
+                statistics.mean(sum((r.get("uplink_by_record") or {}).get(stat, 0) for r in run) for run in runs) / 1e6
+            )
             up = statistics.mean(sum(r.get("uplink_bytes") or 0 for r in run) for run in runs) / 1e6
-            v_hat = statistics.mean(sum((r.get("downlink_by_record") or {}).get("pollen.x.v_hat", 0) for r in run) for run in runs) / 1e6
-            print(f"| {method} | {z} | {mean_sd([run[-1]['accuracy'] for run in runs])} | {stat_mb:.1f} | {up:.1f} | {v_hat:.1f} |", flush=True)
+            v_hat = (
+                statistics.mean(
+                    sum((r.get("downlink_by_record") or {}).get("pollen.x.v_hat", 0) for r in run) for run in runs
+                )
+                / 1e6
+            )
+            print(
+                f"| {method} | {z} | {mean_sd([run[-1]['accuracy'] for run in runs])} | {stat_mb:.1f} | {up:.1f} | {v_hat:.1f} |",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -210,14 +249,19 @@ def main() -> None:
     parser.add_argument("--grid-rounds", type=int, default=None, help="rounds of the grid's runs (default: --rounds)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, one process and one torch thread each")
     parser.add_argument("--report-only", action="store_true", help="print the tables of the finished runs only")
-    parser.add_argument("--plots", default=None, help="folder for the seed-1 plots of the seeds stage (default: OUT/plots)")
+    parser.add_argument(
+        "--plots", default=None, help="folder for the seed-1 plots of the seeds stage (default: OUT/plots)"
+    )
     args = parser.parse_args()
     global REPORT_ONLY
     REPORT_ONLY = args.report_only
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"Fashion-MNIST, {CLIENTS} clients, half per round, CNN, 1 local epoch of batch 128, {args.rounds} rounds; "
-          f"beta 0.9/0.999, eps 1e-8, no weight decay; runs in {out}", flush=True)
+    print(
+        f"Fashion-MNIST, {CLIENTS} clients, half per round, CNN, 1 local epoch of batch 128, {args.rounds} rounds; "
+        f"beta 0.9/0.999, eps 1e-8, no weight decay; runs in {out}",
+        flush=True,
+    )
     grid_out = Path(args.grid_out) if args.grid_out else out
     grid_rounds = args.grid_rounds or args.rounds
     best = best_rates(grid_out, grid_rounds)

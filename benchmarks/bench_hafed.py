@@ -73,15 +73,33 @@ NO_GOSSIP = {"strategy": "fedamsgrad-stratified", "uploaders-per-cluster": CLUST
 
 
 def run_once(out: Path, rounds: int, name: str, config: dict, tau: int, seed: int, every: int = 1) -> list[dict]:
-    run = f"{name}-tau{tau}-g{every}-s{seed}".replace(" ", "_").replace("/", "_").replace("{", "").replace("}", "").replace("^", "").replace("=", "")
+    run = (
+        f"{name}-tau{tau}-g{every}-s{seed}".replace(" ", "_")
+        .replace("/", "_")
+        .replace("{", "")
+        .replace("}", "")
+        .replace("^", "")
+        .replace("=", "")
+    )
     done = out / run / "metrics.json"
     if done.is_file():
         rows = json.loads(done.read_text())["rows"]
         if rows and rows[-1]["round"] == rounds:
             return rows
     started = time.perf_counter()
-    rows = run_inprocess({**SETUP, **config, "local-steps": tau, "gossip-every": every, "seed": seed,
-                          "num-server-rounds": rounds, "results-dir": str(out), "run-name": run}, CLIENTS)
+    rows = run_inprocess(
+        {
+            **SETUP,
+            **config,
+            "local-steps": tau,
+            "gossip-every": every,
+            "seed": seed,
+            "num-server-rounds": rounds,
+            "results-dir": str(out),
+            "run-name": run,
+        },
+        CLIENTS,
+    )
     print(f"  {run}: final {rows[-1]['accuracy']:.4f} in {time.perf_counter() - started:.0f} s", flush=True)
     return rows
 
@@ -98,7 +116,11 @@ def counter(row: dict, name: str) -> float:
 
 def seconds_per_round(rows: list[dict]) -> float:
     """Median training-round time, the evaluation rounds' test pass left out where it can be."""
-    return statistics.median(r["round_seconds"] for r in rows[1:] if r["accuracy"] is None) if len(rows) > 2 else rows[-1]["round_seconds"]
+    return (
+        statistics.median(r["round_seconds"] for r in rows[1:] if r["accuracy"] is None)
+        if len(rows) > 2
+        else rows[-1]["round_seconds"]
+    )
 
 
 def main() -> None:
@@ -109,31 +131,45 @@ def main() -> None:
     args = parser.parse_args()
     out, seeds, rounds = Path(args.out), args.seeds, args.rounds
     out.mkdir(parents=True, exist_ok=True)
-    print(f"Fashion-MNIST, {CLIENTS} clients in {CLIENTS // CLUSTER} clusters of {CLUSTER}, shards (6 per client), CNN, "
-          f"batch 50, eta_l 0.1, AMSGrad eta 0.01 eps 1e-8 inside, p = 1/4, {rounds} rounds, seeds {seeds}", flush=True)
+    print(
+        f"Fashion-MNIST, {CLIENTS} clients in {CLIENTS // CLUSTER} clusters of {CLUSTER}, shards (6 per client), CNN, "
+        f"batch 50, eta_l 0.1, AMSGrad eta 0.01 eps 1e-8 inside, p = 1/4, {rounds} rounds, seeds {seeds}",
+        flush=True,
+    )
 
     print("\n| tau | method | final accuracy | final test loss | train loss (last round) | grad evals / round |")
     print("|---|---|---|---|---|---|")
     for tau in TAUS:
         for name, config in (("FedAMSGrad (8 of 32)", FEDAMSGRAD), ("HA-Fed (ring, m = 2)", HAFED)):
             runs = [run_once(out, rounds, name.split()[0], config, tau, s) for s in seeds]
-            print(f"| {tau} | {name} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd([r[-1]['loss'] for r in runs])} | "
-                  f"{mean_sd([float(r[-1]['train_loss']) for r in runs])} | {runs[0][-1]['grad_evals']} |", flush=True)
+            print(
+                f"| {tau} | {name} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd([r[-1]['loss'] for r in runs])} | "
+                f"{mean_sd([float(r[-1]['train_loss']) for r in runs])} | {runs[0][-1]['grad_evals']} |",
+                flush=True,
+            )
 
     print("\n| W (tau = 4) | rho | final accuracy | final test loss |")
     print("|---|---|---|---|")
     for name, (config, rho) in RHO.items():
         runs = [run_once(out, rounds, "HA-Fed" if name == "ring" else name, config, 4, s) for s in seeds]
-        print(f"| {name} | {rho:g} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd([r[-1]['loss'] for r in runs])} |", flush=True)
+        print(
+            f"| {name} | {rho:g} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd([r[-1]['loss'] for r in runs])} |",
+            flush=True,
+        )
 
     print("\n| baseline (tau = 4, 8 of 32) | final accuracy | final test loss |")
     print("|---|---|---|")
     for name, config in FLOWER_BASELINES.items():
         runs = [run_once(out, rounds, name.split()[0], config, 4, s) for s in seeds]
-        print(f"| {name} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd([r[-1]['loss'] for r in runs])} |", flush=True)
+        print(
+            f"| {name} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd([r[-1]['loss'] for r in runs])} |",
+            flush=True,
+        )
 
-    print("\n| tau / G | method | s / round | gossip messages / round | through the SuperLink MB / round | "
-          "of it relayed gossip MB | peer network MB | relay overhead s / round | per gossip message ms |")
+    print(
+        "\n| tau / G | method | s / round | gossip messages / round | through the SuperLink MB / round | "
+        "of it relayed gossip MB | peer network MB | relay overhead s / round | per gossip message ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for tau, every in ((2, 1), (4, 1), (8, 1), (8, 4)):
         base = run_once(out, rounds, "no-gossip", NO_GOSSIP, tau, seeds[0])
@@ -143,22 +179,37 @@ def main() -> None:
             last = rows[-1]
             through = (last["uplink_bytes"] + last["downlink_bytes"]) / 1e6
             overhead = seconds_per_round(rows) - seconds_per_round(base) if name.startswith("HA") else 0.0
-            per_msg = 1e3 * overhead / last["exchange_messages"] if name.startswith("HA") and last["exchange_messages"] else 0.0
-            print(f"| {tau} / {every} | {name} | {seconds_per_round(rows):.1f} | {last['exchange_messages']} | {through:.1f} | "
-                  f"{counter(last, 'relayed_bytes') / 1e6:.1f} | {counter(last, 'peer_bytes') / 1e6:.1f} | {overhead:.1f} | {per_msg:.1f} |",
-                  flush=True)
+            per_msg = (
+                1e3 * overhead / last["exchange_messages"]
+                if name.startswith("HA") and last["exchange_messages"]
+                else 0.0
+            )
+            print(
+                f"| {tau} / {every} | {name} | {seconds_per_round(rows):.1f} | {last['exchange_messages']} | {through:.1f} | "
+                f"{counter(last, 'relayed_bytes') / 1e6:.1f} | {counter(last, 'peer_bytes') / 1e6:.1f} | {overhead:.1f} | {per_msg:.1f} |",
+                flush=True,
+            )
     if len(seeds) > 1:
         g4 = [run_once(out, rounds, "HA-Fed", HAFED, 8, s, 4) for s in seeds]
         g1 = [run_once(out, rounds, "HA-Fed", HAFED, 8, s, 1) for s in seeds]
-        print(f"\ngossip every 4 of tau = 8: final accuracy {mean_sd([r[-1]['accuracy'] for r in g4])} "
-              f"(every step: {mean_sd([r[-1]['accuracy'] for r in g1])})")
-    print("\n| the paper's tau | method | seeds | final accuracy | final test loss | train loss (last round) | s / round |")
+        print(
+            f"\ngossip every 4 of tau = 8: final accuracy {mean_sd([r[-1]['accuracy'] for r in g4])} "
+            f"(every step: {mean_sd([r[-1]['accuracy'] for r in g1])})"
+        )
+    print(
+        "\n| the paper's tau | method | seeds | final accuracy | final test loss | train loss (last round) | s / round |"
+    )
     print("|---|---|---|---|---|---|---|")
     for tau in PAPER_TAUS:
         for name, config in (("FedAMSGrad (8 of 32)", FEDAMSGRAD), ("HA-Fed (ring, m = 2)", HAFED)):
-            runs = [run_once(out, rounds, name.split()[0], config, tau, s) for s in seeds]  # tau = 48: ~7 min a run here
-            print(f"| {tau} | {name} | {len(runs)} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd([r[-1]['loss'] for r in runs])} | "
-                  f"{mean_sd([float(r[-1]['train_loss']) for r in runs])} | {statistics.median(seconds_per_round(r) for r in runs):.1f} |", flush=True)
+            runs = [
+                run_once(out, rounds, name.split()[0], config, tau, s) for s in seeds
+            ]  # tau = 48: ~7 min a run here
+            print(
+                f"| {tau} | {name} | {len(runs)} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd([r[-1]['loss'] for r in runs])} | "
+                f"{mean_sd([float(r[-1]['train_loss']) for r in runs])} | {statistics.median(seconds_per_round(r) for r in runs):.1f} |",
+                flush=True,
+            )
     print(f"\nruns in {out}")
 
 

@@ -36,8 +36,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
-
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -143,7 +141,7 @@ def bench_model(model_name: str, args: argparse.Namespace, device: torch.device)
         run.opt_steps(args.warmup, device)
     names = list(runs)
     for r in range(args.repeats):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             run = runs[name]
             run.whole.append(run.whole_steps(batches, args.steps, device))
             run.step_only.append(run.opt_steps(args.steps, device))

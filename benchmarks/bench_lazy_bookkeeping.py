@@ -26,22 +26,18 @@ import copy
 import gc
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
-
-
 from flwr.app import ConfigRecord, MetricRecord, RecordDict  # noqa: E402
 
-from pollen.wire import protocol  # noqa: E402
 from pollen.clientside.compression_mod import compression_mod  # noqa: E402
 from pollen.clientside.lazy_mod import lazy_mod  # noqa: E402
 from pollen.strategies import FedCAMS, FedLazy  # noqa: E402
-from pollen.wire.records import arrays_to_record, record_to_arrays  # noqa: E402
 from pollen.testing.fakes import FakeGrid, make_context  # noqa: E402
+from pollen.wire import protocol  # noqa: E402
+from pollen.wire.records import arrays_to_record, record_to_arrays  # noqa: E402
 
 D = 29_034
 CONNECTED, M = 200, 50
@@ -63,13 +59,19 @@ def train_fn(msg, context):  # noqa: ANN001, ANN201
     centre = np.random.default_rng(node).standard_normal(D).astype(np.float32)
     local = (start - np.float32(0.3) * (start - centre)).astype(np.float32)
     metrics = MetricRecord({protocol.NUM_EXAMPLES: 10, "num-steps": 1})
-    return type(msg)(content=RecordDict({protocol.ARRAYS_RECORD: arrays_to_record({"w": local}), protocol.METRICS_RECORD: metrics}), reply_to=msg)
+    return type(msg)(
+        content=RecordDict({protocol.ARRAYS_RECORD: arrays_to_record({"w": local}), protocol.METRICS_RECORD: metrics}),
+        reply_to=msg,
+    )
 
 
 def run(strategy, mod, rounds: int) -> list[float]:  # noqa: ANN001
     contexts = {n: make_context(n) for n in range(1, CONNECTED + 1)}
-    grid = FakeGrid(list(contexts), lambda msg: mod(copy.deepcopy(msg), contexts[msg.metadata.dst_node_id], train_fn),
-                    client_ids={n: f"client-{n}" for n in contexts})
+    grid = FakeGrid(
+        list(contexts),
+        lambda msg: mod(copy.deepcopy(msg), contexts[msg.metadata.dst_node_id], train_fn),
+        client_ids={n: f"client-{n}" for n in contexts},
+    )
     arrays = arrays_to_record({"w": np.zeros(D, dtype=np.float32)})
     seconds = []
     for r in range(1, rounds + 1):
@@ -100,11 +102,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
-    print(f"d = {D}, {M} of {CONNECTED} connected clients per round, top-k 1/8 both ways, {args.rounds} rounds; "
-          "server time = configure_train + aggregate_train (median round)\n")
+    print(
+        f"d = {D}, {M} of {CONNECTED} connected clients per round, top-k 1/8 both ways, {args.rounds} rounds; "
+        "server time = configure_train + aggregate_train (median round)\n"
+    )
     cams = FedCAMS(compressor="topk", topk_ratio=0.125, **SERVER)
     base = statistics.median(run(cams, compression_mod, args.rounds)[1:])
-    print("| clients with rows (N) | book | book MB | RSS anon growth MB | fill ms / client | server s / round (median) | slowest round s |")
+    print(
+        "| clients with rows (N) | book | book MB | RSS anon growth MB | fill ms / client | server s / round (median) | slowest round s |"
+    )
     print("|---|---|---|---|---|---|---|")
     print(f"| FedCAMS (no book, dense downlink) | - | - | - | - | {base:.3f} | - |", flush=True)
     for n in (0, 1_000, 10_000):
@@ -112,14 +118,27 @@ def main() -> None:
             on_disk = n >= 10_000
             gc.collect()
             before = rss_anon_mb()
-            lazy = FedLazy(up_rule="nla", up_tau=1.2, compressor="topk", topk_ratio=0.125, down_compressor="topk",
-                           down_rule="nla", down_tau=0.65, down_topk_ratio=0.125, bookkeeping_dir=folder if on_disk else None, **SERVER)
+            lazy = FedLazy(
+                up_rule="nla",
+                up_tau=1.2,
+                compressor="topk",
+                topk_ratio=0.125,
+                down_compressor="topk",
+                down_rule="nla",
+                down_tau=0.65,
+                down_topk_ratio=0.125,
+                bookkeeping_dir=folder if on_disk else None,
+                **SERVER,
+            )
             per_client = fill(lazy, n)
             filled = rss_anon_mb() - before
             rounds = run(lazy, lazy_mod, args.rounds)[1:]
             where = "memory-mapped" if on_disk else "RAM"
-            print(f"| {n:,} | {where} | {lazy.book.memory_bytes() / 1e6:.0f} | {filled:.0f} | {per_client * 1e3:.2f} | "
-                  f"{statistics.median(rounds):.3f} | {max(rounds):.3f} |", flush=True)
+            print(
+                f"| {n:,} | {where} | {lazy.book.memory_bytes() / 1e6:.0f} | {filled:.0f} | {per_client * 1e3:.2f} | "
+                f"{statistics.median(rounds):.3f} | {max(rounds):.3f} |",
+                flush=True,
+            )
             del lazy
             gc.collect()
 

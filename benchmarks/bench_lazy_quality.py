@@ -76,14 +76,38 @@ CONFIGS = {  # label: run-config
     "FedAA tau 0.5": {"strategy": "fedaa", "tau-up": 0.5},
     "FedNLACA 1/8 tau 1.1": {"strategy": "fednlaca", "compressor": "topk", "topk-ratio": 1 / 8, "tau-up": 1.1},
     "FedACA 1/8 tau 1.2": {"strategy": "fedaca", "compressor": "topk", "topk-ratio": 1 / 8, "tau-up": 1.2},
-    "up 1/128 + down 1/8 (FedBNLACA tau 0)": {"strategy": "fedbnlaca", "compressor": "topk", "topk-ratio": 1 / 128,
-                                              "compressor-down": "topk", "topk-ratio-down": 1 / 8},
-    "up 1/128 + down 1/128 (FedBNLACA tau 0)": {"strategy": "fedbnlaca", "compressor": "topk", "topk-ratio": 1 / 128,
-                                                "compressor-down": "topk", "topk-ratio-down": 1 / 128},
-    "FedBNLACA up 1/128 tau 1.4, down 1/8 tau 0.65": {"strategy": "fedbnlaca", "compressor": "topk", "topk-ratio": 1 / 128, "tau-up": 1.4,
-                                                      "compressor-down": "topk", "topk-ratio-down": 1 / 8, "tau-down": 0.65},
-    "FedBACA up 1/128 tau 1.4, down 1/8 tau 0.65": {"strategy": "fedbaca", "compressor": "topk", "topk-ratio": 1 / 128, "tau-up": 1.4,
-                                                    "compressor-down": "topk", "topk-ratio-down": 1 / 8, "tau-down": 0.65},
+    "up 1/128 + down 1/8 (FedBNLACA tau 0)": {
+        "strategy": "fedbnlaca",
+        "compressor": "topk",
+        "topk-ratio": 1 / 128,
+        "compressor-down": "topk",
+        "topk-ratio-down": 1 / 8,
+    },
+    "up 1/128 + down 1/128 (FedBNLACA tau 0)": {
+        "strategy": "fedbnlaca",
+        "compressor": "topk",
+        "topk-ratio": 1 / 128,
+        "compressor-down": "topk",
+        "topk-ratio-down": 1 / 128,
+    },
+    "FedBNLACA up 1/128 tau 1.4, down 1/8 tau 0.65": {
+        "strategy": "fedbnlaca",
+        "compressor": "topk",
+        "topk-ratio": 1 / 128,
+        "tau-up": 1.4,
+        "compressor-down": "topk",
+        "topk-ratio-down": 1 / 8,
+        "tau-down": 0.65,
+    },
+    "FedBACA up 1/128 tau 1.4, down 1/8 tau 0.65": {
+        "strategy": "fedbaca",
+        "compressor": "topk",
+        "topk-ratio": 1 / 128,
+        "tau-up": 1.4,
+        "compressor-down": "topk",
+        "topk-ratio-down": 1 / 8,
+        "tau-down": 0.65,
+    },
 }
 
 
@@ -96,7 +120,10 @@ REL_ONLY_CONFIGS = {
 REL_TABLE = {
     "rel: uncompressed uploads": [("up", "uplink, uncompressed")],
     "rel: uploads top-k 1/8": [("up", "uplink, top-k 1/8 + EF")],
-    "up 1/128 + down 1/8 (FedBNLACA tau 0)": [("up", "uplink, top-k 1/128 + EF"), ("down", "downlink increments, top-k 1/8")],
+    "up 1/128 + down 1/8 (FedBNLACA tau 0)": [
+        ("up", "uplink, top-k 1/128 + EF"),
+        ("down", "downlink increments, top-k 1/8"),
+    ],
     "up 1/128 + down 1/128 (FedBNLACA tau 0)": [("down", "downlink increments, top-k 1/128")],
 }
 RUN_CONFIGS = {**CONFIGS, **REL_ONLY_CONFIGS}
@@ -108,16 +135,27 @@ def rel_table(out: Path, model: str, rounds: int, seeds: list[int], report_only:
     import numpy as np
 
     if not report_only:
-        calls = [(out, label, model, rounds, seed) for seed in seeds for label in REL_TABLE
-                 if finished_rows(out, run_name(label, model, seed), rounds, with_rel=True) is None]
+        calls = [
+            (out, label, model, rounds, seed)
+            for seed in seeds
+            for label in REL_TABLE
+            if finished_rows(out, run_name(label, model, seed), rounds, with_rel=True) is None
+        ]
         run_parallel(partial(run_once, report_only=False, with_rel=True), calls, jobs)
-    print(f"\n| {model}: what the rules compare (threshold 0, nothing fires) | values | rel 10% / 50% / 90% | "
-          + " | ".join(f"<= {tau:g}" for tau in TAUS) + " |")
+    print(
+        f"\n| {model}: what the rules compare (threshold 0, nothing fires) | values | rel 10% / 50% / 90% | "
+        + " | ".join(f"<= {tau:g}" for tau in TAUS)
+        + " |"
+    )
     print("|---|---|---|" + "---|" * len(TAUS))
     for label, directions in REL_TABLE.items():
-        runs = [rows for seed in seeds if (rows := finished_rows(out, run_name(label, model, seed), rounds, with_rel=True))]
+        runs = [
+            rows for seed in seeds if (rows := finished_rows(out, run_name(label, model, seed), rounds, with_rel=True))
+        ]
         for direction, what in directions:
-            values = np.array([v for rows in runs for row in rows for v in (counter(row, "lazy_rel") or {}).get(direction, [])])
+            values = np.array(
+                [v for rows in runs for row in rows for v in (counter(row, "lazy_rel") or {}).get(direction, [])]
+            )
             if values.size == 0:
                 continue
             q = np.quantile(values, [0.1, 0.5, 0.9])
@@ -148,15 +186,26 @@ def finished_rows(out: Path, name: str, rounds: int, *, with_rel: bool = False) 
     return None
 
 
-def run_once(out: Path, label: str, model: str, rounds: int, seed: int, *, report_only: bool,
-             with_rel: bool = False) -> list[dict] | None:
+def run_once(
+    out: Path, label: str, model: str, rounds: int, seed: int, *, report_only: bool, with_rel: bool = False
+) -> list[dict] | None:
     name = run_name(label, model, seed)
     rows = finished_rows(out, name, rounds, with_rel=with_rel)
     if rows is not None or report_only:
         return rows
     started = time.perf_counter()
-    rows = run_inprocess({**SETUP, **RUN_CONFIGS[label], "model": model, "seed": seed, "num-server-rounds": rounds,
-                          "results-dir": str(out), "run-name": name}, CLIENTS)
+    rows = run_inprocess(
+        {
+            **SETUP,
+            **RUN_CONFIGS[label],
+            "model": model,
+            "seed": seed,
+            "num-server-rounds": rounds,
+            "results-dir": str(out),
+            "run-name": name,
+        },
+        CLIENTS,
+    )
     print(f"  {name}: final {rows[-1]['accuracy']:.4f} in {time.perf_counter() - started:.0f} s", flush=True)
     return rows
 
@@ -211,11 +260,15 @@ def main() -> None:
     parser.add_argument("--model", default="mlp", choices=("mlp", "cnn"))
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--configs", nargs="*", default=None, help="labels to run (default: every method of the main table)")
+    parser.add_argument(
+        "--configs", nargs="*", default=None, help="labels to run (default: every method of the main table)"
+    )
     parser.add_argument("--out", default="/tmp/pollen-lazy-quality")
     parser.add_argument("--plots", default=None, help="folder for the seed-1 plots (default: OUT/plots-MODEL)")
     parser.add_argument("--report-only", action="store_true")
-    parser.add_argument("--rel", action="store_true", help="also the threshold-0 runs and the table of relative changes")
+    parser.add_argument(
+        "--rel", action="store_true", help="also the threshold-0 runs and the table of relative changes"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, one process and one torch thread each")
     args = parser.parse_args()
     out = Path(args.out)
@@ -224,11 +277,18 @@ def main() -> None:
     unknown = [label for label in labels if label not in RUN_CONFIGS]
     if unknown:
         parser.error(f"--configs: unknown {unknown}; allowed: {', '.join(repr(label) for label in RUN_CONFIGS)}")
-    print(f"Fashion-MNIST, {args.model}, {CLIENTS} clients (IID, 600 each), 50 per round, 3 local epochs of batch 32, eta_l 0.01, "
-          f"FedAMS Option A eta 0.1 eps 1e-3, {args.rounds} rounds, seeds {args.seeds}", flush=True)
+    print(
+        f"Fashion-MNIST, {args.model}, {CLIENTS} clients (IID, 600 each), 50 per round, 3 local epochs of batch 32, eta_l 0.01, "
+        f"FedAMS Option A eta 0.1 eps 1e-3, {args.rounds} rounds, seeds {args.seeds}",
+        flush=True,
+    )
     if not args.report_only:  # seed-major: a partial run already has every method on the first seed
-        calls = [(out, label, args.model, args.rounds, seed) for seed in args.seeds for label in labels
-                 if finished_rows(out, run_name(label, args.model, seed), args.rounds) is None]  # no process just to read a file
+        calls = [
+            (out, label, args.model, args.rounds, seed)
+            for seed in args.seeds
+            for label in labels
+            if finished_rows(out, run_name(label, args.model, seed), args.rounds) is None
+        ]  # no process just to read a file
         run_parallel(partial(run_once, report_only=False), calls, args.jobs)
     results: dict[str, list[list[dict]]] = {label: [] for label in labels}
     for seed in args.seeds:
@@ -237,8 +297,10 @@ def main() -> None:
             if rows is not None:
                 results[label].append(rows)
 
-    print(f"\n| method ({args.model}) | seeds | final accuracy | best accuracy | uplink MB | downlink MB | total MB | uploads | downlinks "
-          "| client copy lag |")
+    print(
+        f"\n| method ({args.model}) | seeds | final accuracy | best accuracy | uplink MB | downlink MB | total MB | uploads | downlinks "
+        "| client copy lag |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for label, runs in results.items():
         if not runs:
@@ -246,12 +308,20 @@ def main() -> None:
         up = statistics.mean(r[-1]["cum_uplink_bytes"] for r in runs) / 1e6
         down = statistics.mean(r[-1]["cum_downlink_bytes"] for r in runs) / 1e6
         best = [max(x["accuracy"] for x in r if isinstance(x.get("accuracy"), (int, float))) for r in runs]
-        compressed_down = "compressor-down" in RUN_CONFIGS[label]  # a dense downlink keeps no mirrors: no checkpoint to read
-        lags = [lag for seed in args.seeds
-                if compressed_down and (lag := copy_lag(out / run_name(label, args.model, seed))) is not None]
+        compressed_down = (
+            "compressor-down" in RUN_CONFIGS[label]
+        )  # a dense downlink keeps no mirrors: no checkpoint to read
+        lags = [
+            lag
+            for seed in args.seeds
+            if compressed_down and (lag := copy_lag(out / run_name(label, args.model, seed))) is not None
+        ]
         lag_text = f"{statistics.mean(lags):.3f}" if lags else "-"
-        print(f"| {label} | {len(runs)} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd(best)} | {up:.1f} | {down:.1f} | "
-              f"{up + down:.1f} | {event_share(runs, 'up')} | {event_share(runs, 'down')} | {lag_text} |", flush=True)
+        print(
+            f"| {label} | {len(runs)} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd(best)} | {up:.1f} | {down:.1f} | "
+            f"{up + down:.1f} | {event_share(runs, 'up')} | {event_share(runs, 'down')} | {lag_text} |",
+            flush=True,
+        )
 
     if args.rel:
         rel_table(out, args.model, args.rounds, args.seeds, args.report_only, args.jobs)

@@ -15,23 +15,28 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-
 from flwr.app import ConfigRecord  # noqa: E402
 
-from pollen.wire import protocol  # noqa: E402
 from pollen.strategies import FedAdaVR, FedAMS  # noqa: E402
 from pollen.testing.fakes import FakeGrid, config_of, full_model_reply, global_arrays_of, model_record  # noqa: E402
+from pollen.wire import protocol  # noqa: E402
 
 M = 10
-SHAPES = {"conv1.weight": (6, 1, 5, 5), "conv1.bias": (6,), "conv2.weight": (16, 6, 5, 5), "conv2.bias": (16,),
-          "fc1.weight": (120, 256), "fc1.bias": (120,), "fc2.weight": (84, 120), "fc2.bias": (84,),
-          "fc3.weight": (10, 84), "fc3.bias": (10,)}
+SHAPES = {
+    "conv1.weight": (6, 1, 5, 5),
+    "conv1.bias": (6,),
+    "conv2.weight": (16, 6, 5, 5),
+    "conv2.bias": (16,),
+    "fc1.weight": (120, 256),
+    "fc1.bias": (120,),
+    "fc2.weight": (84, 120),
+    "fc2.bias": (84,),
+    "fc3.weight": (10, 84),
+    "fc3.bias": (10,),
+}
 
 
 def rss_mb() -> float:
@@ -56,11 +61,17 @@ def measure(make, num_clients: int, rounds: int) -> tuple[float, float, float, f
     times, rss_warm = [], 0.0
     for server_round in range(1, rounds + 1):
         started = time.perf_counter()
-        replies = list(grid.send_and_receive(list(strategy.configure_train(server_round, record, ConfigRecord(), grid))))
+        replies = list(
+            grid.send_and_receive(list(strategy.configure_train(server_round, record, ConfigRecord(), grid)))
+        )
         new, _ = strategy.aggregate_train(server_round, replies)
         times.append(time.perf_counter() - started)
         record = new if new is not None else record
-        grid.sent.clear(), grid.replies.clear(), grid.calls.clear()  # the fake grid's own log is not the server's memory
+        (
+            grid.sent.clear(),
+            grid.replies.clear(),
+            grid.calls.clear(),
+        )  # the fake grid's own log is not the server's memory
         if server_round == 10:
             rss_warm = rss_mb()
     table = getattr(strategy, "table", None)
@@ -73,8 +84,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100)
     args = parser.parse_args()
     makes = {
-        "FedAMS": lambda f: FedAMS(eta=0.1, fraction_train=f, fraction_evaluate=0.0, min_train_nodes=M, identify_clients=True),
-        "FedAdaVR int4": lambda f: FedAdaVR(table_precision="int4", eta=0.01, fraction_train=f, fraction_evaluate=0.0, min_train_nodes=M),
+        "FedAMS": lambda f: FedAMS(
+            eta=0.1, fraction_train=f, fraction_evaluate=0.0, min_train_nodes=M, identify_clients=True
+        ),
+        "FedAdaVR int4": lambda f: FedAdaVR(
+            table_precision="int4", eta=0.01, fraction_train=f, fraction_evaluate=0.0, min_train_nodes=M
+        ),
     }
     print(f"{'strategy':<14} {'N':>6} {'s/round':>8} {'RSS r10 MB':>11} {'RSS end MB':>11} {'table MB':>9}")
     for name, make in makes.items():

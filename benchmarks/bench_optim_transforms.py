@@ -24,10 +24,8 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
@@ -91,7 +89,12 @@ def numpy_adam(d: int, eta: float = 0.1, b1: float = 0.9, b2: float = 0.99, eps:
 
 
 def numpy_lamb(  # noqa: ANN201
-    d: int, segments, eta: float = 0.01, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8  # noqa: ANN001
+    d: int,
+    segments,
+    eta: float = 0.01,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,  # noqa: ANN001
 ):
     s = {"m": np.zeros(d, F32), "v": np.zeros(d, F32), "t": 0}
 
@@ -124,8 +127,10 @@ def main() -> None:
     n_seg = 62  # ~ResNet-18's tensors
     segments = segments_from_sizes([d // n_seg] * (n_seg - 1) + [d - (n_seg - 1) * (d // n_seg)])
 
-    print(f"d = {d:,} float32 ({d * 4 / 2**20:.1f} MiB per vector), median of {args.repeats} repeats; "
-          f"numpy {np.__version__}, {platform.machine()}, {os.cpu_count()} CPUs")
+    print(
+        f"d = {d:,} float32 ({d * 4 / 2**20:.1f} MiB per vector), median of {args.repeats} repeats; "
+        f"numpy {np.__version__}, {platform.machine()}, {os.cpu_count()} CPUs"
+    )
     t_copy, t_copy_min, _ = paired(copy, copy, args.repeats)
     line = "{:<44}: {:7.1f} ms (min {:6.1f})   x copyto {:5.2f}"
     print(line.format("np.copyto of one d-vector (yardstick)", t_copy * 1e3, t_copy_min * 1e3, 1.0))

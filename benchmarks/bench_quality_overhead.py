@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-
-from pollen.testing.inprocess import PYPROJECT, run_inprocess  # noqa: E402
 from pollen.testing.flwr_cli import LocalFlower  # noqa: E402
+from pollen.testing.inprocess import PYPROJECT, run_inprocess  # noqa: E402
 
 CLIENTS = 20
 COMMON = {
@@ -81,8 +79,15 @@ def simulation_seconds_per_round(out: Path, rounds: int) -> float:
     flower = LocalFlower(out / "flwr-home")
     try:
         proc = flower.run(
-            {**COMMON, "strategy": "fedams", "local-steps": OVERHEAD_STEPS, "num-server-rounds": rounds,
-             "eval-every": 1000, "results-dir": str(out), "run-name": "overhead"},
+            {
+                **COMMON,
+                "strategy": "fedams",
+                "local-steps": OVERHEAD_STEPS,
+                "num-server-rounds": rounds,
+                "eval-every": 1000,
+                "results-dir": str(out),
+                "run-name": "overhead",
+            },
             num_supernodes=CLIENTS,
             timeout=1800,
         )
@@ -105,8 +110,11 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="pollen-quality-"))
     if not args.skip_quality:
-        print(f"Quality: Fashion-MNIST, {CLIENTS} clients, Dirichlet(0.5), CNN, 10 clients/round, 1 local epoch "
-              f"(batch 32, lr 0.01), {args.rounds} rounds, seed 1", flush=True)
+        print(
+            f"Quality: Fashion-MNIST, {CLIENTS} clients, Dirichlet(0.5), CNN, 10 clients/round, 1 local epoch "
+            f"(batch 32, lr 0.01), {args.rounds} rounds, seed 1",
+            flush=True,
+        )
         for name in args.methods:
             settings = METHODS[name]
             rows = run_inprocess(

@@ -28,8 +28,6 @@ import time
 import tracemalloc
 
 import numpy as np
-
-
 from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.serverapp.strategy import FedAdam
 
@@ -56,7 +54,10 @@ class ReplyBank:
         rng = np.random.default_rng(1)
         self.replies: dict[int, object] = {}
         for node in nodes:
-            local = {k: (v + rng.standard_normal(v.shape).astype(v.dtype) * 1e-3) if v.dtype.kind == "f" else v for k, v in arrays.items()}
+            local = {
+                k: (v + rng.standard_normal(v.shape).astype(v.dtype) * 1e-3) if v.dtype.kind == "f" else v
+                for k, v in arrays.items()
+            }
             self.replies[node] = local
         self.codec = codec
         self.made: dict[int, object] = {}
@@ -104,7 +105,9 @@ def peak_vectors(strategy, arrays, bank, nodes, dim: int) -> float:
     grid = FakeGrid(nodes, bank.client, keep_history=False)
     record = model_record(arrays)
     for server_round in (1, 2):
-        replies = list(grid.send_and_receive(list(strategy.configure_train(server_round, record, ConfigRecord(), grid))))
+        replies = list(
+            grid.send_and_receive(list(strategy.configure_train(server_round, record, ConfigRecord(), grid)))
+        )
         if server_round == 2:
             tracemalloc.start()
             tracemalloc.reset_peak()
@@ -123,15 +126,25 @@ def main() -> None:
     parser.add_argument("--memory-replies", type=int, nargs="*", default=[10, 50])
     args = parser.parse_args()
     arrays = resnet_arrays()
-    dim = sum(v.size for k, v in arrays.items() if v.dtype.kind == "f" and not k.endswith(("running_mean", "running_var")))
+    dim = sum(
+        v.size for k, v in arrays.items() if v.dtype.kind == "f" and not k.endswith(("running_mean", "running_var"))
+    )
     nodes = list(range(1, args.replies + 1))
     common = dict(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=len(nodes))
     dense = ReplyBank(arrays, nodes, None)
     cases = [
         ("Flower FedAdam, dense", lambda: FedAdam(**common), dense),
         ("pollen FedAMS, dense", lambda: FedAMS(eta=0.1, **common), dense),
-        ("pollen FedCAMS, sign", lambda: FedCAMS(compressor="sign", eta=0.1, **common), ReplyBank(arrays, nodes, "sign")),
-        ("pollen FedCAMS, top-k 1/64", lambda: FedCAMS(compressor="topk", eta=0.1, **common), ReplyBank(arrays, nodes, "topk")),
+        (
+            "pollen FedCAMS, sign",
+            lambda: FedCAMS(compressor="sign", eta=0.1, **common),
+            ReplyBank(arrays, nodes, "sign"),
+        ),
+        (
+            "pollen FedCAMS, top-k 1/64",
+            lambda: FedCAMS(compressor="topk", eta=0.1, **common),
+            ReplyBank(arrays, nodes, "topk"),
+        ),
         ("pollen FedAdaVR, int4 table", lambda: FedAdaVR(table_precision="int4", eta=0.01, **common), dense),
         ("pollen FedAdaVR, fp32 table", lambda: FedAdaVR(table_precision="fp32", eta=0.01, **common), dense),
     ]
@@ -160,7 +173,9 @@ def main() -> None:
             if isinstance(strategy, FedAdaVR):  # the round's new rows, held until the step (the method needs them)
                 row = strategy.table.memory_report()["row_bytes"]
                 staged = f" (of which the {count} staged new rows: {count * row / (4 * dim):.2f})"
-            print(f"peak extra memory during aggregate_train, M = {count:>2}, {name:<20}: {vectors:5.2f} d-size float32 vectors{staged}")
+            print(
+                f"peak extra memory during aggregate_train, M = {count:>2}, {name:<20}: {vectors:5.2f} d-size float32 vectors{staged}"
+            )
 
 
 if __name__ == "__main__":

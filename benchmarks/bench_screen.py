@@ -12,17 +12,23 @@ Run: ``python benchmarks/bench_screen.py [--rounds 20] [--seeds 1 2]``.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
-from pathlib import Path
-
 
 from pollen.testing.inprocess import run_inprocess  # noqa: E402
 
 COMMON = {
-    "partitioner": "dirichlet", "dirichlet-alpha": 0.5, "model": "cnn", "fraction-train": 0.5, "min-train-nodes": 10,
-    "fraction-evaluate": 0.0, "min-evaluate-nodes": 0, "local-steps": 20, "batch-size": 32, "local-lr": 0.05,
-    "server-lr": 0.1, "eval-every": 5,
+    "partitioner": "dirichlet",
+    "dirichlet-alpha": 0.5,
+    "model": "cnn",
+    "fraction-train": 0.5,
+    "min-train-nodes": 10,
+    "fraction-evaluate": 0.0,
+    "min-evaluate-nodes": 0,
+    "local-steps": 20,
+    "batch-size": 32,
+    "local-lr": 0.05,
+    "server-lr": 0.1,
+    "eval-every": 5,
 }
 
 
@@ -37,13 +43,24 @@ def main() -> None:
             for seed in args.seeds:
                 for rule in ("reject", "off"):
                     rows = run_inprocess(
-                        {**COMMON, **extra, "strategy": strategy, "seed": seed, "outlier-rule": rule,
-                         "num-server-rounds": args.rounds, "results-dir": tmp, "run-name": f"{strategy}-{seed}-{rule}"},
+                        {
+                            **COMMON,
+                            **extra,
+                            "strategy": strategy,
+                            "seed": seed,
+                            "outlier-rule": rule,
+                            "num-server-rounds": args.rounds,
+                            "results-dir": tmp,
+                            "run-name": f"{strategy}-{seed}-{rule}",
+                        },
                         num_nodes=20,
                     )
                     rejected = sum(int(r.get("failures") or 0) for r in rows[1:])
                     replies = sum(int(r.get("replies") or 0) for r in rows[1:])
-                    print(f"{strategy:<14} {seed:>4} {rule:>7} {rows[-1]['accuracy']:>9.4f} {rejected:>8} {replies:>8}", flush=True)
+                    print(
+                        f"{strategy:<14} {seed:>4} {rule:>7} {rows[-1]['accuracy']:>9.4f} {rejected:>8} {replies:>8}",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

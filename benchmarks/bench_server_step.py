@@ -19,9 +19,6 @@ import platform
 import statistics
 import time
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
 from pollen.optim import SERVER_OPTIMIZERS, make_server_optimizer, segments_from_sizes
@@ -94,9 +91,11 @@ def main() -> None:
     src, dst = replies[0], np.empty(D, dtype=np.float32)
     acc = np.empty(D, dtype=np.float32)
 
-    print(f"d = {D:,} float32 ({D * 4 / 2**20:.1f} MiB per vector), {N_REPLIES} replies, "
-          f"median of {args.repeats} repeats; numpy {np.__version__}, {platform.machine()}, "
-          f"{os.cpu_count()} CPUs")
+    print(
+        f"d = {D:,} float32 ({D * 4 / 2**20:.1f} MiB per vector), {N_REPLIES} replies, "
+        f"median of {args.repeats} repeats; numpy {np.__version__}, {platform.machine()}, "
+        f"{os.cpu_count()} CPUs"
+    )
 
     copy = lambda: np.copyto(dst, src)  # noqa: E731
     t_copy, _ = paired(copy, copy, args.repeats)
@@ -132,6 +131,7 @@ def main() -> None:
         o = make_server_optimizer(name, **kw)
         t, r = paired(stepper(o, lambda: delta, params), copy, max(3, args.repeats // 2))
         print(line.format(f"    {label}", t * 1e3, r))
+
 
 if __name__ == "__main__":
     main()

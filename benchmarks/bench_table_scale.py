@@ -23,7 +23,6 @@ import time
 
 import numpy as np
 
-
 from pollen.compression.quant import PRECISIONS
 from pollen.vr import UpdateTable, vr_aggregate
 
@@ -83,8 +82,10 @@ def main() -> None:
     print(f"LeNet d = {d:,} in {len(LENET)} tensors; FP32 row = {4 * d:,} B; M = {M} replies per round\n")
 
     print("RAM backend: table memory measured after filling N rows (capacity = N)")
-    print(f"{'N':>7} {'prec':>5} {'arrays (MB)':>12} {'RSS anon +MB':>13} {'B/client':>9} {'vs fp32':>8} "
-          f"{'round ms med/min':>17} {'naive sum (ms)':>15}")
+    print(
+        f"{'N':>7} {'prec':>5} {'arrays (MB)':>12} {'RSS anon +MB':>13} {'B/client':>9} {'vs fp32':>8} "
+        f"{'round ms med/min':>17} {'naive sum (ms)':>15}"
+    )
     fp32_row = 4 * d
     for n in args.clients:
         for precision in PRECISIONS:
@@ -102,15 +103,19 @@ def main() -> None:
             naive_ms = 1e3 * (time.perf_counter() - t0)
             drift = np.max(np.abs(full - table.running_sum)) / np.max(np.abs(full))
             assert drift < 1e-9, drift
-            print(f"{n:>7,} {precision:>5} {arrays / 1e6:>12.2f} {grown * 1024 / 1e6:>13.1f} {per_client:>9,.0f} "
-                  f"{per_client / fp32_row:>8.4f} {round_ms:>17} {naive_ms:>15.1f}")
+            print(
+                f"{n:>7,} {precision:>5} {arrays / 1e6:>12.2f} {grown * 1024 / 1e6:>13.1f} {per_client:>9,.0f} "
+                f"{per_client / fp32_row:>8.4f} {round_ms:>17} {naive_ms:>15.1f}"
+            )
             del table, full
         print()
 
     n = max(args.clients)
     print(f"memmap backend, N = {n:,} (initial capacity 1, doubling): file on disk vs anonymous RAM")
-    print(f"{'prec':>5} {'capacity':>9} {'file (MB)':>10} {'allocated (MB)':>15} {'used/fp32':>10} "
-          f"{'RSS anon +MB':>13} {'round ms med/min':>17}")
+    print(
+        f"{'prec':>5} {'capacity':>9} {'file (MB)':>10} {'allocated (MB)':>15} {'used/fp32':>10} "
+        f"{'RSS anon +MB':>13} {'round ms med/min':>17}"
+    )
     with tempfile.TemporaryDirectory(dir=args.tmpdir) as tmp:
         for precision in PRECISIONS:
             gc.collect()
@@ -121,9 +126,11 @@ def main() -> None:
             round_ms = time_rounds(table, n, pool, rng, args.rounds)
             rep = table.memory_report()
             grown = rss_kib() - before
-            print(f"{precision:>5} {rep['capacity']:>9,} {rep['data_bytes'] / 1e6:>10.1f} "
-                  f"{rep['data_allocated_bytes'] / 1e6:>15.1f} {rep['row_bytes'] / fp32_row:>10.4f} "
-                  f"{grown * 1024 / 1e6:>13.1f} {round_ms:>17}")
+            print(
+                f"{precision:>5} {rep['capacity']:>9,} {rep['data_bytes'] / 1e6:>10.1f} "
+                f"{rep['data_allocated_bytes'] / 1e6:>15.1f} {rep['row_bytes'] / fp32_row:>10.4f} "
+                f"{grown * 1024 / 1e6:>13.1f} {round_ms:>17}"
+            )
             table.close()
             del table
             os.remove(path)

@@ -28,7 +28,9 @@ def classes(root: Path) -> list[tuple[int, int, int, str]]:
                 for n in ast.walk(node)
                 if isinstance(n, (ast.Assign, ast.AnnAssign))
                 for target in (n.targets if isinstance(n, ast.Assign) else [n.target])
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+                if isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "self"
             }
             lines = node.end_lineno - node.lineno + 1
             found.append((lines, len(methods), len(attributes), f"{path.relative_to(root)}:{node.name}"))
@@ -36,7 +38,10 @@ def classes(root: Path) -> list[tuple[int, int, int, str]]:
 
 
 def modules(root: Path) -> list[tuple[int, str]]:
-    return sorted(((len(p.read_text().splitlines()), str(p.relative_to(root))) for p in (root / "pollen").rglob("*.py")), reverse=True)
+    return sorted(
+        ((len(p.read_text().splitlines()), str(p.relative_to(root))) for p in (root / "pollen").rglob("*.py")),
+        reverse=True,
+    )
 
 
 def main() -> None:

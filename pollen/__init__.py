@@ -28,7 +28,18 @@ except metadata.PackageNotFoundError:  # a checkout on sys.path without an insta
 #: Public name -> the module that defines it.
 _PUBLIC = {
     **dict.fromkeys(
-        ("AdaptiveStrategy", "FedAMS", "FedCAMS", "FedOpt", "FedAdaVR", "FedLAMB", "HAFed", "FedLazy", "Uplink", "ReplySpec"),
+        (
+            "AdaptiveStrategy",
+            "FedAMS",
+            "FedCAMS",
+            "FedOpt",
+            "FedAdaVR",
+            "FedLAMB",
+            "HAFed",
+            "FedLazy",
+            "Uplink",
+            "ReplySpec",
+        ),
         "pollen.strategies",
     ),
     **dict.fromkeys(("compression_mod", "lazy_mod", "LocalLAMB"), "pollen.clientside"),

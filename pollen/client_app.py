@@ -30,15 +30,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from flwr.common import log
 
-from pollen.wire import protocol
-from pollen.clientside import compression_mod
-from pollen.clientside.lazy_mod import lazy_mod
-from pollen.clientside.compression_mod import client_state_for, compress_update, wants_compression
-from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, Step, StepOutcome, lookup, model_arrays
 from pollen.app.config import AppConfig, effective_run_config
 from pollen.app.experiment import build_model, data_config
-from pollen.gossip import cluster_of
+from pollen.clientside import compression_mod
+from pollen.clientside.compression_mod import client_state_for, compress_update, wants_compression
+from pollen.clientside.lazy_mod import lazy_mod
+from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, Step, StepOutcome, lookup, model_arrays
 from pollen.core.layout import ModelLayout
+from pollen.gossip import cluster_of
+from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, record_to_arrays
 
 app = ClientApp()
@@ -81,7 +81,9 @@ class LocalTask:
         self.model.load_state_dict(msg.content.array_records[protocol.ARRAYS_RECORD].to_torch_state_dict())
 
     def seed(self, server_round: int, phase_index: int = 0) -> int:
-        return self.cfg["seed"] * 1_000_003 + server_round * 1_009 + self.partition_id + phase_index * _PHASE_SEED_STRIDE
+        return (
+            self.cfg["seed"] * 1_000_003 + server_round * 1_009 + self.partition_id + phase_index * _PHASE_SEED_STRIDE
+        )
 
 
 _MODELS: dict[tuple, Any] = {}
@@ -112,7 +114,9 @@ def _config(msg: Message) -> ConfigRecord:
     return msg.content.config_records.get(protocol.CONFIG_RECORD, ConfigRecord())
 
 
-def _run(msg: Message, context: Context, handler_table: Mapping[str, Step], handler_name: str, what: str, phase_index: int) -> Message:
+def _run(
+    msg: Message, context: Context, handler_table: Mapping[str, Step], handler_name: str, what: str, phase_index: int
+) -> Message:
     """Run one handler of the step table and build the reply the strategy asked for."""
     config = _config(msg)
     task = LocalTask(context, config)
@@ -124,14 +128,28 @@ def _run(msg: Message, context: Context, handler_table: Mapping[str, Step], hand
     else:
         _reset_model(task.cfg)
     state = client_state_for(context, config, first_message=phase_index == 0)
-    work = LocalWork(task=task, msg=msg, config=config, state=state, server_round=server_round, seed=task.seed(server_round, phase_index), settings=task.cfg.values)
+    work = LocalWork(
+        task=task,
+        msg=msg,
+        config=config,
+        state=state,
+        server_round=server_round,
+        seed=task.seed(server_round, phase_index),
+        settings=task.cfg.values,
+    )
     layout = work.layout() if wants_compression(config) else None
     if layout is not None and protocol.ARRAYS_RECORD in msg.content.array_records:
         global_arrays = record_to_arrays(msg.content.array_records[protocol.ARRAYS_RECORD])  # views, no copy
     outcome = handler(work)
     content = _reply_records(work, outcome, layout, global_arrays)
     state.commit()
-    log(INFO, "[pollen] %s trained %d steps on %s", task.client_id, int(outcome.metrics.get("num-steps", 0)), task.device)
+    log(
+        INFO,
+        "[pollen] %s trained %d steps on %s",
+        task.client_id,
+        int(outcome.metrics.get("num-steps", 0)),
+        task.device,
+    )
     return Message(content=content, reply_to=msg)
 
 
@@ -155,13 +173,17 @@ def _reply_records(
             buffers = {key: local[key] for key in layout.buffer_keys}
             content.update(compress_update(delta, work.config, work.state, segments=layout.segments, buffers=buffers))
     for name, vector in outcome.extras.items():
-        content[protocol.extra_record(name)] = arrays_to_record({protocol.EXTRA_ARRAY: np.asarray(vector, dtype=np.float32)})
+        content[protocol.extra_record(name)] = arrays_to_record(
+            {protocol.EXTRA_ARRAY: np.asarray(vector, dtype=np.float32)}
+        )
     if outcome.flags:
         content[protocol.FLAGS_RECORD] = ConfigRecord(dict(outcome.flags))
     metrics = dict(outcome.metrics)
     metrics["on-gpu"] = int(work.task.device.type == "cuda")
     content[protocol.METRICS_RECORD] = MetricRecord(metrics)
-    content[protocol.CLIENT_INFO_RECORD] = ConfigRecord({"device": str(work.task.device), protocol.IDENTITY_CLIENT_ID: work.task.client_id})
+    content[protocol.CLIENT_INFO_RECORD] = ConfigRecord(
+        {"device": str(work.task.device), protocol.IDENTITY_CLIENT_ID: work.task.client_id}
+    )
     return content
 
 

@@ -20,15 +20,16 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from pollen.wire import protocol
 from pollen.app.config import RESUME_MAY_DIFFER, AppConfig, ConfigError, clients_need_given_keys
-from pollen.app.registry import Table
 from pollen.app.experiment import build_model, build_strategy, client_train_config, data_config
+from pollen.app.registry import Table
 from pollen.app.results import METHOD_PREFIX, RunRecorder, human_bytes
 from pollen.strategies import RunCheckpoint, RunInterrupted
 from pollen.strategies.rounds import SetupError
+from pollen.wire import protocol
 
 app = ServerApp()
+
 
 def _wait_for_nodes(grid: Grid, needed: int, patience: float) -> int:
     """Number of connected nodes once ``needed`` are there, or after ``patience`` seconds."""
@@ -107,8 +108,16 @@ class RoundReporter:
         )
         by_kind = _records_in_words(row.get("uplink_by_record"), row.get("downlink_by_record"))
         if by_kind:
-            log(INFO, "[pollen]   round %d by record: %s; %d gradient evaluations", server_round, by_kind, row.get("grad_evals", 0))
-        counters = _method_in_words({name.removeprefix(METHOD_PREFIX): value for name, value in row.items() if name.startswith(METHOD_PREFIX)})
+            log(
+                INFO,
+                "[pollen]   round %d by record: %s; %d gradient evaluations",
+                server_round,
+                by_kind,
+                row.get("grad_evals", 0),
+            )
+        counters = _method_in_words(
+            {name.removeprefix(METHOD_PREFIX): value for name, value in row.items() if name.startswith(METHOD_PREFIX)}
+        )
         if counters:
             log(INFO, "[pollen]   round %d method: %s", server_round, counters)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
@@ -157,8 +166,11 @@ def _records_in_words(uplink: dict[str, int] | None, downlink: dict[str, int] | 
         return ""
 
     def words(records: dict[str, int]) -> str:
-        shown = {name.removeprefix(protocol.extra_record("")): size for name, size in records.items()
-                 if name not in (protocol.CONFIG_RECORD, protocol.METRICS_RECORD, protocol.CLIENT_INFO_RECORD)}
+        shown = {
+            name.removeprefix(protocol.extra_record("")): size
+            for name, size in records.items()
+            if name not in (protocol.CONFIG_RECORD, protocol.METRICS_RECORD, protocol.CLIENT_INFO_RECORD)
+        }
         return ", ".join(f"{name} {human_bytes(size)}" for name, size in shown.items())
 
     return f"up {words(uplink)} | down {words(downlink or {})}"
@@ -270,7 +282,9 @@ def serve(grid: Grid, context: Context, methods: Table | None = None) -> None:
     evaluate_config = {}
     if given and (cfg["preset"] or clients_need_given_keys(context.run_config, given, methods)):
         # the ClientApps resolve the preset and the method's recommended values as the server did
-        train_config[protocol.CFG_GIVEN_KEYS] = evaluate_config[protocol.CFG_GIVEN_KEYS] = protocol.join_keys(sorted(given))
+        train_config[protocol.CFG_GIVEN_KEYS] = evaluate_config[protocol.CFG_GIVEN_KEYS] = protocol.join_keys(
+            sorted(given)
+        )
     try:
         result = strategy.start(
             grid=grid,

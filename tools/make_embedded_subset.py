@@ -105,8 +105,10 @@ def main() -> None:
     write_npz(args.out, arrays)
     digest = hashlib.sha256(args.out.read_bytes()).hexdigest()
     print(f"wrote {args.out} ({args.out.stat().st_size:,} bytes, sha256 {digest})")
-    print(f"train {arrays['x_train'].shape}, test {arrays['x_test'].shape}, per-class counts "
-          f"{np.bincount(arrays['y_train']).tolist()} / {np.bincount(arrays['y_test']).tolist()}")
+    print(
+        f"train {arrays['x_train'].shape}, test {arrays['x_test'].shape}, per-class counts "
+        f"{np.bincount(arrays['y_train']).tolist()} / {np.bincount(arrays['y_test']).tolist()}"
+    )
 
 
 if __name__ == "__main__":

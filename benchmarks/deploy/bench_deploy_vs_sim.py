@@ -127,7 +127,15 @@ def app_config(rounds: int, local_steps: int, run_name: str, results: Path, **ex
 # --------------------------------------------------------------------------- one flwr run
 
 
-def flwr_run_app(procs: lf.Processes, env: dict[str, str], app: Path | str, config: dict[str, Any], name: str, federation_config: str | None = None, timeout: float = 1200) -> dict[str, Any]:
+def flwr_run_app(
+    procs: lf.Processes,
+    env: dict[str, str],
+    app: Path | str,
+    config: dict[str, Any],
+    name: str,
+    federation_config: str | None = None,
+    timeout: float = 1200,
+) -> dict[str, Any]:
     """``flwr run <app> bench --stream``; the run id, when it started and ended, and its final status."""
     argv = [lf.exe("flwr"), "run", str(app), CONNECTION, "--stream", "--run-config", lf.run_config_arg(config)]
     if federation_config:
@@ -140,17 +148,36 @@ def flwr_run_app(procs: lf.Processes, env: dict[str, str], app: Path | str, conf
         raise RuntimeError(f"flwr run failed (exit {code}):\n{lf.tail(out)}")
     status = lf.run_status(procs, CONNECTION, env, run_id=match.group(1))
     if status["status"] != "finished:completed":
-        raise RuntimeError(f"run {match.group(1)} did not complete: {status['status']} {status.get('status-details')}\n{lf.tail(out)}")
-    return {"run_id": match.group(1), "started_at": start, "ended_at": end, "wall_seconds": end - start, "status": status, "output": out}
+        raise RuntimeError(
+            f"run {match.group(1)} did not complete: {status['status']} {status.get('status-details')}\n{lf.tail(out)}"
+        )
+    return {
+        "run_id": match.group(1),
+        "started_at": start,
+        "ended_at": end,
+        "wall_seconds": end - start,
+        "status": status,
+        "output": out,
+    }
 
 
-def flwr_run(procs: lf.Processes, env: dict[str, str], config: dict[str, Any], federation_config: str | None = None, timeout: float = 1200) -> dict[str, Any]:
-    run = flwr_run_app(procs, env, ".", config, config["run-name"], federation_config=federation_config, timeout=timeout)
+def flwr_run(
+    procs: lf.Processes,
+    env: dict[str, str],
+    config: dict[str, Any],
+    federation_config: str | None = None,
+    timeout: float = 1200,
+) -> dict[str, Any]:
+    run = flwr_run_app(
+        procs, env, ".", config, config["run-name"], federation_config=federation_config, timeout=timeout
+    )
     status, out = run["status"], run["output"]
     metrics = lf.load_metrics(Path(config["results-dir"]), config["run-name"])
     rows = [row for row in metrics["rows"] if row["round"] >= 1]
     if len(rows) != config["num-server-rounds"]:
-        raise RuntimeError(f"run {run['run_id']} recorded {len(rows)} of {config['num-server-rounds']} rounds\n{lf.tail(out)}")
+        raise RuntimeError(
+            f"run {run['run_id']} recorded {len(rows)} of {config['num-server-rounds']} rounds\n{lf.tail(out)}"
+        )
     first = rows[0]
     return {
         "run_id": run["run_id"],
@@ -159,7 +186,9 @@ def flwr_run(procs: lf.Processes, env: dict[str, str], config: dict[str, Any], f
         "wall_seconds": run["wall_seconds"],
         "round_seconds": [row["round_seconds"] for row in rows],
         "median_round_seconds": statistics.median(row["round_seconds"] for row in rows),
-        "steady_round_seconds": statistics.median(row["round_seconds"] for row in rows[1:]) if len(rows) > 1 else rows[0]["round_seconds"],
+        "steady_round_seconds": statistics.median(row["round_seconds"] for row in rows[1:])
+        if len(rows) > 1
+        else rows[0]["round_seconds"],
         "replies_per_round": first["replies"],
         "uplink_update_bytes_per_reply": first["uplink_update_bytes"] / first["replies"],
         "uplink_fp32_bytes_per_reply": first["uplink_fp32_bytes"] / first["replies"],
@@ -272,7 +301,9 @@ class ForeignLoad:
                 stat = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
                 key = (int(entry.name), stat[19])
                 if key not in self.ours:
-                    self.ours[key] = self.marker in Path(f"/proc/{entry.name}/environ").read_bytes() or key[0] == os.getpid()
+                    self.ours[key] = (
+                        self.marker in Path(f"/proc/{entry.name}/environ").read_bytes() or key[0] == os.getpid()
+                    )
             except (OSError, IndexError, ValueError):
                 continue
             seconds = (int(stat[11]) + int(stat[12])) / self.tick
@@ -311,7 +342,13 @@ class ForeignLoad:
 
 
 @contextlib.contextmanager
-def federation(home: Path, isolation: str = "subprocess", extra_env: dict[str, str] | None = None, node_threads: int = 1, node_config_extra: str = ""):
+def federation(
+    home: Path,
+    isolation: str = "subprocess",
+    extra_env: dict[str, str] | None = None,
+    node_threads: int = 1,
+    node_config_extra: str = "",
+):
     """A SuperLink and ``NUM_CLIENTS`` SuperNodes on loopback: yields ``(procs, user_env, node_logs)``.
 
     ``node_config_extra`` is appended to every SuperNode's node-config (e.g. ``cluster-id='a'``).
@@ -325,7 +362,11 @@ def federation(home: Path, isolation: str = "subprocess", extra_env: dict[str, s
             env=flower_env(home / "home-superlink", **extra_env),
             timestamps=True,
         )
-        lf.wait_until(lambda: superlink.poll() is None and lf.port_is_open(http_port) and lf.port_is_open(fleet_port), 90, "the SuperLink")
+        lf.wait_until(
+            lambda: superlink.poll() is None and lf.port_is_open(http_port) and lf.port_is_open(fleet_port),
+            90,
+            "the SuperLink",
+        )
         user_env = flower_env(home / "home-user")
         lf.write_connection(home / "home-user", CONNECTION, f"127.0.0.1:{http_port}", insecure=True)
         node_logs: list[list[Path]] = []
@@ -347,17 +388,26 @@ def federation(home: Path, isolation: str = "subprocess", extra_env: dict[str, s
             if isolation == "process":
                 executor = procs.start(
                     f"superexec-{i}",
-                    [lf.exe("flower-superexec"), "--insecure", "--runtime-api-address", f"127.0.0.1:{runtime_ports[i]}"],
+                    [
+                        lf.exe("flower-superexec"),
+                        "--insecure",
+                        "--runtime-api-address",
+                        f"127.0.0.1:{runtime_ports[i]}",
+                    ],
                     env=env,
                     timestamps=True,
                 )
                 logs.append(executor.log_path)
             node_logs.append(logs)
-        lf.wait_until(lambda: lf.online_nodes(procs, CONNECTION, user_env) >= NUM_CLIENTS, 120, "SuperNodes online", interval=1.0)
+        lf.wait_until(
+            lambda: lf.online_nodes(procs, CONNECTION, user_env) >= NUM_CLIENTS, 120, "SuperNodes online", interval=1.0
+        )
         yield procs, user_env, node_logs
 
 
-def run_deployment(root: Path, variant: str, rounds: int, local_steps: int, with_bytes: bool, node_threads: int = 1) -> dict[str, Any]:
+def run_deployment(
+    root: Path, variant: str, rounds: int, local_steps: int, with_bytes: bool, node_threads: int = 1
+) -> dict[str, Any]:
     home = root / variant
     extra_env = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"} if variant == "deploy-fastpoll" else {}
     isolation = "process" if variant == "deploy-process" else "subprocess"
@@ -373,7 +423,9 @@ def run_deployment(root: Path, variant: str, rounds: int, local_steps: int, with
         return out
 
 
-def wire_bytes_per_round(procs: lf.Processes, env: dict[str, str], local_steps: int, results: Path, variant: str) -> dict[str, Any]:
+def wire_bytes_per_round(
+    procs: lf.Processes, env: dict[str, str], local_steps: int, results: Path, variant: str
+) -> dict[str, Any]:
     """SuperLink Fleet traffic of one round, scaled sign vs FP32 uplink: a 2-round run minus a 1-round run.
 
     The difference cancels what every run has once (the identify query, the first pull of the
@@ -381,11 +433,20 @@ def wire_bytes_per_round(procs: lf.Processes, env: dict[str, str], local_steps: 
     """
     out = {}
     for compressor in ("sign", "none"):
-        runs = {r: flwr_run(procs, env, app_config(r, local_steps, f"{variant}-bytes-{compressor}-{r}", results, compressor=compressor)) for r in (1, 2)}
+        runs = {
+            r: flwr_run(
+                procs,
+                env,
+                app_config(r, local_steps, f"{variant}-bytes-{compressor}-{r}", results, compressor=compressor),
+            )
+            for r in (1, 2)
+        }
         one, two = runs[1], runs[2]
         out[compressor] = {
-            "fleet_inbound_bytes": two["superlink_traffic"]["inbound-bytes"] - one["superlink_traffic"]["inbound-bytes"],
-            "fleet_outbound_bytes": two["superlink_traffic"]["outbound-bytes"] - one["superlink_traffic"]["outbound-bytes"],
+            "fleet_inbound_bytes": two["superlink_traffic"]["inbound-bytes"]
+            - one["superlink_traffic"]["inbound-bytes"],
+            "fleet_outbound_bytes": two["superlink_traffic"]["outbound-bytes"]
+            - one["superlink_traffic"]["outbound-bytes"],
             "app_uplink_bytes": one["uplink_bytes_per_round"],
             "app_uplink_update_bytes_per_reply": one["uplink_update_bytes_per_reply"],
             "app_uplink_fp32_bytes_per_reply": one["uplink_fp32_bytes_per_reply"],
@@ -399,7 +460,9 @@ def run_simulation(root: Path, rounds: int, local_steps: int) -> dict[str, Any]:
     with lf.Processes(home / "logs") as procs, lf.dump_logs_on_error(procs, lines=40):
         (http_port,) = lf.free_ports(1)
         env = lf.flower_env(home / "home", RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0")
-        superlink = procs.start("superlink-sim", lf.superlink_argv(http_port=http_port, fleet_port=0, simulation=True), env=env)
+        superlink = procs.start(
+            "superlink-sim", lf.superlink_argv(http_port=http_port, fleet_port=0, simulation=True), env=env
+        )
         lf.wait_until(lambda: superlink.poll() is None and lf.port_is_open(http_port), 90, "the simulation SuperLink")
         lf.write_connection(home / "home", CONNECTION, f"127.0.0.1:{http_port}", insecure=True)
         run = flwr_run(
@@ -427,7 +490,9 @@ def anchor_config(rounds: int, local_steps: int) -> dict[str, Any]:
 def comparison_config(app: str, rounds: int, local_steps: int, results: Path, run_name: str) -> dict[str, Any]:
     """pollen's run-config in the ``anchor`` variant: the same round as the anchor's (see the docstring)."""
     strategy = {"pollen-fedavg": "fedavg", "pollen-fedcams": "fedcams"}[app]
-    return app_config(rounds, local_steps, run_name, results, strategy=strategy, partitioner="iid", **{"eval-every": rounds})
+    return app_config(
+        rounds, local_steps, run_name, results, strategy=strategy, partitioner="iid", **{"eval-every": rounds}
+    )
 
 
 _WARM_CACHE = r"""
@@ -450,8 +515,20 @@ print(json.dumps(out))
 def warm_partition_cache(overrides: dict[str, Any]) -> list[dict[str, Any]]:
     """Fill pollen's on-disk partition cache for the SuperNodes' partitions (what a node's first message does)."""
     done = subprocess.run(
-        [sys.executable, "-c", _WARM_CACHE, str(lf.REPO_ROOT / "pyproject.toml"), json.dumps(overrides), str(NUM_CLIENTS)],
-        capture_output=True, text=True, check=True, cwd=lf.REPO_ROOT, timeout=600, env=base_env(),
+        [
+            sys.executable,
+            "-c",
+            _WARM_CACHE,
+            str(lf.REPO_ROOT / "pyproject.toml"),
+            json.dumps(overrides),
+            str(NUM_CLIENTS),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=lf.REPO_ROOT,
+        timeout=600,
+        env=base_env(),
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -464,7 +541,7 @@ def run_anchor_comparison(root: Path, rounds: int, local_steps: int, repeats: in
     runs: dict[str, list[dict[str, Any]]] = {app: [] for app in ANCHOR_APPS}
     with federation(home, node_threads=node_threads) as (procs, user_env, node_logs):
         for rep in range(repeats):
-            order = ANCHOR_APPS[rep % len(ANCHOR_APPS):] + ANCHOR_APPS[: rep % len(ANCHOR_APPS)]
+            order = ANCHOR_APPS[rep % len(ANCHOR_APPS) :] + ANCHOR_APPS[: rep % len(ANCHOR_APPS)]
             for app in order:
                 print(f"[bench] anchor comparison, repeat {rep + 1}/{repeats}: {app} ...", flush=True)
                 name = f"{app}-{rep}"
@@ -480,16 +557,27 @@ def run_anchor_comparison(root: Path, rounds: int, local_steps: int, repeats: in
                 phases = [p for logs in node_logs for p in message_phases(logs, run["started_at"], run["ended_at"])]
                 run["node_round_intervals"] = [[b - a for a, b in node] for node in intervals]
                 run["steady_intervals"] = [b - a for node in intervals for a, b in node[1:]]
-                run["steady_interval_foreign_cores"] = [foreign.cores_between(a, b) for node in intervals for a, b in node[1:]]
+                run["steady_interval_foreign_cores"] = [
+                    foreign.cores_between(a, b) for node in intervals for a, b in node[1:]
+                ]
                 run["message_phases"] = phases
                 runs[app].append(run)
-    out: dict[str, Any] = {"variant": "anchor", "node_threads": node_threads, "partition_cache": cache, "repeats": repeats, "apps": {}}
+    out: dict[str, Any] = {
+        "variant": "anchor",
+        "node_threads": node_threads,
+        "partition_cache": cache,
+        "repeats": repeats,
+        "apps": {},
+    }
     for app, app_runs in runs.items():
         steady = [x for run in app_runs for x in run["steady_intervals"]]
         phases = [p for run in app_runs for p in run["message_phases"]]
         each = [statistics.median(r["steady_intervals"]) if r["steady_intervals"] else float("nan") for r in app_runs]
         quiet = [
-            x for r in app_runs for x, cores in zip(r["steady_intervals"], r["steady_interval_foreign_cores"]) if cores <= QUIET_CORES
+            x
+            for r in app_runs
+            for x, cores in zip(r["steady_intervals"], r["steady_interval_foreign_cores"])
+            if cores <= QUIET_CORES
         ]
         summary = {
             "runs": app_runs,
@@ -570,14 +658,21 @@ def cold_start_probe(local_steps: int, repeats: int, node_threads: int = 1) -> d
             start = time.perf_counter()
             done = subprocess.run(
                 [sys.executable, "-c", _PROBE, app, str(lf.REPO_ROOT / "pyproject.toml"), config],
-                capture_output=True, text=True, check=True, cwd=cwd, timeout=300, env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=cwd,
+                timeout=300,
+                env=env,
             )
             sample = json.loads(done.stdout.strip().splitlines()[-1])
             sample["process_total"] = time.perf_counter() - start
             samples[app].append(sample)
     out: dict[str, Any] = {"repeats": repeats, "node_threads": node_threads}
     for app, rows in samples.items():
-        out[app] = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "imports_pollen_strategies"}
+        out[app] = {
+            key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "imports_pollen_strategies"
+        }
         out[app]["imports_pollen_strategies"] = rows[0]["imports_pollen_strategies"]
     return out
 
@@ -597,7 +692,9 @@ def report(results: dict[str, Any], rounds: int, local_steps: int) -> str:
         "",
     ]
     if any(name in results for name in VARIANTS if name != "anchor"):
-        lines.append(f"{'variant':<17} {'s/round, rounds 2+ (median)':>28}   {'each round (s)':<30} {'flwr run wall (s)':>17}")
+        lines.append(
+            f"{'variant':<17} {'s/round, rounds 2+ (median)':>28}   {'each round (s)':<30} {'flwr run wall (s)':>17}"
+        )
     for name in VARIANTS:
         if name not in results or name == "anchor":
             continue
@@ -621,7 +718,9 @@ def report(results: dict[str, Any], rounds: int, local_steps: int) -> str:
     if "cold_start" in results:
         c = results["cold_start"]
         lines.append("")
-        lines.append(f"cold start of one ClientApp process (fresh interpreter, median of {c['repeats']}, OMP_NUM_THREADS={c['node_threads'] or 'unset'}):")
+        lines.append(
+            f"cold start of one ClientApp process (fresh interpreter, median of {c['repeats']}, OMP_NUM_THREADS={c['node_threads'] or 'unset'}):"
+        )
         for app in ("pollen", "anchor"):
             a = c[app]
             lines.append(
@@ -632,8 +731,12 @@ def report(results: dict[str, Any], rounds: int, local_steps: int) -> str:
     per_round = results.get("deploy", {}).get("bytes_per_round")
     if per_round:
         lines.append("")
-        lines.append(f"one round, {NUM_CLIENTS} clients (SuperLink Fleet API counter: 2-round run minus 1-round run; app: counted from the records)")
-        lines.append(f"{'uplink codec':<14} {'Fleet in (uplink)':>18} {'Fleet out (downlink)':>21} {'app uplink':>11} {'app update/reply':>17} {'app downlink':>13}")
+        lines.append(
+            f"one round, {NUM_CLIENTS} clients (SuperLink Fleet API counter: 2-round run minus 1-round run; app: counted from the records)"
+        )
+        lines.append(
+            f"{'uplink codec':<14} {'Fleet in (uplink)':>18} {'Fleet out (downlink)':>21} {'app uplink':>11} {'app update/reply':>17} {'app downlink':>13}"
+        )
         for kind, label in (("sign", "scaled sign"), ("none", "fp32")):
             b = per_round[kind]
             lines.append(
@@ -641,8 +744,13 @@ def report(results: dict[str, Any], rounds: int, local_steps: int) -> str:
                 f"{_fmt_bytes(b['app_uplink_bytes']):>11} {_fmt_bytes(b['app_uplink_update_bytes_per_reply']):>17} {_fmt_bytes(b['app_downlink_bytes']):>13}"
             )
         ratio = per_round["none"]["fleet_inbound_bytes"] / per_round["sign"]["fleet_inbound_bytes"]
-        update_ratio = per_round["sign"]["app_uplink_fp32_bytes_per_reply"] / per_round["sign"]["app_uplink_update_bytes_per_reply"]
-        lines.append(f"uplink FP32/sign: x{ratio:.1f} on the wire (Fleet inbound), x{update_ratio:.1f} for the model update alone")
+        update_ratio = (
+            per_round["sign"]["app_uplink_fp32_bytes_per_reply"]
+            / per_round["sign"]["app_uplink_update_bytes_per_reply"]
+        )
+        lines.append(
+            f"uplink FP32/sign: x{ratio:.1f} on the wire (Fleet inbound), x{update_ratio:.1f} for the model update alone"
+        )
     return "\n".join(line for i, line in enumerate(lines) if line or (i and lines[i - 1]))
 
 
@@ -667,7 +775,11 @@ def anchor_report(res: dict[str, Any], rounds: int, local_steps: int) -> list[st
         own = " | ".join(" ".join(f"{x:.1f}" for x in run) for run in a.get("app_round_seconds", []))
         quiet = a["seconds_per_round_quiet"]
         quiet_txt = f"{quiet:>11.2f}" if quiet is not None else f"{'-':>11}"
-        quiet_ratio = f"{quiet / anchor['seconds_per_round_quiet']:>8.2f}x" if quiet is not None and anchor["seconds_per_round_quiet"] else f"{'-':>9}"
+        quiet_ratio = (
+            f"{quiet / anchor['seconds_per_round_quiet']:>8.2f}x"
+            if quiet is not None and anchor["seconds_per_round_quiet"]
+            else f"{'-':>9}"
+        )
         lines.append(
             f"{app:<15} {a['seconds_per_round']:>8.2f} {a['seconds_per_round'] / anchor['seconds_per_round']:>8.2f}x "
             f"{a['seconds_per_round_best_run']:>9.2f} {a['seconds_per_round_best_run'] / anchor['seconds_per_round_best_run']:>8.2f}x "
@@ -687,10 +799,18 @@ def anchor_report(res: dict[str, Any], rounds: int, local_steps: int) -> list[st
                 f"up->trained {ph['clientapp_started_to_trained']:.2f}s, trained->reply sent {ph['trained_to_reply_sent']:.2f}s, "
                 f"total {ph['receive_to_reply_sent']:.2f}s; rest of the round {apps[app]['seconds_per_round'] - ph['receive_to_reply_sent']:.2f}s"
             )
-    labels = {"seconds_per_round": "all intervals", "seconds_per_round_best_run": "best run", "seconds_per_round_quiet": "quiet intervals"}
+    labels = {
+        "seconds_per_round": "all intervals",
+        "seconds_per_round_best_run": "best run",
+        "seconds_per_round_quiet": "quiet intervals",
+    }
     for estimate, ratios in res["ratios"].items():
         worst = max(ratios.values())
-        verdict = "met" if worst <= ANCHOR_TARGET else f"NOT met (worst {worst:.2f}x, {100 * (worst / ANCHOR_TARGET - 1):.0f}% over)"
+        verdict = (
+            "met"
+            if worst <= ANCHOR_TARGET
+            else f"NOT met (worst {worst:.2f}x, {100 * (worst / ANCHOR_TARGET - 1):.0f}% over)"
+        )
         lines.append(
             f"pollen / anchor, {labels[estimate]}: "
             + ", ".join(f"{app} {ratio:.2f}x" for app, ratio in ratios.items())
@@ -704,10 +824,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--local-steps", type=int, default=5)
     parser.add_argument("--only", nargs="+", choices=VARIANTS + ("cold-start",), default=None)
-    parser.add_argument("--no-bytes", action="store_true", help="skip the 1- and 2-round sign/FP32 runs that measure one round's Fleet traffic")
+    parser.add_argument(
+        "--no-bytes",
+        action="store_true",
+        help="skip the 1- and 2-round sign/FP32 runs that measure one round's Fleet traffic",
+    )
     parser.add_argument("--probe-repeats", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1, help="anchor: runs of each app (order rotated)")
-    parser.add_argument("--node-threads", type=int, default=1, help="OMP_NUM_THREADS of each SuperNode's ClientApps; 0 leaves it unset")
+    parser.add_argument(
+        "--node-threads", type=int, default=1, help="OMP_NUM_THREADS of each SuperNode's ClientApps; 0 leaves it unset"
+    )
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs, results)")
     args = parser.parse_args(argv)
@@ -715,8 +841,18 @@ def main(argv: list[str] | None = None) -> int:
 
     root = Path(tempfile.mkdtemp(prefix="pollen-bench-"))
     results: dict[str, Any] = {
-        "machine": {"cpus": len(os.sched_getaffinity(0)), "python": sys.version.split()[0], "loadavg_at_start": os.getloadavg()[0]},
-        "config": {"rounds": args.rounds, "local_steps": args.local_steps, "clients": NUM_CLIENTS, "node_threads": args.node_threads, "repeats": args.repeats},
+        "machine": {
+            "cpus": len(os.sched_getaffinity(0)),
+            "python": sys.version.split()[0],
+            "loadavg_at_start": os.getloadavg()[0],
+        },
+        "config": {
+            "rounds": args.rounds,
+            "local_steps": args.local_steps,
+            "clients": NUM_CLIENTS,
+            "node_threads": args.node_threads,
+            "repeats": args.repeats,
+        },
     }
     try:
         if "cold-start" in chosen:
@@ -728,10 +864,17 @@ def main(argv: list[str] | None = None) -> int:
             if variant == "sim":
                 results[variant] = run_simulation(root, args.rounds, args.local_steps)
             elif variant == "anchor":
-                results[variant] = run_anchor_comparison(root, args.rounds, args.local_steps, args.repeats, args.node_threads)
+                results[variant] = run_anchor_comparison(
+                    root, args.rounds, args.local_steps, args.repeats, args.node_threads
+                )
             else:
                 results[variant] = run_deployment(
-                    root, variant, args.rounds, args.local_steps, with_bytes=variant == "deploy" and not args.no_bytes, node_threads=args.node_threads
+                    root,
+                    variant,
+                    args.rounds,
+                    args.local_steps,
+                    with_bytes=variant == "deploy" and not args.no_bytes,
+                    node_threads=args.node_threads,
                 )
     finally:
         if args.keep:

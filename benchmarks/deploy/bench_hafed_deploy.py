@@ -19,14 +19,27 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_deploy_vs_sim import CONNECTION, NUM_CLIENTS, app_config, federation, flwr_run  # noqa: E402
 
 from pollen.testing import local_federation as lf  # noqa: E402
-from bench_deploy_vs_sim import CONNECTION, NUM_CLIENTS, app_config, federation, flwr_run  # noqa: E402
 
 
 def hafed_config(rounds: int, tau: int, every: int, results: Path, name: str, **extra: object) -> dict:
-    config = app_config(rounds, tau, name, results, strategy="hafed", topology="full", **{
-        "gossip-every": every, "uploaders-per-cluster": NUM_CLIENTS, "batch-size": 32, "eval-every": rounds, **extra})
+    config = app_config(
+        rounds,
+        tau,
+        name,
+        results,
+        strategy="hafed",
+        topology="full",
+        **{
+            "gossip-every": every,
+            "uploaders-per-cluster": NUM_CLIENTS,
+            "batch-size": 32,
+            "eval-every": rounds,
+            **extra,
+        },
+    )
     config.pop("compressor")
     return config
 
@@ -45,14 +58,22 @@ def main() -> int:
     with lf.Processes(root / "sim" / "logs") as procs, lf.dump_logs_on_error(procs, lines=40):
         (http_port,) = lf.free_ports(1)
         env = lf.flower_env(root / "sim" / "home", RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0")
-        superlink = procs.start("superlink-sim", lf.superlink_argv(http_port=http_port, fleet_port=0, simulation=True), env=env)
+        superlink = procs.start(
+            "superlink-sim", lf.superlink_argv(http_port=http_port, fleet_port=0, simulation=True), env=env
+        )
         lf.wait_until(lambda: superlink.poll() is None and lf.port_is_open(http_port), 90, "the simulation SuperLink")
         lf.write_connection(root / "sim" / "home", CONNECTION, f"127.0.0.1:{http_port}", insecure=True)
         for every in (1, args.tau):
-            config = hafed_config(args.rounds, args.tau, every, root / "results", f"sim-g{every}", **{"cluster-size": NUM_CLIENTS})
-            run = flwr_run(procs, env, config, federation_config=f"num-supernodes={NUM_CLIENTS} client-resources-num-cpus=1")
+            config = hafed_config(
+                args.rounds, args.tau, every, root / "results", f"sim-g{every}", **{"cluster-size": NUM_CLIENTS}
+            )
+            run = flwr_run(
+                procs, env, config, federation_config=f"num-supernodes={NUM_CLIENTS} client-resources-num-cpus=1"
+            )
             rows.append(("simulation (Ray)", every, run["steady_round_seconds"]))
-    print(f"HA-Fed, {NUM_CLIENTS} clients in one cluster, tau = {args.tau}, {args.rounds} rounds (steady: rounds 2 on)\n")
+    print(
+        f"HA-Fed, {NUM_CLIENTS} clients in one cluster, tau = {args.tau}, {args.rounds} rounds (steady: rounds 2 on)\n"
+    )
     print("| where | gossip-every | relayed exchanges / round | s / round | s per relayed gossip step |")
     print("|---|---|---|---|---|")
     by_where: dict[str, dict[int, float]] = {}
@@ -62,7 +83,11 @@ def main() -> int:
         per_step = (times[1] - times[args.tau]) / (args.tau - 1)
         for every, seconds in times.items():
             steps = args.tau - 1 if every == 1 else 0
-            print(f"| {where} | {every} | {steps} | {seconds:.2f} | {per_step:.2f} |" if every == 1 else f"| {where} | {every} | {steps} | {seconds:.2f} | |")
+            print(
+                f"| {where} | {every} | {steps} | {seconds:.2f} | {per_step:.2f} |"
+                if every == 1
+                else f"| {where} | {every} | {steps} | {seconds:.2f} | |"
+            )
     return 0
 
 

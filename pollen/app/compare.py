@@ -88,8 +88,13 @@ def summarise_group(label: str, run_dirs: Sequence[Path], target: float | None =
         "uplink_bytes": statistics.mean(s["uplink_bytes"] for s in runs),
         "downlink_bytes": statistics.mean(s["downlink_bytes"] for s in runs),
         "seconds": statistics.mean(s["seconds"] for s in runs),
-        "rounds_text": (f"{statistics.mean(hits):.1f} ({len(hits)}/{len(reached)} reached)" if hits else f"not reached (0/{len(reached)})")
-        if target is not None else "-",
+        "rounds_text": (
+            f"{statistics.mean(hits):.1f} ({len(hits)}/{len(reached)} reached)"
+            if hits
+            else f"not reached (0/{len(reached)})"
+        )
+        if target is not None
+        else "-",
     }
 
 
@@ -109,15 +114,26 @@ def format_group_table(groups: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_report(groups: Mapping[str, Sequence[Path]], out: Path, *, title: str = "", commands: Sequence[str] = (),
-                 target: float | None = None) -> str:
+def write_report(
+    groups: Mapping[str, Sequence[Path]],
+    out: Path,
+    *,
+    title: str = "",
+    commands: Sequence[str] = (),
+    target: float | None = None,
+) -> str:
     """``report.md`` / ``report.json`` (one row per group), the plots (first run of each group), ``commands.sh``."""
     out.mkdir(parents=True, exist_ok=True)
     summaries = [summarise_group(label, runs, target) for label, runs in groups.items() if runs]
     table = format_group_table(summaries)
     plots = plot_runs({label: load_rows(runs[0]) for label, runs in groups.items() if runs}, out)
-    parts = [f"# {title}" if title else "# Comparison", "", table, "",
-             "Plots (the first run of each row): " + ", ".join(f"[{p.name}]({p.name})" for p in plots)]
+    parts = [
+        f"# {title}" if title else "# Comparison",
+        "",
+        table,
+        "",
+        "Plots (the first run of each row): " + ", ".join(f"[{p.name}]({p.name})" for p in plots),
+    ]
     if commands:
         parts += ["", "Commands:", "", "```bash", *commands, "```"]
         (out / "commands.sh").write_text("#!/usr/bin/env bash\nset -e\n" + "\n".join(commands) + "\n")
@@ -143,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "comparison.json").write_text(json.dumps(summaries, indent=2) + "\n")
     write_report({run.name: [run] for run in args.runs}, args.out, target=args.target)
     print(table)
-    print(f"\nwritten: {args.out / 'comparison.md'}, report.md and the accuracy plots (vs round, uplink, downlink and total bytes)")
+    print(
+        f"\nwritten: {args.out / 'comparison.md'}, report.md and the accuracy plots (vs round, uplink, downlink and total bytes)"
+    )
     return 0
 
 

@@ -131,7 +131,7 @@ LOCAL_TRAINING = {
     "local-lr": positive(0.01),
     "lr-schedule": choice(SCHEDULES, "constant"),
     "lr-decay-rounds": Key(
-        str, "", _decay_rounds_ok, "strictly increasing comma-separated rounds >= 2, e.g. \"30,70\" (or empty)"
+        str, "", _decay_rounds_ok, 'strictly increasing comma-separated rounds >= 2, e.g. "30,70" (or empty)'
     ),
     "lr-decay-factor": unit_open(0.1),
     "local-epochs": pos_int(1),
@@ -157,7 +157,14 @@ BAD_CLIENTS = {
 
 #: Every key the app's run-config holds: the common keys, then each family's.
 SCHEMA: dict[str, Key] = assemble(
-    EXPERIMENT, SAMPLING, SERVER_OPTIMIZER, DATA, LOCAL_TRAINING, RESUME, BAD_CLIENTS, *(family.KEYS for family in FAMILIES)
+    EXPERIMENT,
+    SAMPLING,
+    SERVER_OPTIMIZER,
+    DATA,
+    LOCAL_TRAINING,
+    RESUME,
+    BAD_CLIENTS,
+    *(family.KEYS for family in FAMILIES),
 )
 
 
@@ -233,9 +240,7 @@ class AppConfig:
         run_config = effective_run_config(run_config, given, methods)
         unknown = sorted(set(run_config) - set(SCHEMA))
         if unknown:
-            raise ConfigError(
-                f"run-config key '{unknown[0]}' is unknown; allowed keys: {', '.join(sorted(SCHEMA))}"
-            )
+            raise ConfigError(f"run-config key '{unknown[0]}' is unknown; allowed keys: {', '.join(sorted(SCHEMA))}")
         missing = sorted(set(SCHEMA) - set(run_config))
         if missing:
             raise ConfigError(f"run-config key '{missing[0]}' is missing (it has a default in pyproject.toml)")
@@ -265,7 +270,9 @@ class AppConfig:
 
         The values are already resolved, so every key counts as given: the changes, and only they, change.
         """
-        return AppConfig.from_run_config({**self.values, **changes}, given=set(self.values) | set(changes), methods=self.methods)
+        return AppConfig.from_run_config(
+            {**self.values, **changes}, given=set(self.values) | set(changes), methods=self.methods
+        )
 
 
 def effective_run_config(
@@ -292,13 +299,17 @@ def effective_run_config(
     return fill_unset(resolved, recommended, defaults, set(given) | preset_keys)
 
 
-def clients_need_given_keys(run_config: Mapping[str, Any], given: Collection[str], methods: registry.Table | None = None) -> bool:
+def clients_need_given_keys(
+    run_config: Mapping[str, Any], given: Collection[str], methods: registry.Table | None = None
+) -> bool:
     """Whether a ClientApp that does not know ``given`` would resolve ``run_config`` differently.
 
     It would where the user gave a key the value of its pyproject default and the preset or the
     method recommends another: without the given keys the client would take that other value.
     """
-    return bool(given) and effective_run_config(run_config, given, methods) != effective_run_config(run_config, (), methods)
+    return bool(given) and effective_run_config(run_config, given, methods) != effective_run_config(
+        run_config, (), methods
+    )
 
 
 def defaults_from_pyproject(path: str) -> dict[str, Any]:

@@ -130,7 +130,9 @@ def fill_unset(
     return merged
 
 
-def apply_preset(run_config: Mapping[str, Any], defaults: Mapping[str, Any], given: Collection[str] = ()) -> dict[str, Any]:
+def apply_preset(
+    run_config: Mapping[str, Any], defaults: Mapping[str, Any], given: Collection[str] = ()
+) -> dict[str, Any]:
     """``run_config`` with its ``preset`` applied: preset values replace defaults, given values win.
 
     ``given`` are the keys the user set (Flower's override config); a key of ``run_config`` that differs

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-
 from pollen.core.files import write_npz_atomic
 
 COLUMNS = (

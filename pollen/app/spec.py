@@ -57,7 +57,9 @@ def _options(options: Options) -> tuple[str, ...]:
 
 def choice(options: Options, default: str, *, server_side: bool = False) -> Key:
     """A name from ``options`` (a tuple, or a function returning the owner's tuple, read when checked)."""
-    return Key(str, default, lambda v: v in _options(options), lambda: "one of " + ", ".join(_options(options)), server_side)
+    return Key(
+        str, default, lambda v: v in _options(options), lambda: "one of " + ", ".join(_options(options)), server_side
+    )
 
 
 def positive(default: float) -> Key:

@@ -65,8 +65,14 @@ def parse_assignment(text: str) -> tuple[str, Any]:
         return key, raw
 
 
-def plan(preset: Preset, methods: Sequence[str], seeds: Sequence[int], settings: Mapping[str, Any],
-         sweep: tuple[str, list[Any]] | None, out: Path) -> list[PlannedRun]:
+def plan(
+    preset: Preset,
+    methods: Sequence[str],
+    seeds: Sequence[int],
+    settings: Mapping[str, Any],
+    sweep: tuple[str, list[Any]] | None,
+    out: Path,
+) -> list[PlannedRun]:
     """Every run of the sweep, method-major within each seed (a partial sweep has every method on seed 1)."""
     runs = []
     values = sweep[1] if sweep else [None]
@@ -75,7 +81,13 @@ def plan(preset: Preset, methods: Sequence[str], seeds: Sequence[int], settings:
             for value in values:
                 group = method if sweep is None else f"{method} {sweep[0]}={value}"
                 name = f"{method}-s{seed}" if sweep is None else f"{method}-{sweep[0]}-{value}-s{seed}"
-                config = {**preset.method_config(method), **settings, "seed": seed, "run-name": name, "results-dir": str(out / "runs")}
+                config = {
+                    **preset.method_config(method),
+                    **settings,
+                    "seed": seed,
+                    "run-name": name,
+                    "results-dir": str(out / "runs"),
+                }
                 if sweep is not None:
                     config[sweep[0]] = value
                 runs.append(PlannedRun(group, seed, config, out / "runs" / name))
@@ -131,13 +143,26 @@ def flwr_executable() -> str:
 
 def flwr_command(run: PlannedRun, app: str, supernodes: int) -> list[str]:
     overrides = " ".join(f"{key}={toml_value(value)}" for key, value in run.config.items())
-    return [flwr_executable(), "run", app, "--stream", "--federation-config", f"num-supernodes={supernodes}", "--run-config", overrides]
+    return [
+        flwr_executable(),
+        "run",
+        app,
+        "--stream",
+        "--federation-config",
+        f"num-supernodes={supernodes}",
+        "--run-config",
+        overrides,
+    ]
 
 
 def run_with_flwr(command: list[str], log_path: Path) -> int:
     """Run one ``flwr run`` and keep its output next to the results; the exit code."""
     bin_dir = str(Path(sys.executable).parent)  # flwr starts flower-superlink from PATH: this environment's
-    env = {**os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    env = {
+        **os.environ,
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+    }
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         try:
@@ -147,8 +172,14 @@ def run_with_flwr(command: list[str], log_path: Path) -> int:
             return 127
 
 
-def execute(runs: list[PlannedRun], *, app: str, supernodes: int, runner: Callable[[list[str], Path], int] = run_with_flwr,
-            say: Callable[[str], None] = print) -> list[str]:
+def execute(
+    runs: list[PlannedRun],
+    *,
+    app: str,
+    supernodes: int,
+    runner: Callable[[list[str], Path], int] = run_with_flwr,
+    say: Callable[[str], None] = print,
+) -> list[str]:
     """Run what is not finished yet, one progress line per run; returns the failures (one line each)."""
     todo = [run for run in runs if not is_finished(run)]
     say(f"{len(runs)} runs, {len(runs) - len(todo)} already finished, {len(todo)} to run")
@@ -165,7 +196,9 @@ def execute(runs: list[PlannedRun], *, app: str, supernodes: int, runner: Callab
         else:
             outcome = f"FAILED (exit {code}; see {run.run_dir.name}.log)"
             failures.append(f"{run.run_dir.name}: exit {code}")
-        say(f"[{index}/{len(todo)}] {run.group} seed {run.seed}: {outcome} in {spent[-1]:.0f} s; about {left / 60:.0f} min left")
+        say(
+            f"[{index}/{len(todo)}] {run.group} seed {run.seed}: {outcome} in {spent[-1]:.0f} s; about {left / 60:.0f} min left"
+        )
     return failures
 
 
@@ -188,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         methods = args.methods or list(preset.methods)
         unknown = [m for m in methods if m not in preset.methods]
         if unknown:
-            raise PresetError(f"preset '{preset.name}' has no method {unknown[0]!r}; it has: {', '.join(preset.methods)}")
+            raise PresetError(
+                f"preset '{preset.name}' has no method {unknown[0]!r}; it has: {', '.join(preset.methods)}"
+            )
         settings = dict(parse_assignment(text) for text in args.set)
         sweep = None
         if args.sweep:

@@ -27,11 +27,11 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
-from pollen.wire import protocol
 from pollen.clientside.state import ClientState
 from pollen.compression import make_codec
 from pollen.compression.error_feedback import ErrorFeedback, compress_with_feedback
 from pollen.core.layout import ModelLayout
+from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, payload_to_records, record_to_arrays
 
 RESIDUAL = "ef-residual"

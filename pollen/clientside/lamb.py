@@ -200,8 +200,7 @@ class LocalLAMB(torch.optim.Optimizer):
                 t = p[1] if isinstance(p, tuple) else p
                 if isinstance(t, torch.Tensor) and not t.is_floating_point():
                     raise ValueError(
-                        f"{_NAME}: parameter {i} of the group has dtype {t.dtype}; allowed: a real "
-                        "floating-point dtype"
+                        f"{_NAME}: parameter {i} of the group has dtype {t.dtype}; allowed: a real floating-point dtype"
                     )
         super().add_param_group({**param_group, "params": params})
         group = self.param_groups[-1]
@@ -293,17 +292,17 @@ class LocalLAMB(torch.optim.Optimizer):
                     raise RuntimeError(f"{_NAME} does not support sparse gradients")
                 state = self._init_state(p, group)
                 m, v_hat = state["m"], state["v_hat"]
-                m.mul_(beta1).add_(g, alpha=1.0 - beta1)                        # line 10
+                m.mul_(beta1).add_(g, alpha=1.0 - beta1)  # line 10
                 if group["track_v"]:
-                    state["v"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)    # line 11, uploaded only
+                    state["v"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)  # line 11, uploaded only
                 denom = v_hat.sqrt()
                 if group["eps_mode"] == "add":
                     denom.add_(group["eps"])
-                u = m / denom                                                   # line 12: psi
+                u = m / denom  # line 12: psi
                 if wd != 0.0:
-                    u.add_(p, alpha=wd)                                         # psi + lambda * theta
+                    u.add_(p, alpha=wd)  # psi + lambda * theta
                 if group["trust_ratio"]:
-                    p.addcmul_(u, self._trust_ratio(p, u, group), value=-lr)    # line 13, eq. (3)
+                    p.addcmul_(u, self._trust_ratio(p, u, group), value=-lr)  # line 13, eq. (3)
                 else:
-                    p.add_(u, alpha=-lr)                                        # Fed-AMS / Mime
+                    p.add_(u, alpha=-lr)  # Fed-AMS / Mime
         return loss

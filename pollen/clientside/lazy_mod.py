@@ -32,12 +32,12 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
-from pollen.wire import protocol
 from pollen.clientside.compression_mod import RESIDUAL, client_state_for
 from pollen.clientside.state import ClientState
 from pollen.compression import decode_payload, make_codec
 from pollen.core.layout import ModelLayout
 from pollen.lazy.rules import apply_downlink, checksum, judge, uplink_residual
+from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, payload_to_records, record_to_arrays, records_to_payload
 
 COPY_PREFIX = "lazy.x/"  # the stored model copy, one entry per array
@@ -91,14 +91,19 @@ def lazy_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Me
 
 
 # ---------------------------------------------------------------------------- downlink
-def _start_model(msg: Message, config: ConfigRecord, state: ClientState) -> tuple[ModelLayout, dict[str, np.ndarray]] | None:
+def _start_model(
+    msg: Message, config: ConfigRecord, state: ClientState
+) -> tuple[ModelLayout, dict[str, np.ndarray]] | None:
     """The layout and the named arrays to train from; ``None`` when the client must be resynced."""
     kind = str(config.get(protocol.CFG_LAZY_DOWN, "dense"))
     if kind not in DOWN_KINDS:
         raise ValueError(f"downlink kind {kind!r} is unknown; allowed: {', '.join(DOWN_KINDS)}")
     buffer_keys = protocol.split_keys(str(config.get(protocol.CFG_BUFFER_KEYS, "")))
     if kind in ("dense", "full"):
-        arrays = {name: np.array(value) for name, value in record_to_arrays(msg.content.array_records[protocol.ARRAYS_RECORD]).items()}
+        arrays = {
+            name: np.array(value)
+            for name, value in record_to_arrays(msg.content.array_records[protocol.ARRAYS_RECORD]).items()
+        }
         layout = ModelLayout.from_arrays(arrays, buffer_keys)
         if kind == "full":
             _store_copy(state, arrays)
@@ -111,7 +116,9 @@ def _start_model(msg: Message, config: ConfigRecord, state: ClientState) -> tupl
     layout = ModelLayout.from_arrays(copy, buffer_keys)
     received = None
     if protocol.DOWN_RECORD in msg.content:
-        payload = records_to_payload(msg.content.array_records[protocol.DOWN_RECORD], msg.content.config_records[protocol.DOWN_META_RECORD])
+        payload = records_to_payload(
+            msg.content.array_records[protocol.DOWN_RECORD], msg.content.config_records[protocol.DOWN_META_RECORD]
+        )
         received = decode_payload(payload, layout.dim, segments=layout.segments)
     apply, target = str(config.get(protocol.CFG_LAZY_APPLY, "add")), str(config.get(protocol.CFG_LAZY_X_SUM, ""))
     bases = [(layout.flatten(copy), state.get(C_PREV))]
@@ -132,7 +139,12 @@ def _start_model(msg: Message, config: ConfigRecord, state: ClientState) -> tupl
     arrays = dict(copy)
     arrays.update(layout.unflatten(new_x))
     if protocol.DOWN_BUFFERS_RECORD in msg.content:
-        arrays.update({k: np.array(v) for k, v in record_to_arrays(msg.content.array_records[protocol.DOWN_BUFFERS_RECORD]).items()})
+        arrays.update(
+            {
+                k: np.array(v)
+                for k, v in record_to_arrays(msg.content.array_records[protocol.DOWN_BUFFERS_RECORD]).items()
+            }
+        )
     _store_copy(state, arrays)
     _keep(state, C_PREV, new_c_prev)
     return layout, arrays
@@ -165,15 +177,19 @@ def _stored_copy(state: ClientState) -> dict[str, np.ndarray] | None:
 
 
 def _resync_reply(msg: Message) -> Message:
-    content = RecordDict({
-        protocol.FLAGS_RECORD: ConfigRecord({protocol.FLAG_RESYNC: True}),
-        protocol.METRICS_RECORD: MetricRecord({protocol.NUM_EXAMPLES: 1, "num-steps": 0}),
-    })
+    content = RecordDict(
+        {
+            protocol.FLAGS_RECORD: ConfigRecord({protocol.FLAG_RESYNC: True}),
+            protocol.METRICS_RECORD: MetricRecord({protocol.NUM_EXAMPLES: 1, "num-steps": 0}),
+        }
+    )
     return Message(content=content, reply_to=msg)
 
 
 # ---------------------------------------------------------------------------- uplink
-def _judged_upload(reply: Message, config: ConfigRecord, state: ClientState, layout: ModelLayout, start: dict[str, np.ndarray]) -> RecordDict:
+def _judged_upload(
+    reply: Message, config: ConfigRecord, state: ClientState, layout: ModelLayout, start: dict[str, np.ndarray]
+) -> RecordDict:
     local = record_to_arrays(reply.content.array_records[protocol.ARRAYS_RECORD])
     layout.check_arrays(local, layout.trainable + layout.buffers)
     delta = layout.difference(local, start)
@@ -190,21 +206,35 @@ def _judged_upload(reply: Message, config: ConfigRecord, state: ClientState, lay
         residual = None
     last_used, last_round = state.get(UP_USED), state.get(UP_ROUND)
     server_round = int(config.get(protocol.CFG_SERVER_ROUND, 0))
-    if (residual is not None and last_used is not None and last_used.shape == delta.shape and last_round is not None
-            and int(config.get(protocol.CFG_LAZY_LAST_ROUND, last_round)) < int(last_round) < server_round):
-        residual = np.add(residual, last_used, dtype=np.float32)  # the server never applied our last reply: not lost, owed
+    if (
+        residual is not None
+        and last_used is not None
+        and last_used.shape == delta.shape
+        and last_round is not None
+        and int(config.get(protocol.CFG_LAZY_LAST_ROUND, last_round)) < int(last_round) < server_round
+    ):
+        residual = np.add(
+            residual, last_used, dtype=np.float32
+        )  # the server never applied our last reply: not lost, owed
     compensated = delta if residual is None else np.add(delta, residual, dtype=np.float32)
     payload = codec.encode(compensated)
     cand = codec.decode(payload, layout.dim)
     ref = None  # the server holds no copy (or another one) unless a checksum matches: judge as a first upload
     for name in (UP_REF, UP_REF_PREV):
         stored = state.get(name)
-        if stored is not None and stored.shape == cand.shape and checksum(stored) == str(config.get(protocol.CFG_LAZY_REF_SUM, "")):
+        if (
+            stored is not None
+            and stored.shape == cand.shape
+            and checksum(stored) == str(config.get(protocol.CFG_LAZY_REF_SUM, ""))
+        ):
             ref = np.array(stored)
             break
     verdict = judge(cand, ref, str(config[protocol.CFG_LAZY_UP_RULE]), float(config.get(protocol.CFG_LAZY_UP_TAU, 0.0)))
     if feedback:
-        state.set(RESIDUAL, uplink_residual(delta, residual, verdict.used, cand, str(config.get(protocol.CFG_LAZY_EF_MODE, "applied"))))
+        state.set(
+            RESIDUAL,
+            uplink_residual(delta, residual, verdict.used, cand, str(config.get(protocol.CFG_LAZY_EF_MODE, "applied"))),
+        )
     _keep(state, UP_REF_PREV, ref)
     _keep(state, UP_REF, verdict.new_ref)
     state.set(UP_USED, verdict.used)
@@ -217,7 +247,9 @@ def _judged_upload(reply: Message, config: ConfigRecord, state: ClientState, lay
     if layout.buffer_keys:
         content[protocol.BUFFERS_RECORD] = arrays_to_record({k: local[k] for k in layout.buffer_keys})
     if verdict.kind != "send":
-        content[protocol.FLAGS_RECORD] = ConfigRecord({protocol.FLAG_SKIP if verdict.kind == "skip" else protocol.FLAG_AA: True})
+        content[protocol.FLAGS_RECORD] = ConfigRecord(
+            {protocol.FLAG_SKIP if verdict.kind == "skip" else protocol.FLAG_AA: True}
+        )
     for name, record in reply.content.items():
         if name != protocol.ARRAYS_RECORD and name not in content:
             content[name] = record

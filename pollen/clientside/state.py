@@ -429,5 +429,3 @@ def _write_file(path: Path, snapshots: Mapping[str, StateSnapshot]) -> None:
         for name, array in snapshot.arrays.items():
             entries[f"{slot}/{name}"] = array
     write_npz_atomic(path, entries)
-
-

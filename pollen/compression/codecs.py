@@ -363,9 +363,7 @@ def normalize_segments(segments: Sequence[tuple[int, int] | slice]) -> tuple[tup
                 pair = tuple(seg)
             except TypeError:
                 raise ValueError(f"segment {i} {seg!r}: expected a (start, stop) pair") from None
-        if len(pair) != 2 or not all(
-            isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in pair
-        ):
+        if len(pair) != 2 or not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in pair):
             raise ValueError(f"segment {i} {seg!r}: expected a (start, stop) pair of integers")
         start, stop = int(pair[0]), int(pair[1])
         if start != expected_start:
@@ -448,9 +446,7 @@ _DECODERS: dict[str, Codec] = {
 }
 
 
-def decode_payload(
-    payload: Payload, dim: int, segments: Sequence[tuple[int, int] | slice] | None = None
-) -> np.ndarray:
+def decode_payload(payload: Payload, dim: int, segments: Sequence[tuple[int, int] | slice] | None = None) -> np.ndarray:
     """Decode a payload of any known codec, dispatching on ``payload.codec``; raise ``PayloadError``.
 
     For top-k the number of entries is read from the payload (any ``1 <= k <= dim``), not assumed from a

@@ -41,9 +41,7 @@ class ErrorFeedback:
     enabled: bool = True
 
 
-def compress_with_feedback(
-    codec: Codec, delta: np.ndarray, feedback: ErrorFeedback
-) -> tuple[Payload, ErrorFeedback]:
+def compress_with_feedback(codec: Codec, delta: np.ndarray, feedback: ErrorFeedback) -> tuple[Payload, ErrorFeedback]:
     """Compress ``delta`` with error feedback; return the payload and the new state.
 
     ``p = delta + e``; ``payload = C(p)``; ``e_new = p - decode(payload)``, all in float32, so that

@@ -319,7 +319,12 @@ class _NpzReader:
         if want_shape is not None and (
             len(want_shape) != len(shape) or any(w is not None and w != n for w, n in zip(want_shape, shape))
         ):
-            want = "(" + ", ".join("N" if w is None else str(w) for w in want_shape) + ("," if len(want_shape) == 1 else "") + ")"
+            want = (
+                "("
+                + ", ".join("N" if w is None else str(w) for w in want_shape)
+                + ("," if len(want_shape) == 1 else "")
+                + ")"
+            )
             raise self.bad(f"has member {info.filename} of shape {shape}, expected {want}")
         if want_dtype is not None and dtype != np.dtype(want_dtype):
             raise self.bad(f"has member {info.filename} of dtype {dtype}, expected {np.dtype(want_dtype)}")

@@ -9,12 +9,11 @@ strategies and the client-side mods flatten in exactly the same way.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 import functools
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
-
 
 # PyTorch names the non-trainable state of normalisation layers with these suffixes.
 BUFFER_NAME_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
@@ -58,9 +57,7 @@ class ModelLayout:
     buffers: tuple[TensorSpec, ...]
 
     @classmethod
-    def from_arrays(
-        cls, arrays: Mapping[str, np.ndarray], buffer_keys: Iterable[str] | None = None
-    ) -> ModelLayout:
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray], buffer_keys: Iterable[str] | None = None) -> ModelLayout:
         """Build the layout of ``arrays``, in their order.
 
         ``buffer_keys`` names the non-trainable arrays explicitly; when it is ``None``
@@ -74,9 +71,7 @@ class ModelLayout:
         for name, array in arrays.items():
             array = np.asarray(array)
             spec = TensorSpec(name, tuple(array.shape), array.dtype)
-            is_buffer = (
-                looks_like_buffer(name, array) if explicit is None else name in explicit
-            )
+            is_buffer = looks_like_buffer(name, array) if explicit is None else name in explicit
             (buffers if is_buffer else trainable).append(spec)
         return cls(tuple(trainable), tuple(buffers))
 
@@ -141,9 +136,7 @@ class ModelLayout:
             array = np.asarray(arrays[spec.name])
             # A 0-d tensor may come back as shape (1,) from some converters: same value, accept.
             if tuple(array.shape) != spec.shape and not (array.size == spec.size == 1):
-                raise ValueError(
-                    f"array '{spec.name}' has shape {tuple(array.shape)}, the model has {spec.shape}"
-                )
+                raise ValueError(f"array '{spec.name}' has shape {tuple(array.shape)}, the model has {spec.shape}")
             if not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_):
                 raise ValueError(f"array '{spec.name}' has non-numeric dtype {array.dtype}")
             if np.issubdtype(array.dtype, np.floating) and not np.all(np.isfinite(array)):

@@ -14,6 +14,7 @@ the spec ``papers/hafed.md`` §3.2-3.6.
 
 from __future__ import annotations
 
+from . import mixing as _mixing
 from .mixing import (
     TOLERANCE,
     TOPOLOGIES,
@@ -27,13 +28,11 @@ from .mixing import (
     interpolated,
     lambda_for_rho,
     mixing_matrix,
-    without_absent,
     ring,
     segment_bounds,
     spectral_gap_rho,
     validate_clusters,
+    without_absent,
 )
-
-from . import mixing as _mixing
 
 __all__ = list(_mixing.__all__)

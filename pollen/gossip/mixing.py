@@ -360,8 +360,7 @@ def lambda_for_rho(n: int, rho: float) -> float:
     slack = 5e-4
     if not 0.0 <= rho <= rho_ring + slack:
         raise ValueError(
-            f"rho = {rho} is not reachable by interpolated(n={n}, lam); allowed: 0 <= rho <= "
-            f"rho(ring) = {rho_ring:.5f}"
+            f"rho = {rho} is not reachable by interpolated(n={n}, lam); allowed: 0 <= rho <= rho(ring) = {rho_ring:.5f}"
         )
     if rho_ring <= 1e-12:
         if rho > 1e-12:

@@ -123,7 +123,9 @@ def replay(kind: str, received: np.ndarray | None, ref: np.ndarray | None) -> tu
     raise ValueError(f"kind {kind!r} is unknown; allowed: {', '.join(KINDS)}")
 
 
-def uplink_residual(delta: np.ndarray, residual: np.ndarray | None, used: np.ndarray, cand: np.ndarray, ef_mode: str) -> np.ndarray:
+def uplink_residual(
+    delta: np.ndarray, residual: np.ndarray | None, used: np.ndarray, cand: np.ndarray, ef_mode: str
+) -> np.ndarray:
     """The client's new error-feedback residual (Algorithm 3 line 13).
 
     ``applied`` (default, Lemma F.4): ``e <- Delta + e - used``; ``compressed`` (proof identities
@@ -160,7 +162,9 @@ class DownlinkStep:
     rel: float
 
 
-def apply_downlink(kind: str, received: np.ndarray | None, x: np.ndarray, c_prev: np.ndarray | None, apply: str) -> tuple[np.ndarray, np.ndarray | None]:
+def apply_downlink(
+    kind: str, received: np.ndarray | None, x: np.ndarray, c_prev: np.ndarray | None, apply: str
+) -> tuple[np.ndarray, np.ndarray | None]:
     """The client's side (and the server's mirror): ``(new_x, new_c_prev)`` from one downlink message."""
     used, new_ref = replay(kind, received, c_prev)
     if kind == "keep":
@@ -206,4 +210,6 @@ def downlink_step(
     apply = "set" if mode == "literal" else "add"
     new_x, new_c_prev = apply_downlink(verdict.kind, received, x, c_prev, apply)
     new_error = np.subtract(target, verdict.used, dtype=np.float32) if mode == "literal" else None
-    return DownlinkStep(verdict.kind, received, new_x, new_c_prev, new_error, apply, verdict.rel), (payload if verdict.transmit else None)
+    return DownlinkStep(verdict.kind, received, new_x, new_c_prev, new_error, apply, verdict.rel), (
+        payload if verdict.transmit else None
+    )

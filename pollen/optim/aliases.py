@@ -142,8 +142,12 @@ def amsgrad(
     """FedAMS (``eps_mode="max"``, Option 1), FedAMSGrad (``"add"``, Option 2), HA-Fed's (``"inside"``)."""
     return chain(
         scale_by_amsgrad(
-            beta1=beta1, beta2=beta2, eps=eps, eps_mode=eps_mode,
-            bias_correction=bias_correction, max_stabilisation=max_stabilisation,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            eps_mode=eps_mode,
+            bias_correction=bias_correction,
+            max_stabilisation=max_stabilisation,
         ),
         scale(eta),
     )

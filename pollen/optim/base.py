@@ -106,8 +106,7 @@ class OptState:
             if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != np.float32:
                 shape, dtype = getattr(a, "shape", None), getattr(a, "dtype", type(a).__name__)
                 raise ValueError(
-                    f"optimizer state slot {name!r} has shape {shape} and dtype {dtype}; "
-                    "allowed: a 1-D float32 array"
+                    f"optimizer state slot {name!r} has shape {shape} and dtype {dtype}; allowed: a 1-D float32 array"
                 )
         lengths = {a.shape[0] for a in self.slots.values()}
         if len(lengths) > 1:

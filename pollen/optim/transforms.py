@@ -88,12 +88,12 @@ def update_moments(
     Shared by Adam, AMSGrad, LAMB and Adp-Fed's Adam so that they agree bit for bit. ``scratch`` may be
     ``out`` of the caller; it must not be ``delta``.
     """
-    np.multiply(m_old, beta1, out=m)                    # m = beta1 * m
-    m += np.multiply(delta, 1.0 - beta1, out=scratch)   #     + (1 - beta1) * Delta
-    np.multiply(delta, delta, out=scratch)              # Delta**2
+    np.multiply(m_old, beta1, out=m)  # m = beta1 * m
+    m += np.multiply(delta, 1.0 - beta1, out=scratch)  #     + (1 - beta1) * Delta
+    np.multiply(delta, delta, out=scratch)  # Delta**2
     scratch *= 1.0 - beta2
-    np.multiply(v_old, beta2, out=v)                    # v = beta2 * v
-    v += scratch                                        #     + (1 - beta2) * Delta**2
+    np.multiply(v_old, beta2, out=v)  # v = beta2 * v
+    v += scratch  #     + (1 - beta2) * Delta**2
 
 
 # -------------------------------------------------------------------------------- scale, trace
@@ -122,10 +122,17 @@ class Scale(Transform):
         return (_Stage(self, self.eta),)
 
     def _block(
-        self, t: int, old: Slots, new: Slots, u: np.ndarray, params: np.ndarray | None,
-        out: np.ndarray, factor: float, scratch: np.ndarray,
+        self,
+        t: int,
+        old: Slots,
+        new: Slots,
+        u: np.ndarray,
+        params: np.ndarray | None,
+        out: np.ndarray,
+        factor: float,
+        scratch: np.ndarray,
     ) -> None:
-        np.multiply(u, factor, out=out)                 # step = eta * u
+        np.multiply(u, factor, out=out)  # step = eta * u
 
 
 class Trace(Transform):
@@ -153,16 +160,23 @@ class Trace(Transform):
         self._hyper = {"momentum": self.momentum}
 
     def _block(
-        self, t: int, old: Slots, new: Slots, u: np.ndarray, params: np.ndarray | None,
-        out: np.ndarray, factor: float, scratch: np.ndarray,
+        self,
+        t: int,
+        old: Slots,
+        new: Slots,
+        u: np.ndarray,
+        params: np.ndarray | None,
+        out: np.ndarray,
+        factor: float,
+        scratch: np.ndarray,
     ) -> None:
         if self.momentum > 0.0:
             buf = new["momentum_buffer"]
             np.multiply(old["momentum_buffer"], self.momentum, out=buf)  # buf = momentum * buf
-            buf += u                                                     #       + Delta_t
-            np.multiply(buf, factor, out=out)                            # step = eta * buf
+            buf += u  #       + Delta_t
+            np.multiply(buf, factor, out=out)  # step = eta * buf
         else:
-            np.multiply(u, factor, out=out)                              # step = eta * Delta_t
+            np.multiply(u, factor, out=out)  # step = eta * Delta_t
 
 
 # -------------------------------------------------------------------------------- Adam
@@ -218,14 +232,28 @@ class ScaleByAdam(Transform):
         _set_moment_settings(self, beta1, beta2, eps, bias_correction)
 
     def _block(
-        self, t: int, old: Slots, new: Slots, u: np.ndarray, params: np.ndarray | None,
-        out: np.ndarray, factor: float, scratch: np.ndarray,
+        self,
+        t: int,
+        old: Slots,
+        new: Slots,
+        u: np.ndarray,
+        params: np.ndarray | None,
+        out: np.ndarray,
+        factor: float,
+        scratch: np.ndarray,
     ) -> None:
         m, v = new["m"], new["v"]
         update_moments(old["m"], old["v"], m, v, u, self.beta1, self.beta2, scratch=out)
-        adaptive_step(                                  # [eta *] m_hat / (sqrt(v_hat) + eps)
-            m, v, out, eta=factor, eps=self.eps, t=t,
-            beta1=self.beta1, beta2=self.beta2, bias_correction=self.bias_correction,
+        adaptive_step(  # [eta *] m_hat / (sqrt(v_hat) + eps)
+            m,
+            v,
+            out,
+            eta=factor,
+            eps=self.eps,
+            t=t,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            bias_correction=self.bias_correction,
         )
 
 
@@ -320,44 +348,70 @@ class ScaleByAMSGrad(Transform):
         self.max_stabilisation = check_bool(self.name, "max_stabilisation", max_stabilisation)
         self.slot_names = ("m", "v", "v_hat") if self.max_stabilisation else ("m", "v")
         self._hyper = {
-            "beta1": self.beta1, "beta2": self.beta2, "eps": self.eps, "eps_mode": self.eps_mode,
-            "bias_correction": self.bias_correction, "max_stabilisation": self.max_stabilisation,
+            "beta1": self.beta1,
+            "beta2": self.beta2,
+            "eps": self.eps,
+            "eps_mode": self.eps_mode,
+            "bias_correction": self.bias_correction,
+            "max_stabilisation": self.max_stabilisation,
         }
 
     def _initial_slots(self, dim: int) -> dict[str, np.ndarray]:
         slots = super()._initial_slots(dim)
         if self.max_stabilisation and self.eps_mode == "max":
-            slots["v_hat"].fill(self.eps)                   # v_hat_0 = eps (spec §8 A.1)
+            slots["v_hat"].fill(self.eps)  # v_hat_0 = eps (spec §8 A.1)
         return slots
 
     def _block(
-        self, t: int, old: Slots, new: Slots, u: np.ndarray, params: np.ndarray | None,
-        out: np.ndarray, factor: float, scratch: np.ndarray,
+        self,
+        t: int,
+        old: Slots,
+        new: Slots,
+        u: np.ndarray,
+        params: np.ndarray | None,
+        out: np.ndarray,
+        factor: float,
+        scratch: np.ndarray,
     ) -> None:
         m, v = new["m"], new["v"]
         update_moments(old["m"], old["v"], m, v, u, self.beta1, self.beta2, scratch=out)  # lines 14-15
         option1 = self.eps_mode == "max"
         if self.max_stabilisation:
             v_hat = new["v_hat"]
-            np.maximum(old["v_hat"], v, out=v_hat)          # v_hat = max(v_hat, v
+            np.maximum(old["v_hat"], v, out=v_hat)  # v_hat = max(v_hat, v
             if option1:
-                np.maximum(v_hat, self.eps, out=v_hat)      #                      , eps)   (Option 1)
+                np.maximum(v_hat, self.eps, out=v_hat)  #                      , eps)   (Option 1)
         elif option1:
-            v_hat = np.maximum(v, self.eps, out=out)        # v_hat = max(v, eps)   (no running max)
+            v_hat = np.maximum(v, self.eps, out=out)  # v_hat = max(v, eps)   (no running max)
         else:
-            v_hat = v                                       # v_hat = v             (= FedAdam)
-        if self.eps_mode == "inside":                       # eta * m / sqrt(v_hat + eps)
+            v_hat = v  # v_hat = v             (= FedAdam)
+        if self.eps_mode == "inside":  # eta * m / sqrt(v_hat + eps)
             np.add(v_hat, self.eps, out=out)
             adaptive_step(
-                m, out, out, eta=factor, eps=0.0, t=t, beta1=self.beta1, beta2=self.beta2,
-                bias_correction=self.bias_correction, denominator_positive=self.eps > 0,
+                m,
+                out,
+                out,
+                eta=factor,
+                eps=0.0,
+                t=t,
+                beta1=self.beta1,
+                beta2=self.beta2,
+                bias_correction=self.bias_correction,
+                denominator_positive=self.eps > 0,
             )
             return
         # Option 1: eta * m / sqrt(v_hat);  Option 2: eta * m / (sqrt(v_hat) + eps)
         adaptive_step(
-            m, v_hat, out, eta=factor, eps=0.0 if option1 else self.eps, t=t,
-            beta1=self.beta1, beta2=self.beta2, bias_correction=self.bias_correction,
-            denominator_positive=option1,                   # Option 1: v_hat >= eps > 0
+            m,
+            v_hat,
+            out,
+            eta=factor,
+            eps=0.0 if option1 else self.eps,
+            t=t,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            bias_correction=self.bias_correction,
+            denominator_positive=option1,  # Option 1: v_hat >= eps > 0
         )
 
 
@@ -412,21 +466,35 @@ class ScaleByYogi(Transform):
         _set_moment_settings(self, beta1, beta2, eps, bias_correction)
 
     def _block(
-        self, t: int, old: Slots, new: Slots, u: np.ndarray, params: np.ndarray | None,
-        out: np.ndarray, factor: float, scratch: np.ndarray,
+        self,
+        t: int,
+        old: Slots,
+        new: Slots,
+        u: np.ndarray,
+        params: np.ndarray | None,
+        out: np.ndarray,
+        factor: float,
+        scratch: np.ndarray,
     ) -> None:
         m, v = new["m"], new["v"]
-        sgn = scratch                                       # block-sized buffer, not state
-        np.multiply(old["m"], self.beta1, out=m)            # m = beta1 * m
-        m += np.multiply(u, 1.0 - self.beta1, out=out)      #     + (1 - beta1) * Delta
-        g2 = np.multiply(u, u, out=out)                     # Delta**2
+        sgn = scratch  # block-sized buffer, not state
+        np.multiply(old["m"], self.beta1, out=m)  # m = beta1 * m
+        m += np.multiply(u, 1.0 - self.beta1, out=out)  #     + (1 - beta1) * Delta
+        g2 = np.multiply(u, u, out=out)  # Delta**2
         np.sign(np.subtract(old["v"], g2, out=sgn), out=sgn)  # sign(v_{t-1} - Delta**2)
-        sgn *= g2                                           # Delta**2 * sign(...)
+        sgn *= g2  # Delta**2 * sign(...)
         sgn *= 1.0 - self.beta2
-        np.subtract(old["v"], sgn, out=v)                   # v = v - (1 - beta2) * Delta**2 * sign(...)
+        np.subtract(old["v"], sgn, out=v)  # v = v - (1 - beta2) * Delta**2 * sign(...)
         adaptive_step(
-            m, v, out, eta=factor, eps=self.eps, t=t,
-            beta1=self.beta1, beta2=self.beta2, bias_correction=self.bias_correction,
+            m,
+            v,
+            out,
+            eta=factor,
+            eps=self.eps,
+            t=t,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            bias_correction=self.bias_correction,
         )
 
 
@@ -487,22 +555,36 @@ class ScaleByBelief(Transform):
         self._hyper["inner_eps"] = self.inner_eps
 
     def _block(
-        self, t: int, old: Slots, new: Slots, u: np.ndarray, params: np.ndarray | None,
-        out: np.ndarray, factor: float, scratch: np.ndarray,
+        self,
+        t: int,
+        old: Slots,
+        new: Slots,
+        u: np.ndarray,
+        params: np.ndarray | None,
+        out: np.ndarray,
+        factor: float,
+        scratch: np.ndarray,
     ) -> None:
         m, z = new["m"], new["z"]
-        np.multiply(old["m"], self.beta1, out=m)            # m = beta1 * m
-        m += np.multiply(u, 1.0 - self.beta1, out=out)      #     + (1 - beta1) * Delta
-        s = np.subtract(u, m, out=out)                      # Delta - m_t
-        s *= s                                              # (Delta - m_t)**2
+        np.multiply(old["m"], self.beta1, out=m)  # m = beta1 * m
+        m += np.multiply(u, 1.0 - self.beta1, out=out)  #     + (1 - beta1) * Delta
+        s = np.subtract(u, m, out=out)  # Delta - m_t
+        s *= s  # (Delta - m_t)**2
         s *= 1.0 - self.beta2
-        np.multiply(old["z"], self.beta2, out=z)            # z = beta2 * z
-        z += s                                              #     + (1 - beta2) * (Delta - m_t)**2
+        np.multiply(old["z"], self.beta2, out=z)  # z = beta2 * z
+        z += s  #     + (1 - beta2) * (Delta - m_t)**2
         if self.inner_eps:
-            z += self.eps                                   #     (+ eps, original AdaBelief)
+            z += self.eps  #     (+ eps, original AdaBelief)
         adaptive_step(
-            m, z, out, eta=factor, eps=self.eps, t=t,
-            beta1=self.beta1, beta2=self.beta2, bias_correction=self.bias_correction,
+            m,
+            z,
+            out,
+            eta=factor,
+            eps=self.eps,
+            t=t,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            bias_correction=self.bias_correction,
         )
 
 
@@ -554,20 +636,34 @@ class ScaleByRss(Transform):
         return slots
 
     def _block(
-        self, t: int, old: Slots, new: Slots, u: np.ndarray, params: np.ndarray | None,
-        out: np.ndarray, factor: float, scratch: np.ndarray,
+        self,
+        t: int,
+        old: Slots,
+        new: Slots,
+        u: np.ndarray,
+        params: np.ndarray | None,
+        out: np.ndarray,
+        factor: float,
+        scratch: np.ndarray,
     ) -> None:
         z = new["z"]
         if self.beta1 > 0.0:
             m = new["m"]
-            np.multiply(old["m"], self.beta1, out=m)            # m = beta1 * m
-            m += np.multiply(u, 1.0 - self.beta1, out=out)      #     + (1 - beta1) * Delta
+            np.multiply(old["m"], self.beta1, out=m)  # m = beta1 * m
+            m += np.multiply(u, 1.0 - self.beta1, out=out)  #     + (1 - beta1) * Delta
         else:
-            m = u                                               # m = Delta (FedAdaVR Alg. 3)
-        np.add(old["z"], np.multiply(u, u, out=out), out=z)     # z = z + Delta**2
+            m = u  # m = Delta (FedAdaVR Alg. 3)
+        np.add(old["z"], np.multiply(u, u, out=out), out=z)  # z = z + Delta**2
         adaptive_step(
-            m, z, out, eta=factor, eps=self.eps, t=t,
-            beta1=0.0, beta2=0.0, bias_correction=False,
+            m,
+            z,
+            out,
+            eta=factor,
+            eps=self.eps,
+            t=t,
+            beta1=0.0,
+            beta2=0.0,
+            bias_correction=False,
         )
 
 
@@ -618,16 +714,23 @@ class ScaleByAdpFed(Transform):
         return {"m": np.zeros(dim, dtype=np.float32), "v": np.full(dim, self.v0, dtype=np.float32)}
 
     def _block(
-        self, t: int, old: Slots, new: Slots, u: np.ndarray, params: np.ndarray | None,
-        out: np.ndarray, factor: float, scratch: np.ndarray,
+        self,
+        t: int,
+        old: Slots,
+        new: Slots,
+        u: np.ndarray,
+        params: np.ndarray | None,
+        out: np.ndarray,
+        factor: float,
+        scratch: np.ndarray,
     ) -> None:
         m, v = new["m"], new["v"]
         update_moments(old["m"], old["v"], m, v, u, self.beta1, self.beta2, scratch=out)
-        np.maximum(v, self.floor, out=out)             # max(v, floor)
+        np.maximum(v, self.floor, out=out)  # max(v, floor)
         np.sqrt(out, out=out)
-        np.divide(m, out, out=out)                     # m / sqrt(v)
+        np.divide(m, out, out=out)  # m / sqrt(v)
         if factor != 1.0:  # skipping a multiply by 1 is exact
-            out *= factor                              # step = eta * m / sqrt(v)
+            out *= factor  # step = eta * m / sqrt(v)
 
 
 # -------------------------------------------------------------------------------- LAMB's trust ratio
@@ -711,15 +814,21 @@ class ScaleByTrustRatio(Transform):
             )
 
     def _whole(
-        self, t: int, old: Slots, new: Slots, u: np.ndarray, params: np.ndarray | None,
-        out: np.ndarray, factor: float,
+        self,
+        t: int,
+        old: Slots,
+        new: Slots,
+        u: np.ndarray,
+        params: np.ndarray | None,
+        out: np.ndarray,
+        factor: float,
     ) -> None:
         assert params is not None  # checked in update()
         segments = self.segments if self.layerwise else ((0, u.shape[0]),)
         for start, stop in segments:
             w, r = params[start:stop], u[start:stop]
-            weight_norm = math.sqrt(float(np.dot(w, w)))    # ||x_t||
-            update_norm = math.sqrt(float(np.dot(r, r)))    # ||r_hat||
+            weight_norm = math.sqrt(float(np.dot(w, w)))  # ||x_t||
+            update_norm = math.sqrt(float(np.dot(r, r)))  # ||r_hat||
             ratio = weight_norm / update_norm if weight_norm > 0.0 and update_norm > 0.0 else 1.0
             np.multiply(r, factor * ratio, out=out[start:stop])  # step = eta * r * r_hat
 

@@ -16,8 +16,8 @@ from pollen.strategies.checkpointing import RunCheckpoint
 from pollen.strategies.fedadavr import FedAdaVR
 from pollen.strategies.fedams import FedAMS
 from pollen.strategies.fedcams import FedCAMS
-from pollen.strategies.fedopt import FedOpt
 from pollen.strategies.fedlamb import FedLAMB
+from pollen.strategies.fedopt import FedOpt
 from pollen.strategies.hafed import HAFed
 from pollen.strategies.lazy import FedLazy
 from pollen.strategies.replies import ClientUpdate, Extra, ReplyRejected, ReplySpec

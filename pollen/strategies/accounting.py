@@ -114,11 +114,7 @@ class Accounting:
         return self.rounds[server_round]
 
     def cumulative(self, field_name: str, up_to: int | None = None) -> int:
-        return sum(
-            getattr(stats, field_name)
-            for r, stats in self.rounds.items()
-            if up_to is None or r <= up_to
-        )
+        return sum(getattr(stats, field_name) for r, stats in self.rounds.items() if up_to is None or r <= up_to)
 
     def to_dict(self) -> dict:
         return {str(r): asdict(stats) for r, stats in sorted(self.rounds.items())}

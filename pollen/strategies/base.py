@@ -33,7 +33,7 @@ from logging import INFO, WARNING
 from typing import Any, ClassVar
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -41,20 +41,30 @@ from flwr.serverapp.strategy import Strategy
 from pollen.core.layout import ModelLayout
 from pollen.optim import OptState, Transform
 from pollen.strategies.accounting import Accounting
-from pollen.strategies.collector import EVALUATE_PHASE, TRAIN_PHASE, ReplyCollector, reason_of
+from pollen.strategies.collector import TRAIN_PHASE, ReplyCollector, reason_of
 from pollen.strategies.declared import restore_strategy_state, strategy_state
 from pollen.strategies.model import GlobalModel
 from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec
 from pollen.strategies.rounds import RoundLoop
 from pollen.strategies.sampling import ClientSampler
 from pollen.strategies.screening import DEFAULT_MAX_ABS, UpdateScreen, all_finite
-from pollen.strategies.step import ServerStep
 from pollen.strategies.sinks import AGGREGATIONS, RunningMean, ScreenedSink, aggregate_metrics, mean_of, weights_of
+from pollen.strategies.step import ServerStep
 from pollen.strategies.transport import Transport
 from pollen.strategies.uplink import Uplink
 from pollen.wire import protocol
 
-__all__ = ["AGGREGATIONS", "TRAIN_PHASE", "AdaptiveStrategy", "ClientUpdate", "ReplyRejected", "ReplySpec", "RunningMean", "ScreenedSink", "aggregate_metrics"]
+__all__ = [
+    "AGGREGATIONS",
+    "TRAIN_PHASE",
+    "AdaptiveStrategy",
+    "ClientUpdate",
+    "ReplyRejected",
+    "ReplySpec",
+    "RunningMean",
+    "ScreenedSink",
+    "aggregate_metrics",
+]
 
 
 def _check_fraction(name: str, value: float, allow_zero: bool) -> None:
@@ -180,7 +190,16 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         transactional: bool = True,
         uplink: Uplink | None = None,
     ) -> None:
-        _check_arguments(fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes, aggregation, min_replies, uplink)
+        _check_arguments(
+            fraction_train,
+            fraction_evaluate,
+            min_train_nodes,
+            min_evaluate_nodes,
+            min_available_nodes,
+            aggregation,
+            min_replies,
+            uplink,
+        )
         self.fraction_train = fraction_train
         self.fraction_evaluate = fraction_evaluate
         self.min_train_nodes = min_train_nodes
@@ -197,8 +216,12 @@ class AdaptiveStrategy(RoundLoop, Strategy):
 
         self.server_step = ServerStep(optimizer)
         self.model = GlobalModel(buffer_keys)
-        self.sampler = ClientSampler(seed=seed, min_available_nodes=min_available_nodes, identify_clients=identify_clients)
-        self.screen = UpdateScreen(rule=outlier_rule, factor=outlier_factor, window=outlier_window, max_abs=max_abs_update)
+        self.sampler = ClientSampler(
+            seed=seed, min_available_nodes=min_available_nodes, identify_clients=identify_clients
+        )
+        self.screen = UpdateScreen(
+            rule=outlier_rule, factor=outlier_factor, window=outlier_window, max_abs=max_abs_update
+        )
         self.accounting = Accounting()
         self.replies = ReplyCollector(self.sampler, lambda: self.accounting)
         self.transport = Transport(self.replies, lambda: self.accounting, configrecord_key)
@@ -353,7 +376,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         for key, value in self.round_config(server_round).items():
             config[key] = value
         shared = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
-        messages = self.transport.train_messages(server_round, nodes, lambda node: self.node_content(server_round, node, shared))
+        messages = self.transport.train_messages(
+            server_round, nodes, lambda node: self.node_content(server_round, node, shared)
+        )
         log(INFO, "configure_train: sampled %d nodes (out of %d)", len(nodes), len(self.sampler.known_clients))
         return messages
 
@@ -443,7 +468,12 @@ class AdaptiveStrategy(RoundLoop, Strategy):
                 applied = updates
             except Exception as err:  # noqa: BLE001 - the round fails, the run goes on with the old state
                 stats.fail(f"server step failed and was rolled back: {reason_of(err)}")
-                log(WARNING, "aggregate_train: server step of round %d failed (%s); state rolled back", server_round, err)
+                log(
+                    WARNING,
+                    "aggregate_train: server step of round %d failed (%s); state rolled back",
+                    server_round,
+                    err,
+                )
         if applied:
             self.screen.observe([u.norm for u in applied])
             weights = [u.num_examples for u in applied]
@@ -498,7 +528,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             return []
         nodes = self.sampler.sample(grid, self.fraction_evaluate, self.min_evaluate_nodes)
         config = ConfigRecord({**config, protocol.CFG_SERVER_ROUND: server_round})
-        return self.transport.evaluate_messages(server_round, nodes, RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config}))
+        return self.transport.evaluate_messages(
+            server_round, nodes, RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        )
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Weighted average of the clients' evaluation metrics; failed or malformed replies are skipped."""
@@ -506,6 +538,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         aggregated = aggregate_metrics(records, weights)
         self.accounting.round(server_round).evaluate_metrics = dict(aggregated or {})
         return aggregated
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Everything the strategy holds: its collaborators' parts and the fields it declares."""

@@ -27,15 +27,15 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedYogi
 
-from pollen.wire import protocol
 from pollen.core.layout import ModelLayout
 from pollen.strategies.accounting import Accounting
 from pollen.strategies.collector import EVALUATE_PHASE, TRAIN_PHASE, ReplyCollector, positive_weight, reason_of
 from pollen.strategies.replies import ReplyRejected, count_records, read_reply
-from pollen.strategies.sampling import ClientSampler
-from pollen.strategies.transport import count_sent
 from pollen.strategies.rounds import RoundLoop
+from pollen.strategies.sampling import ClientSampler
 from pollen.strategies.screening import UpdateScreen
+from pollen.strategies.transport import count_sent
+from pollen.wire import protocol
 from pollen.wire.records import record_to_arrays
 
 _FLOWER_STATE = ("current_arrays", "m_t", "v_t")
@@ -135,15 +135,24 @@ class Metered(RoundLoop):
             raise ReplyRejected("reply must carry exactly one MetricRecord")
         metrics = next(iter(content.metric_records.values()))
         if positive_weight(metrics, protocol.NUM_EXAMPLES) is None:
-            raise ReplyRejected(f"metrics lack a positive '{protocol.NUM_EXAMPLES}' (got {metrics.get(protocol.NUM_EXAMPLES)!r})")
+            raise ReplyRejected(
+                f"metrics lack a positive '{protocol.NUM_EXAMPLES}' (got {metrics.get(protocol.NUM_EXAMPLES)!r})"
+            )
         if self._layout is None or self._params is None:
             return 0.0
         update = read_reply(
-            reply, client_key="", layout=self._layout, params=self._params, weight_required=True, max_abs=self.screen.max_abs
+            reply,
+            client_key="",
+            layout=self._layout,
+            params=self._params,
+            weight_required=True,
+            max_abs=self.screen.max_abs,
         )
         return update.norm
 
-    def _same_metric_names(self, server_round: int, judged: list[tuple[Message, float]], phase: str) -> list[tuple[Message, float]]:
+    def _same_metric_names(
+        self, server_round: int, judged: list[tuple[Message, float]], phase: str
+    ) -> list[tuple[Message, float]]:
         """Keep the replies whose metric names agree with most others (Flower raises on a mix)."""
         if not judged:
             return judged
@@ -154,9 +163,15 @@ class Metered(RoundLoop):
             if keys == common:
                 kept.append(item)
             elif phase == EVALUATE_PHASE:
-                log(WARNING, "\t> evaluation reply from node %d skipped: metric names differ from the round's other replies", item[0].metadata.src_node_id)
+                log(
+                    WARNING,
+                    "\t> evaluation reply from node %d skipped: metric names differ from the round's other replies",
+                    item[0].metadata.src_node_id,
+                )
             else:
-                self.replies.reject(server_round, item[0].metadata.src_node_id, "metric names differ from the round's other replies")
+                self.replies.reject(
+                    server_round, item[0].metadata.src_node_id, "metric names differ from the round's other replies"
+                )
         return kept
 
     def configure_evaluate(
@@ -177,7 +192,11 @@ class Metered(RoundLoop):
                 metrics = list(reply.content.metric_records.values())
                 if len(metrics) != 1 or positive_weight(metrics[0], protocol.NUM_EXAMPLES) is None:
                     raise ReplyRejected(f"evaluation metrics lack a positive '{protocol.NUM_EXAMPLES}'")
-                if not all(isinstance(v, (int, float)) and np.isfinite(v) for v in metrics[0].values() if not isinstance(v, list)):
+                if not all(
+                    isinstance(v, (int, float)) and np.isfinite(v)
+                    for v in metrics[0].values()
+                    if not isinstance(v, list)
+                ):
                     raise ReplyRejected("evaluation metrics hold non-finite values")
             except Exception as err:  # noqa: BLE001
                 log(WARNING, "\t> evaluation reply from node %d skipped: %s", reply.metadata.src_node_id, err)
@@ -221,7 +240,9 @@ class Metered(RoundLoop):
         self.accounting = Accounting.from_dict(state["accounting"])
         self.screen.load_state_dict(state.get("screen", {}))
         if "model" in state:
-            self._layout = ModelLayout.from_arrays({name: np.zeros(shape, np.dtype(dtype)) for name, shape, dtype in state["model"]})
+            self._layout = ModelLayout.from_arrays(
+                {name: np.zeros(shape, np.dtype(dtype)) for name, shape, dtype in state["model"]}
+            )
         for name in _FLOWER_STATE:
             if name in state:
                 setattr(self, name, {key: np.array(array) for key, array in state[name]})
@@ -241,4 +262,3 @@ class MeteredFedYogi(Metered, FedYogi):
 
 class MeteredFedAdagrad(Metered, FedAdagrad):
     """Flower's FedAdagrad, metered."""
-

@@ -199,7 +199,13 @@ class ReplyCollector:
                     records.append(metrics)
                     weights.append(float(weight))
             except Exception as err:  # noqa: BLE001 - evaluation never crashes the server either
-                log(WARNING, "\t> evaluation reply from %s (node %d) skipped: %s", self.sampler.key(node), node, reason_of(err))
+                log(
+                    WARNING,
+                    "\t> evaluation reply from %s (node %d) skipped: %s",
+                    self.sampler.key(node),
+                    node,
+                    reason_of(err),
+                )
         self._asked.pop((server_round, EVALUATE_PHASE), None)
         return records, weights
 

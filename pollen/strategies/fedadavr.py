@@ -28,11 +28,10 @@ import numpy as np
 from pollen.core.layout import ModelLayout
 from pollen.optim import BY_NAME, Transform, make_server_optimizer
 from pollen.strategies.base import AdaptiveStrategy, ClientUpdate, ScreenedSink
-from pollen.vr import UpdateTable, VARIANTS, get_variant
-from pollen.vr.aggregate import VRRound
 from pollen.strategies.declared import PART
 from pollen.strategies.vr_store import StoredUpdates
-from pollen.vr.aggregate import check_weighting
+from pollen.vr import VARIANTS, UpdateTable, get_variant
+from pollen.vr.aggregate import VRRound, check_weighting
 
 OPTIMIZERS = ("adagrad", "adam", "adabelief", "yogi", "lamb", "sgd")
 
@@ -207,6 +206,7 @@ class FedAdaVR(AdaptiveStrategy):
         if updates and vr_round is not None and vr_round.staged:
             self.store.write(server_round, vr_round)
         self.accounting.round(server_round).server_state_bytes = self.table.memory_bytes()
+
 
 class _VRSink(ScreenedSink):
     """A streamed FedAdaVR round: each screened update goes into the round's :class:`VRRound`."""

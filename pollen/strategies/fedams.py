@@ -80,4 +80,3 @@ class FedAMS(AdaptiveStrategy):
 
     def extra_summary(self) -> dict[str, Any]:
         return {"option": f"{self.option} ({'FedAMS' if self.option == 1 else 'FedAMSGrad'})"}
-

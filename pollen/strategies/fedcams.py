@@ -69,4 +69,3 @@ class FedCAMS(FedAMS):
     @property
     def granularity(self) -> str:
         return self.uplink.granularity
-

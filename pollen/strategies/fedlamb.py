@@ -31,8 +31,11 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from pollen.wire import protocol
 from pollen.optim import adpfed_adam, sgd
+from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
+from pollen.strategies.declared import COUNT, COUNTS, VECTOR
+from pollen.strategies.replies import ClientUpdate, Extra, ReplySpec
+from pollen.wire import protocol
 from pollen.wire.protocol import (
     ADAPTIVE_LOCAL_STEP as LOCAL_STEP,
 )
@@ -45,9 +48,6 @@ from pollen.wire.protocol import (
     CFG_TRUST_RATIO,
     CFG_VHAT_VERSION,
 )
-from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
-from pollen.strategies.declared import COUNT, COUNTS, VECTOR
-from pollen.strategies.replies import ClientUpdate, Extra, ReplySpec
 from pollen.wire.records import arrays_to_record
 
 SYNC_PHASES = ("first", "last")
@@ -150,7 +150,12 @@ class FedLAMB(AdaptiveStrategy):
         super().__init__(optimizer=optimizer, **kwargs)
         self.variant = chosen
         self.streaming = chosen.stat is None  # no extras to keep: replies are summed as they are read
-        self.beta_1, self.beta_2, self.eps, self.weight_decay = float(beta_1), float(beta_2), float(eps), float(weight_decay)
+        self.beta_1, self.beta_2, self.eps, self.weight_decay = (
+            float(beta_1),
+            float(beta_2),
+            float(eps),
+            float(weight_decay),
+        )
         self.sync_every, self.sync_phase = sync_every, sync_phase
         self.v_hat: np.ndarray | None = None
         self.v: np.ndarray | None = None  # Mime's server EMA of the squared mean gradient
@@ -250,4 +255,3 @@ class FedLAMB(AdaptiveStrategy):
     def check_state(self) -> None:
         if self.v_hat is not None and (self.v is None or not (self.v_hat >= self.eps).all()):
             raise ValueError("state v_hat / v do not fit the model (or v_hat < eps)")
-

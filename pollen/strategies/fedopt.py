@@ -18,8 +18,15 @@ from pollen.optim import BY_NAME, SERVER_OPTIMIZERS, Transform, make_server_opti
 from pollen.strategies.base import AdaptiveStrategy
 
 #: The strategy's spelling of each optimiser setting -> the optimiser's.
-_SPELLING = {"eta": "eta", "beta_1": "beta1", "beta_2": "beta2", "eps": "eps", "bias_correction": "bias_correction",
-             "eps_mode": "eps_mode", "layerwise": "layerwise"}
+_SPELLING = {
+    "eta": "eta",
+    "beta_1": "beta1",
+    "beta_2": "beta2",
+    "eps": "eps",
+    "bias_correction": "bias_correction",
+    "eps_mode": "eps_mode",
+    "layerwise": "layerwise",
+}
 
 
 class FedOpt(AdaptiveStrategy):

@@ -49,14 +49,21 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from pollen.wire import protocol
-from pollen.gossip import TOPOLOGIES, gossip_step, mixing_matrix, segment_bounds, spectral_gap_rho, validate_clusters, without_absent
+from pollen.gossip import (
+    TOPOLOGIES,
+    gossip_step,
+    mixing_matrix,
+    segment_bounds,
+    spectral_gap_rho,
+    validate_clusters,
+    without_absent,
+)
 from pollen.optim import amsgrad
 from pollen.strategies.accounting import grad_evals_of
 from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
 from pollen.strategies.replies import ClientUpdate, ReplySpec
 from pollen.strategies.rounds import SetupError
-from pollen.wire.records import arrays_to_record
+from pollen.wire import protocol
 
 #: Topologies that need at least three clients per cluster to mean anything.
 NEEDS_NEIGHBOURS = ("ring", "bipartite", "circulant", "interpolated")
@@ -127,7 +134,11 @@ class HAFed(AdaptiveStrategy):
         clustered: bool = True,
         **kwargs: Any,
     ) -> None:
-        for name, value in (("local_steps", local_steps), ("gossip_every", gossip_every), ("uploaders_per_cluster", uploaders_per_cluster)):
+        for name, value in (
+            ("local_steps", local_steps),
+            ("gossip_every", gossip_every),
+            ("uploaders_per_cluster", uploaders_per_cluster),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is out of range; allowed: an integer >= 1")
         if gossip_every > local_steps:
@@ -139,9 +150,13 @@ class HAFed(AdaptiveStrategy):
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology={topology!r} is unknown; allowed: {', '.join(TOPOLOGIES)}")
         if not clustered and topology != "identity":
-            raise ValueError(f"clustered=False has no clusters to gossip in; allowed: topology='identity' (got {topology!r})")
+            raise ValueError(
+                f"clustered=False has no clusters to gossip in; allowed: topology='identity' (got {topology!r})"
+            )
         kwargs.setdefault("identify_clients", True)
-        optimizer = amsgrad(eta=eta, beta1=beta_1, beta2=beta_2, eps=eps, eps_mode=eps_mode, bias_correction=bias_correction)
+        optimizer = amsgrad(
+            eta=eta, beta1=beta_1, beta2=beta_2, eps=eps, eps_mode=eps_mode, bias_correction=bias_correction
+        )
         super().__init__(optimizer=optimizer, **kwargs)
         self.local_steps, self.gossip_every, self.active_prob = local_steps, gossip_every, float(active_prob)
         self.topology, self.lam, self.offsets = topology, lam, tuple(offsets) if offsets else None
@@ -168,7 +183,9 @@ class HAFed(AdaptiveStrategy):
         try:
             groups = self.sampler.clusters(grid)
         except ValueError as err:
-            raise SetupError(f"HA-Fed needs a cluster id from every node (node-config cluster-id or run-config cluster-size): {err}") from None
+            raise SetupError(
+                f"HA-Fed needs a cluster id from every node (node-config cluster-id or run-config cluster-size): {err}"
+            ) from None
         try:  # equal, non-empty clusters: the one rule of pollen.gossip
             validate_clusters({str(node): index for index, nodes in enumerate(groups.values()) for node in nodes})
         except ValueError as err:
@@ -176,17 +193,28 @@ class HAFed(AdaptiveStrategy):
             raise SetupError(f"HA-Fed cannot use clusters of sizes {sizes}: {err}") from None
         n = len(next(iter(groups.values())))
         if n == 1 and self.topology in NEEDS_NEIGHBOURS:
-            raise SetupError(f"a cluster of one client has no neighbours for topology {self.topology!r}; allowed: clusters of >= 3 or topology identity/full")
+            raise SetupError(
+                f"a cluster of one client has no neighbours for topology {self.topology!r}; allowed: clusters of >= 3 or topology identity/full"
+            )
         if self.uploaders_per_cluster > n:
-            raise SetupError(f"uploaders per cluster m={self.uploaders_per_cluster} exceeds the cluster size n={n}; allowed: 1 <= m <= n")
+            raise SetupError(
+                f"uploaders per cluster m={self.uploaders_per_cluster} exceeds the cluster size n={n}; allowed: 1 <= m <= n"
+            )
         try:
             w = mixing_matrix(self.topology, n, lam=self.lam, offsets=self.offsets)
         except ValueError as err:
             raise SetupError(f"topology {self.topology!r} cannot be built for clusters of {n}: {err}") from None
         self._clusters = [Cluster(name, nodes, w) for name, nodes in groups.items()]
-        log(INFO, "HA-Fed: %d clusters of %d, topology %s, rho = %.5f, m = %d uploaders each, %d gossip steps per round",
-            len(groups), n, self.topology, spectral_gap_rho(w), self.uploaders_per_cluster,
-            len(self.segments) if self.topology != "identity" else 0)
+        log(
+            INFO,
+            "HA-Fed: %d clusters of %d, topology %s, rho = %.5f, m = %d uploaders each, %d gossip steps per round",
+            len(groups),
+            n,
+            self.topology,
+            spectral_gap_rho(w),
+            self.uploaders_per_cluster,
+            len(self.segments) if self.topology != "identity" else 0,
+        )
 
     # ------------------------------------------------------------------ round
     def sample_train(self, server_round: int, grid: Grid) -> list[int]:
@@ -202,7 +230,9 @@ class HAFed(AdaptiveStrategy):
         for cluster in self._clusters:
             members = [node for node in cluster.nodes if node in connected]
             if members:
-                picked = self.sampler.sample_per_cluster({cluster.name: members}, min(self.uploaders_per_cluster, len(members)))
+                picked = self.sampler.sample_per_cluster(
+                    {cluster.name: members}, min(self.uploaders_per_cluster, len(members))
+                )
                 uploaders += picked[cluster.name]
         self._uploaders[server_round] = sorted(uploaders)
         if self.topology == "identity":
@@ -233,12 +263,16 @@ class HAFed(AdaptiveStrategy):
         grad_evals, present, gone = 0, set(), set()
         for index in range(len(self.segments)):
             if index > 0:
-                contents = self._gossip_contents(server_round, {n: u for n, u in current.items() if n not in gone}, index)
+                contents = self._gossip_contents(
+                    server_round, {n: u for n, u in current.items() if n not in gone}, index
+                )
                 replies = self.exchange(server_round, grid, contents, phase=protocol.GOSSIP_PHASE, timeout=step_timeout)
             phase = TRAIN_PHASE if index == 0 else protocol.GOSSIP_PHASE
             asked = set(self.replies.asked(server_round, phase))
             gone |= asked - {reply.metadata.src_node_id for reply in replies}  # silent: not asked again this round
-            updates = self._screen_step(server_round, self.collect(server_round, replies, phase=phase, spec=ReplySpec()), current)
+            updates = self._screen_step(
+                server_round, self.collect(server_round, replies, phase=phase, spec=ReplySpec()), current
+            )
             grad_evals += sum(grad_evals_of(u.metrics) for u in updates)
             present = {u.node_id for u in updates}
             current.update({u.node_id: u for u in updates})
@@ -252,7 +286,9 @@ class HAFed(AdaptiveStrategy):
         self._final[server_round] = final
         return []
 
-    def _screen_step(self, server_round: int, updates: list[ClientUpdate], current: dict[int, ClientUpdate]) -> list[ClientUpdate]:
+    def _screen_step(
+        self, server_round: int, updates: list[ClientUpdate], current: dict[int, ClientUpdate]
+    ) -> list[ClientUpdate]:
         """The outlier screen on one gossip step's moves, before they are mixed into anyone's model.
 
         Each reply's move (its model minus the one the server sent it) is judged against the median
@@ -260,8 +296,10 @@ class HAFed(AdaptiveStrategy):
         """
         if len(updates) < 2:
             return updates
-        moves = [float(np.linalg.norm(u.delta - current[u.node_id].delta)) if u.node_id in current else float("inf")
-                 for u in updates]
+        moves = [
+            float(np.linalg.norm(u.delta - current[u.node_id].delta)) if u.node_id in current else float("inf")
+            for u in updates
+        ]
         kept = []
         for update, move, limit in zip(updates, moves, self.screen.within_round_bounds(moves)):
             if self.screen.judge(move, limit)[0] == "accept":
@@ -288,9 +326,16 @@ class HAFed(AdaptiveStrategy):
         result = self.apply_updates(server_round, updates)
         stats.grad_evals = self._grad_evals.pop(server_round, stats.grad_evals)  # every client trained
         self._uploaders.pop(server_round, None)
-        log(INFO, "HA-Fed round %d: %d gossip steps, %d gossip messages, relayed %.2f MB (a peer network: %.2f MB), %d gradient evaluations",
-            server_round, len(self.segments) - 1 + (self.topology != "identity"), stats.exchange_messages,
-            stats.method.get("relayed_bytes", 0) / 1e6, stats.method.get("peer_bytes", 0) / 1e6, stats.grad_evals)
+        log(
+            INFO,
+            "HA-Fed round %d: %d gossip steps, %d gossip messages, relayed %.2f MB (a peer network: %.2f MB), %d gradient evaluations",
+            server_round,
+            len(self.segments) - 1 + (self.topology != "identity"),
+            stats.exchange_messages,
+            stats.method.get("relayed_bytes", 0) / 1e6,
+            stats.method.get("peer_bytes", 0) / 1e6,
+            stats.grad_evals,
+        )
         return result
 
     def _round_clusters(self) -> list[Cluster]:
@@ -310,8 +355,12 @@ class HAFed(AdaptiveStrategy):
         sub = w[np.ix_(rows, rows)]  # absent clients have zero weight in present rows
         mixed = gossip_step(sub, np.stack([current[node].delta for node in nodes]))
         names = list(current[nodes[0]].buffers)
-        mixed_buffers = {name: gossip_step(sub, np.stack([current[node].buffers[name].astype(np.float64).reshape(-1) for node in nodes]))
-                         for name in names}
+        mixed_buffers = {
+            name: gossip_step(
+                sub, np.stack([current[node].buffers[name].astype(np.float64).reshape(-1) for node in nodes])
+            )
+            for name in names
+        }
         for k, node in enumerate(nodes):
             update = current[node]
             update.delta = mixed[k]
@@ -319,9 +368,13 @@ class HAFed(AdaptiveStrategy):
             for name in names:
                 old = update.buffers[name]
                 value = mixed_buffers[name][k].reshape(old.shape)
-                update.buffers[name] = (np.rint(value) if np.issubdtype(old.dtype, np.integer) else value).astype(old.dtype)
+                update.buffers[name] = (np.rint(value) if np.issubdtype(old.dtype, np.integer) else value).astype(
+                    old.dtype
+                )
 
-    def _gossip_contents(self, server_round: int, current: dict[int, ClientUpdate], index: int) -> dict[int, RecordDict]:
+    def _gossip_contents(
+        self, server_round: int, current: dict[int, ClientUpdate], index: int
+    ) -> dict[int, RecordDict]:
         """Each client's mixed model (trainables and buffers) as the next segment's start."""
         contents = {}
         config = ConfigRecord({**self.train_config(server_round), protocol.CFG_GOSSIP_SEGMENT: index})

@@ -31,17 +31,41 @@ from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from pollen.wire import protocol
 from pollen.compression import CODECS, GRANULARITIES, make_codec
-from pollen.strategies.lazy_book import ClientBook
-from pollen.lazy.rules import DOWNLINK_MODES, EF_MODES, REF_MODES, RULES, check_choice, check_tau, checksum, downlink_step, norm64, replay
+from pollen.lazy.rules import (
+    DOWNLINK_MODES,
+    EF_MODES,
+    REF_MODES,
+    RULES,
+    check_choice,
+    check_tau,
+    checksum,
+    downlink_step,
+    norm64,
+    replay,
+)
 from pollen.strategies.base import ReplyRejected, ReplySpec
 from pollen.strategies.declared import COUNTS, PART
 from pollen.strategies.fedams import FedAMS
+from pollen.strategies.lazy_book import ClientBook
+from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, payload_to_records
 
 #: Every event of a round the family counts (``RoundStats.method["lazy_events"]``, results column ``method.lazy_events``).
-EVENTS = ("up-send", "up-skip", "up-aa", "up-flags", "down-dense", "down-full", "down-send", "down-skip", "down-aa", "down-keep", "down-flags", "resync")
+EVENTS = (
+    "up-send",
+    "up-skip",
+    "up-aa",
+    "up-flags",
+    "down-dense",
+    "down-full",
+    "down-send",
+    "down-skip",
+    "down-aa",
+    "down-keep",
+    "down-flags",
+    "resync",
+)
 
 
 class FedLazy(FedAMS):
@@ -128,13 +152,19 @@ class FedLazy(FedAMS):
         if downlink_mode == "model-keep" and down_rule == "aa":
             raise ValueError("downlink_mode='model-keep' (Variant B) has no AA reading; allowed down_rule: nla or none")
         if down_compressor is None and down_rule != "none":
-            raise ValueError(f"down_rule={down_rule!r} needs a compressed downlink (down_compressor); allowed without one: none")
+            raise ValueError(
+                f"down_rule={down_rule!r} needs a compressed downlink (down_compressor); allowed without one: none"
+            )
         kwargs.setdefault("identify_clients", True)
         super().__init__(**kwargs)
         self.up_rule, self.up_tau = up_rule, check_tau("up_tau", up_tau)
         self.compressor, self.topk_ratio, self.granularity = compressor, float(topk_ratio), granularity
         self.error_feedback = bool(error_feedback) and compressor != "none"
-        self.down_compressor, self.down_rule, self.down_tau = down_compressor, down_rule, check_tau("down_tau", down_tau)
+        self.down_compressor, self.down_rule, self.down_tau = (
+            down_compressor,
+            down_rule,
+            check_tau("down_tau", down_tau),
+        )
         self.down_topk_ratio, self.downlink_mode = float(down_topk_ratio), downlink_mode
         self.ef_mode, self.ref_mode = ef_mode, ref_mode
         self.bookkeeping_dir = bookkeeping_dir
@@ -149,10 +179,15 @@ class FedLazy(FedAMS):
 
     def extra_summary(self) -> dict[str, Any]:
         summary = super().extra_summary()
-        summary["uplink"] = (f"{self.up_rule} tau={self.up_tau:g}, {self.compressor} (top-k {self.topk_ratio:g}), "
-                             f"error feedback {'on (' + self.ef_mode + ')' if self.error_feedback else 'off'}, reference {self.ref_mode}")
-        summary["downlink"] = ("dense (the full model)" if not self.bidirectional else
-                               f"{self.down_rule} tau={self.down_tau:g}, {self.down_compressor} (top-k {self.down_topk_ratio:g}), {self.downlink_mode} reading")
+        summary["uplink"] = (
+            f"{self.up_rule} tau={self.up_tau:g}, {self.compressor} (top-k {self.topk_ratio:g}), "
+            f"error feedback {'on (' + self.ef_mode + ')' if self.error_feedback else 'off'}, reference {self.ref_mode}"
+        )
+        summary["downlink"] = (
+            "dense (the full model)"
+            if not self.bidirectional
+            else f"{self.down_rule} tau={self.down_tau:g}, {self.down_compressor} (top-k {self.down_topk_ratio:g}), {self.downlink_mode} reading"
+        )
         summary["bookkeeping"] = "RAM" if self.bookkeeping_dir is None else self.bookkeeping_dir
         return summary
 
@@ -170,7 +205,9 @@ class FedLazy(FedAMS):
         events[event] = events.get(event, 0) + n
 
     def _note_rel(self, server_round: int, direction: str, rel: float) -> None:
-        self.accounting.round(server_round).method.setdefault("lazy_rel", {}).setdefault(direction, []).append(round(float(rel), 6))
+        self.accounting.round(server_round).method.setdefault("lazy_rel", {}).setdefault(direction, []).append(
+            round(float(rel), 6)
+        )
 
     # ------------------------------------------------------------------ downlink
     def train_config(self, server_round: int) -> dict[str, Any]:
@@ -208,8 +245,16 @@ class FedLazy(FedAMS):
         else:
             if self._down_codec is None:
                 self._down_codec = self._codec(self.down_compressor, self.down_topk_ratio)
-            step, payload = downlink_step(self.params, self.book.get("x", key), self.book.get("c-prev", key), self.book.get("error", key),
-                                          self._down_codec, rule=self.down_rule, tau=self.down_tau, mode=self.downlink_mode)
+            step, payload = downlink_step(
+                self.params,
+                self.book.get("x", key),
+                self.book.get("c-prev", key),
+                self.book.get("error", key),
+                self._down_codec,
+                rule=self.down_rule,
+                tau=self.down_tau,
+                mode=self.downlink_mode,
+            )
             config[protocol.CFG_LAZY_DOWN] = step.kind
             config[protocol.CFG_LAZY_APPLY] = step.apply
             config[protocol.CFG_LAZY_X_SUM] = checksum(step.new_x)
@@ -233,12 +278,16 @@ class FedLazy(FedAMS):
             self._buffers_cache = (self.model.last_returned, arrays_to_record(self.buffers))
         return self._buffers_cache[1]
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Any) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Any
+    ) -> Iterable[Message]:
         self._pending = {}
         return super().configure_train(server_round, arrays, config, grid)
 
     # ------------------------------------------------------------------ uplink
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Resolve each reply against its client's stored copies, screen, then FedAMS's step on the mean."""
         phase = self.replies.phase_of(server_round)
         usable, commits = [], {}
@@ -246,7 +295,9 @@ class FedLazy(FedAMS):
             try:
                 commits[id(update)] = self._resolve(server_round, update)
             except Exception as err:  # noqa: BLE001 - nothing of the client's is kept; its copies of a round back still match
-                reason = str(err) if isinstance(err, ReplyRejected) else f"cannot be applied: {type(err).__name__}: {err}"
+                reason = (
+                    str(err) if isinstance(err, ReplyRejected) else f"cannot be applied: {type(err).__name__}: {err}"
+                )
                 self.replies.reject(server_round, update.node_id, reason)
                 continue
             usable.append(update)
@@ -275,7 +326,9 @@ class FedLazy(FedAMS):
             self._count(server_round, "resync")
             for kind in ("x", "c-prev", "error"):
                 self.book.put(kind, key, None)
-            raise ReplyRejected("the client has no copy of the model that matches the server's mirror: it gets the full model next time")
+            raise ReplyRejected(
+                "the client has no copy of the model that matches the server's mirror: it gets the full model next time"
+            )
         if flags.get(protocol.FLAG_SKIP) and flags.get(protocol.FLAG_AA):
             raise ReplyRejected("both the skip and the aa flag")
         kind = "skip" if flags.get(protocol.FLAG_SKIP) else "aa" if flags.get(protocol.FLAG_AA) else "send"
@@ -293,7 +346,9 @@ class FedLazy(FedAMS):
             self._count(server_round, "up-flags")
         self._count(server_round, f"up-{kind}")
         if pending["ref"] is not None and update.delta is not None:  # the change the client's rule judged
-            self._note_rel(server_round, "up", norm64(update.delta - pending["ref"]) / max(norm64(pending["ref"]), 1e-300))
+            self._note_rel(
+                server_round, "up", norm64(update.delta - pending["ref"]) / max(norm64(pending["ref"]), 1e-300)
+            )
         update.delta = used
         update.norm = norm64(used)
         return kind, new_ref, pending
@@ -306,7 +361,6 @@ class FedLazy(FedAMS):
             for kind_, name in (("x", "x"), ("c-prev", "c_prev"), ("error", "error")):
                 self.book.put(kind_, key, pending[name])
         self.last_round[key] = server_round
-
 
 
 __all__ = ["EVENTS", "FedLazy"]

@@ -33,7 +33,9 @@ class ClientBook:
     row stays allocated and is overwritten when it returns).
     """
 
-    def __init__(self, dim: int, *, directory: str | os.PathLike[str] | None = None, kinds: tuple[str, ...] = TABLES) -> None:
+    def __init__(
+        self, dim: int, *, directory: str | os.PathLike[str] | None = None, kinds: tuple[str, ...] = TABLES
+    ) -> None:
         unknown = sorted(set(kinds) - set(TABLES))
         if unknown:
             raise ValueError(f"bookkeeping kinds {unknown} are unknown; allowed: {', '.join(TABLES)}")
@@ -86,6 +88,8 @@ class ClientBook:
             raise ValueError(f"state has bookkeeping {sorted(tables)}, this strategy keeps {sorted(self.tables)}")
         for kind, table_state in tables.items():
             if int(np.asarray(table_state["dim"])) != self.dim:
-                raise ValueError(f"state bookkeeping '{kind}' has dim {int(np.asarray(table_state['dim']))}, the model has {self.dim}")
+                raise ValueError(
+                    f"state bookkeeping '{kind}' has dim {int(np.asarray(table_state['dim']))}, the model has {self.dim}"
+                )
             self.tables[kind] = UpdateTable.from_state_dict(table_state, path=self._path(kind))
         self.present = {kind: {str(k) for k in state["present"].get(kind, [])} for kind in self.tables}

@@ -108,13 +108,19 @@ class GlobalModel:
         self._returned = None
         if "params" not in state:
             return
-        named = {name: np.zeros(state["shapes"][name], dtype=np.dtype(state["dtypes"][name])) for name in state["key_order"]}
+        named = {
+            name: np.zeros(state["shapes"][name], dtype=np.dtype(state["dtypes"][name])) for name in state["key_order"]
+        }
         layout = ModelLayout.from_arrays(named, state["buffer_keys"])
         params = np.asarray(state["params"])
         if params.shape != (layout.dim,) or params.dtype != np.float32 or not all_finite(params):
-            raise ValueError(f"state params must be {layout.dim} finite float32 values, got {params.shape} {params.dtype}")
+            raise ValueError(
+                f"state params must be {layout.dim} finite float32 values, got {params.shape} {params.dtype}"
+            )
         buffers = {k: np.array(v) for k, v in state["buffers"].items()}
-        if sorted(buffers) != sorted(layout.buffer_keys) or any(buffers[spec.name].shape != spec.shape for spec in layout.buffers):
+        if sorted(buffers) != sorted(layout.buffer_keys) or any(
+            buffers[spec.name].shape != spec.shape for spec in layout.buffers
+        ):
             raise ValueError("state buffers do not match the model's buffers")
         self.layout = layout
         self.key_order = tuple(state["key_order"])

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 
-from pollen.wire import protocol
 from pollen.compression import decode_payload
 from pollen.core.layout import ModelLayout
 from pollen.strategies.screening import vector_stats
+from pollen.wire import protocol
 from pollen.wire.records import record_to_arrays, records_to_payload
 
 #: Largest weight (``num-examples``) a reply may claim; keeps weighted sums finite in float64.
@@ -190,7 +190,12 @@ def _array_record(content, name: str) -> ArrayRecord | None:  # noqa: ANN001
 
 
 def _read_update(
-    content, layout: ModelLayout, params: np.ndarray, spec: ReplySpec, arrayrecord_key: str, scratch: np.ndarray | None  # noqa: ANN001
+    content,
+    layout: ModelLayout,
+    params: np.ndarray,
+    spec: ReplySpec,
+    arrayrecord_key: str,
+    scratch: np.ndarray | None,  # noqa: ANN001
 ) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
     compressed = _array_record(content, protocol.UPDATE_RECORD)
     full = _array_record(content, arrayrecord_key)
@@ -209,7 +214,9 @@ def _read_update(
         for spec_ in layout.trainable:
             _check_shape(arrays[spec_.name], spec_.shape, spec_.name)
             if arrays[spec_.name].dtype.kind != "f":
-                raise ReplyRejected(f"array '{spec_.name}' has dtype {arrays[spec_.name].dtype}; allowed: floating point")
+                raise ReplyRejected(
+                    f"array '{spec_.name}' has dtype {arrays[spec_.name].dtype}; allowed: floating point"
+                )
         delta = _difference(arrays, layout, params, scratch)
         buffers = _buffers_from(arrays, layout)
     else:
@@ -222,7 +229,9 @@ def _read_update(
     return delta, buffers
 
 
-def _difference(arrays: dict[str, np.ndarray], layout: ModelLayout, params: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+def _difference(
+    arrays: dict[str, np.ndarray], layout: ModelLayout, params: np.ndarray, out: np.ndarray | None
+) -> np.ndarray:
     """``flatten(arrays) - params`` in one pass per tensor (values cast to float32 first, as flatten does).
 
     A value that is not finite after the cast (a float64 1e300) gives a non-finite difference,
@@ -274,7 +283,11 @@ def _buffers_from(arrays: dict[str, np.ndarray], layout: ModelLayout) -> dict[st
                     info = np.iinfo(spec.dtype)
                     if float(value.min()) < info.min or float(value.max()) > info.max:
                         raise ReplyRejected(f"buffer '{spec.name}' holds values outside {spec.dtype}")
-                cast = np.asarray(np.rint(value) if value.dtype.kind == "f" else value).astype(spec.dtype).reshape(spec.shape)
+                cast = (
+                    np.asarray(np.rint(value) if value.dtype.kind == "f" else value)
+                    .astype(spec.dtype)
+                    .reshape(spec.shape)
+                )
         out[spec.name] = cast
     return out
 
@@ -344,7 +357,9 @@ def _check_names(arrays: dict[str, np.ndarray], expected: tuple[str, ...], where
     if sorted(arrays) != sorted(expected):
         missing = sorted(set(expected) - set(arrays))
         extra = sorted(set(arrays) - set(expected))
-        raise ReplyRejected(f"array names in {where} do not match the model (missing {missing[:5]}, unexpected {extra[:5]})")
+        raise ReplyRejected(
+            f"array names in {where} do not match the model (missing {missing[:5]}, unexpected {extra[:5]})"
+        )
 
 
 def _check_shape(value: np.ndarray, shape: tuple[int, ...], name: str) -> None:

@@ -76,7 +76,10 @@ class ClientSampler:
                 Message(content=RecordDict(), message_type=protocol.QUERY_IDENTIFY, dst_node_id=node)
                 for node in unknown
             ]
-            replies = {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(queries, timeout=IDENTIFY_TIMEOUT_S)}
+            replies = {
+                reply.metadata.src_node_id: reply
+                for reply in grid.send_and_receive(queries, timeout=IDENTIFY_TIMEOUT_S)
+            }
             for node in unknown:  # in node order, so which of two claimants wins does not depend on timing
                 if node in replies:
                     self._note_identity(node, replies[node], connected)
@@ -93,7 +96,14 @@ class ClientSampler:
             return
         holders = [other for other, key in self.node_keys.items() if key == client_id and other != node]
         if any(other in connected for other in holders):
-            log(WARNING, "\t> node %d claims client id %r, held by connected node %d; it is keyed node-%d", node, client_id, holders[0], node)
+            log(
+                WARNING,
+                "\t> node %d claims client id %r, held by connected node %d; it is keyed node-%d",
+                node,
+                client_id,
+                holders[0],
+                node,
+            )
             return
         for other in holders:  # the same client came back under a new node id (a SuperNode reconnected)
             del self.node_keys[other]

@@ -44,7 +44,9 @@ class UpdateScreen:
         Largest absolute value of any coordinate, > 0.
     """
 
-    def __init__(self, *, rule: str = "reject", factor: float = 10.0, window: int = 5, max_abs: float = DEFAULT_MAX_ABS) -> None:
+    def __init__(
+        self, *, rule: str = "reject", factor: float = 10.0, window: int = 5, max_abs: float = DEFAULT_MAX_ABS
+    ) -> None:
         if rule not in RULES:
             raise ValueError(f"outlier rule {rule!r} is unknown; allowed: {', '.join(RULES)}")
         if not (isinstance(factor, (int, float)) and factor > 1):
@@ -99,7 +101,9 @@ class UpdateScreen:
         """
         with_delta = [u for u in updates if u.delta is not None]
         bound = self.bound()
-        bounds = [bound] * len(with_delta) if bound is not None else self.within_round_bounds([u.norm for u in with_delta])
+        bounds = (
+            [bound] * len(with_delta) if bound is not None else self.within_round_bounds([u.norm for u in with_delta])
+        )
         rejected = set()
         for update, limit in zip(with_delta, bounds):
             verdict, scale = self.judge(update.norm, limit)

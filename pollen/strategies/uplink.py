@@ -41,7 +41,11 @@ class Uplink:
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
             raise ValueError(f"uplink codec={self.codec!r} is unknown; allowed: {', '.join(CODECS)}")
-        if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)) or not 0.0 < self.topk_ratio <= 1.0:
+        if (
+            isinstance(self.topk_ratio, bool)
+            or not isinstance(self.topk_ratio, (int, float))
+            or not 0.0 < self.topk_ratio <= 1.0
+        ):
             raise ValueError(f"topk_ratio={self.topk_ratio!r} is out of range; allowed: a number in (0, 1]")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"error_feedback={self.error_feedback!r} is not a bool; allowed: True or False")

@@ -28,9 +28,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from pollen.core.files import NpzError, read_npz, write_npz_atomic
-from pollen.task.catalog import DATASETS
 from pollen.task import partitions as _partitions_module
 from pollen.task import sources as _sources_module
+from pollen.task.catalog import DATASETS
 from pollen.task.partitions import (
     PARTITIONER_SETTINGS,
     PARTITIONERS,
@@ -144,7 +144,9 @@ def validate_data_config(cfg: DataConfig) -> None:
         raise _bad("alpha", cfg.alpha, "a finite number > 0")
     num_classes = SPECS[cfg.dataset].info.num_classes
     if not _is_int(cfg.classes_per_partition) or not 1 <= cfg.classes_per_partition <= num_classes:
-        raise _bad("classes_per_partition", cfg.classes_per_partition, f"an integer in 1..{num_classes} for {cfg.dataset}")
+        raise _bad(
+            "classes_per_partition", cfg.classes_per_partition, f"an integer in 1..{num_classes} for {cfg.dataset}"
+        )
     if not _is_int(cfg.shards_per_partition) or cfg.shards_per_partition < 1:
         raise _bad("shards_per_partition", cfg.shards_per_partition, "an integer >= 1")
     if not _is_real(cfg.val_fraction) or not 0.0 <= cfg.val_fraction < 1.0:
@@ -210,7 +212,9 @@ def partition_indices(cfg: DataConfig) -> tuple[tuple[np.ndarray, np.ndarray], .
 
 def _tensors(raw_x: np.ndarray, raw_y: np.ndarray, dataset: str) -> BatchTensorDataset:
     spec = SPECS[dataset]
-    return BatchTensorDataset(to_tensor(raw_x, spec.mean, spec.std), torch.from_numpy(np.asarray(raw_y, dtype=np.int64)))
+    return BatchTensorDataset(
+        to_tensor(raw_x, spec.mean, spec.std), torch.from_numpy(np.asarray(raw_y, dtype=np.int64))
+    )
 
 
 @functools.lru_cache(maxsize=256)

@@ -102,9 +102,7 @@ def make_partitions(
 
     n = len(labels)
     if num_partitions > n:
-        raise ValueError(
-            f"num-partitions={num_partitions} is more than the {n} training examples; allowed: 1..{n}"
-        )
+        raise ValueError(f"num-partitions={num_partitions} is more than the {n} training examples; allowed: 1..{n}")
     if partitioner == "shards" and num_partitions * shards_per_partition > n:
         # flwr-datasets 0.6 divides by a zero shard size here instead of raising.
         raise ValueError(
@@ -169,7 +167,9 @@ def _all_partitions(part, num_partitions: int) -> list[np.ndarray]:
     return [first] + [_read_idx(part.load_partition(pid)) for pid in range(1, num_partitions)]
 
 
-def split_train_val(indices: np.ndarray, val_fraction: float, seed: int, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+def split_train_val(
+    indices: np.ndarray, val_fraction: float, seed: int, partition_id: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Seeded held-out split of one partition: ``floor(val_fraction * n)`` examples for validation.
 
     At least one example always stays in the training split.

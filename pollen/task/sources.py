@@ -382,7 +382,9 @@ def _int_labels(value: object, n: int, limit: int, what: str) -> np.ndarray:
     """``value`` (list of ints or 1-D integer array) as int64; ``ValueError`` saying what is wrong."""
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "iu" or value.dtype.fields is not None or value.ndim != 1:
-            raise ValueError(f"{what} is an array of dtype {value.dtype} and shape {value.shape}, not a 1-D integer array")
+            raise ValueError(
+                f"{what} is an array of dtype {value.dtype} and shape {value.shape}, not a 1-D integer array"
+            )
         y = value.astype(np.int64)
     elif isinstance(value, list):
         if not all(type(v) is int for v in value):
@@ -417,7 +419,9 @@ def _check_cifar_batch(batch: object, dataset: str) -> tuple[np.ndarray, np.ndar
         raise ValueError(f"lacks key(s) {missing}")
     x = batch[b"data"]
     if not isinstance(x, np.ndarray) or x.dtype != np.uint8 or x.ndim != 2 or x.shape[1] != _CIFAR_PIXELS:
-        what = f"an array of dtype {x.dtype} and shape {x.shape}" if isinstance(x, np.ndarray) else f"a {type(x).__name__}"
+        what = (
+            f"an array of dtype {x.dtype} and shape {x.shape}" if isinstance(x, np.ndarray) else f"a {type(x).__name__}"
+        )
         raise ValueError(f"b'data' is {what}, not a uint8 array of shape (N, {_CIFAR_PIXELS})")
     n = len(x)
     y = _int_labels(batch[label_key], n, SPECS[dataset].info.num_classes, repr(label_key))
@@ -793,12 +797,12 @@ def load_raw(name: str, data_dir: str = "") -> RawData:
     if data_dir:
         root = Path(data_dir).expanduser()
         if not root.is_dir():
-            raise DataSourceError(f"data-dir={data_dir!r} is not a directory; it should hold {name}: {expected_files(spec)}")
+            raise DataSourceError(
+                f"data-dir={data_dir!r} is not a directory; it should hold {name}: {expected_files(spec)}"
+            )
         found = find_in_dir(spec, root)
         if found is None:
-            raise DataSourceError(
-                f"data-dir={data_dir!r} does not hold {name}: expected {expected_files(spec)}"
-            )
+            raise DataSourceError(f"data-dir={data_dir!r} does not hold {name}: expected {expected_files(spec)}")
         return _raw(_load_found(spec, found), f"data-dir {found[1]} ({found[0]})")
 
     tried: list[str] = ["data-dir (not set)"]

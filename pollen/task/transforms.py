@@ -62,7 +62,9 @@ class BatchAugment:
     def __init__(self, mean: Sequence[float], std: Sequence[float], *, padding: int = 4, hflip: bool = True) -> None:
         self.padding = int(padding)
         self.hflip = bool(hflip)
-        self.fill = (-torch.tensor(mean, dtype=torch.float32) / torch.tensor(std, dtype=torch.float32)).view(1, -1, 1, 1)
+        self.fill = (-torch.tensor(mean, dtype=torch.float32) / torch.tensor(std, dtype=torch.float32)).view(
+            1, -1, 1, 1
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, w = x.shape

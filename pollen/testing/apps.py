@@ -121,4 +121,13 @@ def _toml(value: Any) -> str:
     return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
-__all__ = ["METHODS", "PHASES", "STEPS", "TESTING_KEYS", "clientapp", "product_context", "serverapp", "testing_pyproject"]
+__all__ = [
+    "METHODS",
+    "PHASES",
+    "STEPS",
+    "TESTING_KEYS",
+    "clientapp",
+    "product_context",
+    "serverapp",
+    "testing_pyproject",
+]

@@ -80,7 +80,9 @@ def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
     server_round = int(config.get(protocol.CFG_SERVER_ROUND, 0)) if config is not None else 0
     node = context.node_config
     client_id = str(node.get("client-id") or f"partition-{int(node.get('partition-id', 0))}")
-    fault = fault_for(int(context.run_config.get("seed", 0)), server_round, client_id, fraction, str(settings["fault-kind"]))
+    fault = fault_for(
+        int(context.run_config.get("seed", 0)), server_round, client_id, fraction, str(settings["fault-kind"])
+    )
     if fault is None:
         return call_next(msg, context)
     if fault == "error":

@@ -70,13 +70,23 @@ class LocalFlower:
             self._apps[variant] = app
         return self._apps[variant]
 
-    def run(self, run_config: dict, num_supernodes: int = 4, timeout: float = 400, variant: str = "product") -> subprocess.CompletedProcess:
-        overrides = " ".join(f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}" for k, v in run_config.items())
+    def run(
+        self, run_config: dict, num_supernodes: int = 4, timeout: float = 400, variant: str = "product"
+    ) -> subprocess.CompletedProcess:
+        overrides = " ".join(
+            f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
+            for k, v in run_config.items()
+        )
         flwr = shutil.which("flwr", path=self.env["PATH"])
         command = [
-            flwr, "run", str(self.app(variant)), "--stream",
-            "--federation-config", f"num-supernodes={num_supernodes}",
-            "--run-config", overrides,
+            flwr,
+            "run",
+            str(self.app(variant)),
+            "--stream",
+            "--federation-config",
+            f"num-supernodes={num_supernodes}",
+            "--run-config",
+            overrides,
         ]
         return subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import json
 import sys
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
-
 
 from flwr.app import Context, RecordDict  # noqa: E402
 
@@ -53,7 +52,9 @@ def run_inprocess(overrides: dict[str, Any], num_nodes: int, threads: int = 1) -
         list(contexts),
         lambda msg: client_module.app(msg, contexts[msg.metadata.dst_node_id]),
         client_ids={node: f"partition-{node - 1}" for node in contexts},
-        cluster_ids={node: str((node - 1) // size) for node in contexts} if (size := int(effective.get("cluster-size", 0))) else None,
+        cluster_ids={node: str((node - 1) // size) for node in contexts}
+        if (size := int(effective.get("cluster-size", 0)))
+        else None,
     )
     grid.set_run(SimpleNamespace(override_config=dict(overrides)))  # what Flower's run record says was given
     server_context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)

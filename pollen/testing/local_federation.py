@@ -328,13 +328,22 @@ def write_connection(
 
 def make_certs(out_dir: Path, *sans: str, bits: int = 4096) -> dict[str, Path]:
     """Run ``deploy/scripts/make_certs.sh``; paths of ca.crt, server.pem, server.key."""
-    subprocess.run(["bash", str(SCRIPTS_DIR / "make_certs.sh"), "-o", str(out_dir), "-b", str(bits), *sans], check=True, capture_output=True)
+    subprocess.run(
+        ["bash", str(SCRIPTS_DIR / "make_certs.sh"), "-o", str(out_dir), "-b", str(bits), *sans],
+        check=True,
+        capture_output=True,
+    )
     return {name: Path(out_dir) / name for name in ("ca.crt", "server.pem", "server.key")}
 
 
 def make_supernode_keys(out_dir: Path, *names: str, env: Mapping[str, str] | None = None) -> dict[str, Path]:
     """Run ``deploy/scripts/make_supernode_keys.sh``; ``{name: private key path}`` (public key: ``.pub``)."""
-    subprocess.run(["bash", str(SCRIPTS_DIR / "make_supernode_keys.sh"), "-o", str(out_dir), *names], check=True, capture_output=True, env=env)
+    subprocess.run(
+        ["bash", str(SCRIPTS_DIR / "make_supernode_keys.sh"), "-o", str(out_dir), *names],
+        check=True,
+        capture_output=True,
+        env=env,
+    )
     return {name: Path(out_dir) / name for name in names}
 
 
@@ -373,7 +382,14 @@ def superlink_argv(
     if certs is None:
         argv.append("--insecure")
     else:
-        argv += ["--ssl-ca-certfile", str(certs["ca.crt"]), "--ssl-certfile", str(certs["server.pem"]), "--ssl-keyfile", str(certs["server.key"])]
+        argv += [
+            "--ssl-ca-certfile",
+            str(certs["ca.crt"]),
+            "--ssl-certfile",
+            str(certs["server.pem"]),
+            "--ssl-keyfile",
+            str(certs["server.key"]),
+        ]
     if supernode_auth:
         argv.append("--enable-supernode-auth")
     if simulation:
@@ -432,7 +448,9 @@ def run_config_arg(config: Mapping[str, Any]) -> str:
 # --------------------------------------------------------------------------- flwr CLI helpers
 
 
-def flwr_json(procs: Processes, name: str, args: Sequence[str], env: Mapping[str, str], timeout: float = 60) -> dict[str, Any]:
+def flwr_json(
+    procs: Processes, name: str, args: Sequence[str], env: Mapping[str, str], timeout: float = 60
+) -> dict[str, Any]:
     """Run ``flwr <args> --format json`` and parse the JSON object it prints."""
     code, out = procs.run(name, [exe("flwr"), *args, "--format", "json"], timeout=timeout, env=env)
     start = out.find("{")

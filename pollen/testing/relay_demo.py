@@ -116,7 +116,9 @@ class RelayAverage(AdaptiveStrategy):
         norms = [u.extras[NORMS_EXTRA] for u in updates if NORMS_EXTRA in u.extras]
         if norms:
             self.last_layer_sq_norms = np.mean(norms, axis=0)
-            self.accounting.round(server_round).train_metrics["layer-sq-norm-max"] = float(self.last_layer_sq_norms.max())
+            self.accounting.round(server_round).train_metrics["layer-sq-norm-max"] = float(
+                self.last_layer_sq_norms.max()
+            )
 
     def extra_summary(self) -> dict[str, Any]:
         return {"relay": f"one mid-round exchange '{RELAY_PHASE}' after half of the local steps"}
@@ -159,7 +161,9 @@ def relay_mix(work: LocalWork) -> StepOutcome:
     relay = record_to_arrays(work.msg.content.array_records[protocol.extra_record(RELAY_EXTRA)])[protocol.EXTRA_ARRAY]
     weight = float(work.config[CFG_WEIGHT])
     if relay.shape != x_first.shape or not 0.0 < weight <= 1.0:
-        raise ValueError(f"relay of shape {relay.shape} / weight {weight} does not fit a model of {x_first.size} values")
+        raise ValueError(
+            f"relay of shape {relay.shape} / weight {weight} does not fit a model of {x_first.size} values"
+        )
     mixed = (weight * x_first + (1.0 - weight) * relay).astype(np.float32)
     layout = work.layout()
     state = work.task.model.state_dict()
@@ -189,6 +193,8 @@ def build_relay_demo(cfg: Mapping[str, Any]) -> RelayAverage:
 #: The harness's methods beyond the product's.
 METHODS = {
     "relay-demo": Method(
-        build_relay_demo, "pollen.testing.relay_demo.RelayAverage (the round-protocol example: one relayed mix per round)", "relay_demo"
+        build_relay_demo,
+        "pollen.testing.relay_demo.RelayAverage (the round-protocol example: one relayed mix per round)",
+        "relay_demo",
     ),
 }

@@ -144,7 +144,9 @@ class VRRound:
     float32 vector). The table is not touched before :meth:`commit`.
     """
 
-    def __init__(self, table: UpdateTable | None, dim: int, *, weighting: str = "sampled-normalised", stage: bool = True) -> None:
+    def __init__(
+        self, table: UpdateTable | None, dim: int, *, weighting: str = "sampled-normalised", stage: bool = True
+    ) -> None:
         self.table = table
         self.dim = int(dim)
         self.weighting = check_weighting(weighting)

@@ -52,7 +52,11 @@ class TableJournal:
     def begin(self, table: UpdateTable, generation: int, keys: Sequence[str]) -> None:
         """Before round ``generation`` replaces the rows of ``keys``: save them, mark the file dirty."""
         rows = table.row_indices(keys)
-        undo = {"generation": np.array(generation, np.int64), "rows": np.array(rows, np.int64), "data": table.read_rows(rows)}
+        undo = {
+            "generation": np.array(generation, np.int64),
+            "rows": np.array(rows, np.int64),
+            "data": table.read_rows(rows),
+        }
         write_npz_atomic(self.undo_path, undo)
         self._write(generation, dirty=True)
 
@@ -113,4 +117,6 @@ class TableJournal:
             marker["dirty"] = bool(marker.get("dirty", False))
             return marker
         except (OSError, ValueError, KeyError, TypeError) as err:
-            raise TableFileError(f"table file {self.table_path} has no usable journal ({err}); it cannot be trusted") from None
+            raise TableFileError(
+                f"table file {self.table_path} has no usable journal ({err}); it cannot be trusted"
+            ) from None

@@ -28,8 +28,8 @@ is simply not replaced and keeps its row.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -235,7 +235,9 @@ class UpdateTable:
         k = client_key(key)
         w = _check_weight(weight)
         if row.data.shape != (self._width,) or row.data.dtype != self._dtype or row.absmax.shape != (self._n_scales,):
-            raise ValueError(f"an encoded row must be ({self._width},) {self._dtype}; got {row.data.shape} {row.data.dtype}")
+            raise ValueError(
+                f"an encoded row must be ({self._width},) {self._dtype}; got {row.data.shape} {row.data.dtype}"
+            )
         slot = self._index.get(k)
         old_w = 0.0 if slot is None else float(self._weights[slot])
         buffer = self.tensor_buffer() if buffer is None else buffer
@@ -265,7 +267,9 @@ class UpdateTable:
         slot = self._index.get(client_key(key))
         return None if slot is None else EncodedRow(self._data[slot], self._absmax[slot])
 
-    def decoded_tensors(self, data: np.ndarray, absmax: np.ndarray, buffer: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
+    def decoded_tensors(
+        self, data: np.ndarray, absmax: np.ndarray, buffer: np.ndarray
+    ) -> Iterator[tuple[int, int, np.ndarray]]:
         """``(start, stop, D(tensor))`` for each tensor of an encoded row, in order.
 
         For fp32 the values are a view of ``data`` itself; otherwise they are decoded into ``buffer``,
@@ -284,7 +288,9 @@ class UpdateTable:
                 quant.decode_into(data[c:e], self._precision, float(absmax[t]), size, out)
             yield a, b, out
 
-    def replace_many(self, updates: Mapping[ClientKey, np.ndarray], weights: Mapping[ClientKey, float] | None = None) -> None:
+    def replace_many(
+        self, updates: Mapping[ClientKey, np.ndarray], weights: Mapping[ClientKey, float] | None = None
+    ) -> None:
         """:meth:`replace` for every ``key -> y`` in ``updates`` (weights default to 1.0).
 
         All updates are validated first, so a bad one leaves the whole table unchanged.
@@ -311,7 +317,9 @@ class UpdateTable:
         """Put encoded rows back (undo); ``data`` must have the table's row width and storage dtype."""
         data = np.asarray(data)
         if data.shape != (len(rows), self._width) or data.dtype != self._dtype:
-            raise ValueError(f"rows of shape {data.shape} / {data.dtype} do not fit ({len(rows)}, {self._width}) / {self._dtype}")
+            raise ValueError(
+                f"rows of shape {data.shape} / {data.dtype} do not fit ({len(rows)}, {self._width}) / {self._dtype}"
+            )
         if rows:
             self._data[list(rows)] = data
 
@@ -415,7 +423,9 @@ class UpdateTable:
         if "data" in state:
             data = np.asarray(state["data"])
             if data.shape != (n, self._width) or data.dtype != self._dtype:
-                raise ValueError(f"state data has shape {data.shape} / {data.dtype}, expected {(n, self._width)} / {self._dtype}")
+                raise ValueError(
+                    f"state data has shape {data.shape} / {data.dtype}, expected {(n, self._width)} / {self._dtype}"
+                )
         elif self._path is None or self.capacity < n:
             raise ValueError("state has no 'data' and this table has no memory-mapped file holding the rows")
         else:

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from pollen.wire import protocol
 from pollen.compression.payload import Payload, PayloadError
+from pollen.wire import protocol
 
 
 def arrays_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:

@@ -22,7 +22,11 @@ def never_called(msg):  # noqa: ANN001, ANN201
 
 
 def run_main(tmp_path, nodes: int = 3, **overrides):  # noqa: ANN001, ANN003, ANN201
-    run_config = {**defaults_from_pyproject(str(REPO / "pyproject.toml")), "results-dir": str(tmp_path), "run-name": "bad"}
+    run_config = {
+        **defaults_from_pyproject(str(REPO / "pyproject.toml")),
+        "results-dir": str(tmp_path),
+        "run-name": "bad",
+    }
     run_config.update(overrides)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
     grid = FakeGrid(list(range(1, nodes + 1)), never_called)

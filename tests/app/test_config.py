@@ -14,10 +14,10 @@ from pollen.app.config import (
     MODELS,
     PARTITIONERS,
     SCHEMA,
-    strategy_names,
     AppConfig,
     ConfigError,
     defaults_from_pyproject,
+    strategy_names,
 )
 from pollen.app.experiment import build_strategy
 

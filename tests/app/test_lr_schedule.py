@@ -17,7 +17,13 @@ def test_step_decay_divides_by_ten_at_30_and_70():
 
 
 def test_local_lr_follows_the_run_config():
-    cfg = {**defaults_from_pyproject("pyproject.toml"), "local-lr": 0.5, "lr-schedule": "step", "lr-decay-rounds": "3", "lr-decay-factor": 0.5}
+    cfg = {
+        **defaults_from_pyproject("pyproject.toml"),
+        "local-lr": 0.5,
+        "lr-schedule": "step",
+        "lr-decay-rounds": "3",
+        "lr-decay-factor": 0.5,
+    }
     assert [local_lr(cfg, r) for r in (1, 2, 3, 4)] == [0.5, 0.5, 0.25, 0.25]
 
 
@@ -26,10 +32,23 @@ def test_the_client_scales_the_messages_base_rate():
 
     from pollen.clientside.steps import LocalWork
 
-    settings = {**defaults_from_pyproject("pyproject.toml"), "local-lr": 1.0, "lr-schedule": "step", "lr-decay-rounds": "2,4"}
+    settings = {
+        **defaults_from_pyproject("pyproject.toml"),
+        "local-lr": 1.0,
+        "lr-schedule": "step",
+        "lr-decay-rounds": "2,4",
+    }
 
     def work(server_round: int, config: dict) -> LocalWork:
-        return LocalWork(task=None, msg=None, config=ConfigRecord(config), state=None, server_round=server_round, seed=0, settings=settings)
+        return LocalWork(
+            task=None,
+            msg=None,
+            config=ConfigRecord(config),
+            state=None,
+            server_round=server_round,
+            seed=0,
+            settings=settings,
+        )
 
     assert work(1, {"local-lr": 0.2}).setting("local-lr") == pytest.approx(0.2)
     assert work(3, {"local-lr": 0.2}).setting("local-lr") == pytest.approx(0.02)

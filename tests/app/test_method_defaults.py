@@ -55,10 +55,19 @@ def test_enumerations_come_from_their_owners() -> None:
     from pollen.task.catalog import DATASETS, MODELS, NORMS, PARTITIONERS
 
     owned = {
-        "dataset": DATASETS, "model": MODELS, "norm": NORMS, "partitioner": PARTITIONERS, "compressor": CODECS,
-        "compressor-down": CODECS, "compression-granularity": GRANULARITIES, "table-precision": PRECISIONS,
-        "topology": TOPOLOGIES, "downlink-mode": DOWNLINK_MODES, "server-optimizer": SERVER_OPTIMIZERS,
-        "sync-phase": SYNC_PHASES, "outlier-rule": RULES,
+        "dataset": DATASETS,
+        "model": MODELS,
+        "norm": NORMS,
+        "partitioner": PARTITIONERS,
+        "compressor": CODECS,
+        "compressor-down": CODECS,
+        "compression-granularity": GRANULARITIES,
+        "table-precision": PRECISIONS,
+        "topology": TOPOLOGIES,
+        "downlink-mode": DOWNLINK_MODES,
+        "server-optimizer": SERVER_OPTIMIZERS,
+        "sync-phase": SYNC_PHASES,
+        "outlier-rule": RULES,
     }
     for key, names in owned.items():
         assert SCHEMA[key].words == "one of " + ", ".join(names), key
@@ -103,7 +112,11 @@ PAPER_VALUES = {
 
 def test_every_family_with_values_of_its_own_is_tested(defaults: dict) -> None:
     own = {m.family for m in METHODS.values() if any(defaults[k] != v for k, v in m.defaults.items())}
-    assert own == {METHODS[name].family for name in PAPER_VALUES} == {"fedams", "fedadavr", "fedlamb", "hafed", "lazy", "baselines", "fedopt"}
+    assert (
+        own
+        == {METHODS[name].family for name in PAPER_VALUES}
+        == {"fedams", "fedadavr", "fedlamb", "hafed", "lazy", "baselines", "fedopt"}
+    )
 
 
 @pytest.mark.parametrize("name", list(PAPER_VALUES))
@@ -117,7 +130,9 @@ def test_a_method_alone_runs_with_its_papers_values(defaults: dict, name: str) -
 @pytest.mark.parametrize("name", list(PAPER_VALUES))
 def test_a_value_the_user_gives_wins_over_the_methods(defaults: dict, name: str) -> None:
     for key, value in PAPER_VALUES[name].items():
-        mine = {"compressor": "fp16", "fraction-train": 0.4, "momentum": 0.5, "beta2": 0.95}.get(key, SCHEMA[key].default * 2)
+        mine = {"compressor": "fp16", "fraction-train": 0.4, "momentum": 0.5, "beta2": 0.95}.get(
+            key, SCHEMA[key].default * 2
+        )
         assert mine not in (value, defaults[key]), key
         # a value that differs from the pyproject default counts as given
         assert AppConfig.from_run_config({**defaults, "strategy": name, key: mine})[key] == mine
@@ -156,7 +171,9 @@ def test_baselines_recommend_flowers_own_constructor_defaults() -> None:
     for method, cls in (("fedadam", FedAdam), ("fedyogi", FedYogi), ("fedadagrad", FedAdagrad)):
         flower = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()}
         recommended = families.baselines.DEFAULTS[method]
-        assert recommended and {names[k]: v for k, v in recommended.items()} == {names[k]: flower[names[k]] for k in recommended}, method
+        assert recommended and {names[k]: v for k, v in recommended.items()} == {
+            names[k]: flower[names[k]] for k in recommended
+        }, method
 
 
 def test_replace_keeps_what_was_given(defaults: dict) -> None:

@@ -162,7 +162,9 @@ def test_compare_reads_each_runs_codecs_from_its_method():
     assert compare._codecs({"strategy": "fedcams", "compressor": "topk"}) == "topk"
     assert compare._codecs({"strategy": "fednlaa", "compressor": "topk"}) == "-"  # lazy, uncompressed
     assert compare._codecs({"strategy": "fedaca", "compressor": "fp16", "compressor-down": "topk"}) == "fp16"
-    assert compare._codecs({"strategy": "fedbaca", "compressor": "topk", "compressor-down": "sign"}) == "topk / down sign"
+    assert (
+        compare._codecs({"strategy": "fedbaca", "compressor": "topk", "compressor-down": "sign"}) == "topk / down sign"
+    )
     assert compare._codecs({"strategy": "relay-demo", "compressor": "sign"}) == "-"  # not a method of the product
     assert compare._codecs({}) == "-"
 

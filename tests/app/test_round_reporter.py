@@ -22,7 +22,12 @@ class _Strategy:
 
 def test_eval_every_evaluates_on_schedule_and_after_the_last_round(tmp_path):
     cfg = AppConfig.from_run_config(
-        {**defaults_from_pyproject(str(REPO / "pyproject.toml")), "eval-every": 2, "num-server-rounds": 5, "device": "cpu"}
+        {
+            **defaults_from_pyproject(str(REPO / "pyproject.toml")),
+            "eval-every": 2,
+            "num-server-rounds": 5,
+            "device": "cpu",
+        }
     )
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
     loader = DataLoader(TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,))), batch_size=4)
@@ -56,13 +61,31 @@ def test_the_round_log_names_each_record_kind_only_when_there_is_more_than_the_m
 def test_round_log_names_each_methods_counters_without_knowing_them():
     from pollen.server_app import _method_in_words
 
-    events = {"up-send": 3, "up-skip": 2, "up-flags": 2, "down-full": 1, "down-send": 3, "down-skip": 1, "down-flags": 1, "resync": 1}
+    events = {
+        "up-send": 3,
+        "up-skip": 2,
+        "up-flags": 2,
+        "down-full": 1,
+        "down-send": 3,
+        "down-skip": 1,
+        "down-flags": 1,
+        "resync": 1,
+    }
     assert _method_in_words({"lazy_events": events}) == (
         "lazy_events up-send 3, up-skip 2, up-flags 2, down-full 1, down-send 3, down-skip 1, down-flags 1, resync 1"
     )
-    assert _method_in_words({"lazy_events": {"up-send": 4, "up-skip": 0, "down-dense": 4}}) == "lazy_events up-send 4, down-dense 4"
-    assert _method_in_words({"lazy_events": {}, "lazy_rel": {"up": [0.5, 0.125, 0.25], "down": []}}) == "lazy_rel up 3 in [0.125, 0.5]"
-    assert _method_in_words({"relayed_bytes": 1_200_000, "peer_bytes": 3_400_000}) == "relayed_bytes 1.20 MB | peer_bytes 3.40 MB"
+    assert (
+        _method_in_words({"lazy_events": {"up-send": 4, "up-skip": 0, "down-dense": 4}})
+        == "lazy_events up-send 4, down-dense 4"
+    )
+    assert (
+        _method_in_words({"lazy_events": {}, "lazy_rel": {"up": [0.5, 0.125, 0.25], "down": []}})
+        == "lazy_rel up 3 in [0.125, 0.5]"
+    )
+    assert (
+        _method_in_words({"relayed_bytes": 1_200_000, "peer_bytes": 3_400_000})
+        == "relayed_bytes 1.20 MB | peer_bytes 3.40 MB"
+    )
     assert _method_in_words({"relayed_bytes": 0, "merges": 2, "share": 0.123456}) == "merges 2 | share 0.1235"
     assert _method_in_words({}) == ""
 

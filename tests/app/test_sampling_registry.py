@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from pollen.wire import protocol
 from pollen.app.config import SCHEMA, AppConfig, ConfigError, defaults_from_pyproject
 from pollen.app.config import strategy_names as config_strategy_names
 from pollen.app.registry import build_strategy, implementations, strategy_names
 from pollen.strategies.sampling import ClientSampler
 from pollen.testing.fakes import FakeGrid
+from pollen.wire import protocol
 
 pytestmark = pytest.mark.flower_compat
 
@@ -22,7 +22,9 @@ class ClusterGrid(FakeGrid):
 
     def _identify(self, msg: Message) -> Message:
         node = msg.metadata.dst_node_id
-        record = ConfigRecord({protocol.IDENTITY_CLIENT_ID: f"c{node - 101:02d}", protocol.IDENTITY_CLUSTER_ID: f"k{(node - 101) // 4}"})
+        record = ConfigRecord(
+            {protocol.IDENTITY_CLIENT_ID: f"c{node - 101:02d}", protocol.IDENTITY_CLUSTER_ID: f"k{(node - 101) // 4}"}
+        )
         return Message(RecordDict({protocol.IDENTITY_RECORD: record}), reply_to=msg)
 
 
@@ -61,7 +63,9 @@ def test_the_run_config_allows_exactly_the_registered_strategies():
     assert config_strategy_names() == strategy_names()
     assert set(implementations()) == set(strategy_names())
     assert {"fedams", "fedcams", "fedadavr", "fedavg", "fed-lamb"} <= set(strategy_names())
-    assert "relay-demo" not in strategy_names()  # the demo is the test harness's (pollen.testing.apps), not the product's
+    assert (
+        "relay-demo" not in strategy_names()
+    )  # the demo is the test harness's (pollen.testing.apps), not the product's
     defaults = defaults_from_pyproject("pyproject.toml")
     with pytest.raises(ConfigError, match="'strategy' = 'fedfoo' is out of range; allowed: one of fedavg"):
         AppConfig.from_run_config({**defaults, "strategy": "fedfoo"})

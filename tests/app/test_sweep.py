@@ -51,7 +51,9 @@ def fake_flwr(gains: dict[str, float], calls: list[list[str]]):  # noqa: ANN201
         config = dict(sweep.parse_assignment(part) for part in shlex.split(command[command.index("--run-config") + 1]))
         out = Path(config["results-dir"]) / config["run-name"]
         gain = gains[config["strategy"]] + 0.01 * config["seed"]
-        record_run(out, config, fake_rows(config["num-server-rounds"], 1000 if config["strategy"] == "fedams" else 40, gain))
+        record_run(
+            out, config, fake_rows(config["num-server-rounds"], 1000 if config["strategy"] == "fedams" else 40, gain)
+        )
         log.write_text("ok\n")
         return 0
 
@@ -78,8 +80,13 @@ def test_a_sweep_runs_every_method_and_seed_once_then_reports(preset_file: Path,
     assert sweep.execute(runs, app=".", supernodes=6, runner=runner, say=again.append) == []
     assert again == ["4 runs, 4 already finished, 0 to run"] and len(calls) == 4
 
-    table = sweep.write_report({"fedams": [runs[0].run_dir, runs[2].run_dir], "fedcams-sign": [runs[1].run_dir, runs[3].run_dir]},
-                               out, title="t", commands=["flwr run ."], target=0.5)
+    table = sweep.write_report(
+        {"fedams": [runs[0].run_dir, runs[2].run_dir], "fedcams-sign": [runs[1].run_dir, runs[3].run_dir]},
+        out,
+        title="t",
+        commands=["flwr run ."],
+        target=0.5,
+    )
     rows = [line for line in table.splitlines() if line.startswith("| fed")]
     assert rows[0].startswith("| fedams | 2 | ") and "± " in rows[0]
     assert "2.0 (2/2 reached)" in rows[0]  # 0.1 + 0.21 r and 0.1 + 0.22 r pass 0.5 at round 2
@@ -88,7 +95,9 @@ def test_a_sweep_runs_every_method_and_seed_once_then_reports(preset_file: Path,
     assert "accuracy_vs_total_bytes.png" in report and "flwr run ." in report
     summaries = json.loads((out / "report.json").read_text())
     assert summaries[1]["group"] == "fedcams-sign"
-    for summary, group in zip(summaries, ([runs[0], runs[2]], [runs[1], runs[3]])):  # the table's numbers are the runs' own
+    for summary, group in zip(
+        summaries, ([runs[0], runs[2]], [runs[1], runs[3]])
+    ):  # the table's numbers are the runs' own
         metrics = [json.loads((run.run_dir / "metrics.json").read_text())["rows"] for run in group]
         assert summary["final_accuracy"] == [rows[-1]["accuracy"] for rows in metrics]
         assert summary["uplink_bytes"] == sum(rows[-1]["cum_uplink_bytes"] for rows in metrics) / 2
@@ -96,8 +105,20 @@ def test_a_sweep_runs_every_method_and_seed_once_then_reports(preset_file: Path,
 
 
 def test_sweep_cli_dry_run_and_swept_setting(preset_file: Path, tmp_path: Path, capsys) -> None:
-    code = sweep.main([str(preset_file), "--methods", "fedcams-sign", "--seeds", "3", "--sweep", "topk-ratio=0.125,0.5",
-                       "--out", str(tmp_path / "s"), "--dry-run"])
+    code = sweep.main(
+        [
+            str(preset_file),
+            "--methods",
+            "fedcams-sign",
+            "--seeds",
+            "3",
+            "--sweep",
+            "topk-ratio=0.125,0.5",
+            "--out",
+            str(tmp_path / "s"),
+            "--dry-run",
+        ]
+    )
     assert code == 0
     commands = capsys.readouterr().out.strip().splitlines()
     assert len(commands) == 2
@@ -136,7 +157,10 @@ def test_a_key_given_on_the_command_line_wins_even_at_its_default(preset_file: P
     preset_file.write_text(text)
     run_config = {**defaults, "preset": str(preset_file), "local-epochs": defaults["local-epochs"]}
     assert AppConfig.from_run_config(run_config)["local-epochs"] == 3  # not known as given: the preset fills it
-    assert AppConfig.from_run_config(run_config, given={"preset", "local-epochs"})["local-epochs"] == defaults["local-epochs"]
+    assert (
+        AppConfig.from_run_config(run_config, given={"preset", "local-epochs"})["local-epochs"]
+        == defaults["local-epochs"]
+    )
 
 
 def test_a_finished_run_with_other_settings_is_run_again(preset_file: Path, tmp_path: Path) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-import tomllib
 
 import pytest
+import tomllib
 from flwr.app import Context, RecordDict
 
 from pollen import client_app
@@ -52,8 +52,13 @@ def test_the_relay_demo_is_a_method_of_the_harness_only(defaults: dict) -> None:
 
 def test_handlers_see_a_run_config_without_the_testing_keys() -> None:
     state = RecordDict()
-    context = Context(run_id=1, node_id=2, node_config={"partition-id": 1}, state=state,
-                      run_config={"seed": 4, "fault-fraction": 0.5, "fault-kind": "mixed", "fault-delay": 0.0})
+    context = Context(
+        run_id=1,
+        node_id=2,
+        node_config={"partition-id": 1},
+        state=state,
+        run_config={"seed": 4, "fault-fraction": 0.5, "fault-kind": "mixed", "fault-delay": 0.0},
+    )
     product = apps.product_context(context)
     assert product.run_config == {"seed": 4} and product.state is state and product.node_config == context.node_config
     assert context.run_config["fault-fraction"] == 0.5  # the message's own context is left as it was
@@ -63,7 +68,10 @@ def test_the_testing_pyproject_runs_the_harness_apps_with_the_fault_keys() -> No
     product = PYPROJECT.read_text()
     testing = tomllib.loads(apps.testing_pyproject(product))
     flwr = testing["tool"]["flwr"]["app"]
-    assert flwr["components"] == {"serverapp": "pollen.testing.apps:serverapp", "clientapp": "pollen.testing.apps:clientapp"}
+    assert flwr["components"] == {
+        "serverapp": "pollen.testing.apps:serverapp",
+        "clientapp": "pollen.testing.apps:clientapp",
+    }
     original = tomllib.loads(product)["tool"]["flwr"]["app"]["config"]
     assert flwr["config"] == {**original, "fault-fraction": 0.0, "fault-kind": "error", "fault-delay": 0.0}
     with pytest.raises(ValueError, match="no single 'clientapp = ...' line"):
@@ -74,7 +82,14 @@ def test_the_testing_server_app_refuses_a_bad_fault_key_before_round_1(defaults:
     def never_called(msg):  # noqa: ANN001, ANN202
         raise AssertionError("no message may reach a client when the config is bad")
 
-    run_config = {**defaults, "results-dir": str(tmp_path), "run-name": "bad", "fault-fraction": 0.2, "fault-kind": "boom", "fault-delay": 0.0}
+    run_config = {
+        **defaults,
+        "results-dir": str(tmp_path),
+        "run-name": "bad",
+        "fault-fraction": 0.2,
+        "fault-kind": "boom",
+        "fault-delay": 0.0,
+    }
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
     with capture_flwr_logs(logging.ERROR) as records, pytest.raises(ConfigError) as err:
         apps.main(FakeGrid([1, 2, 3], never_called), context)

@@ -74,17 +74,23 @@ class Federation:
         self.http_port, self.fleet_port, *self.spare_ports = lf.free_ports(2 + NUM_NODES + 2)
         self.fleet_address = f"127.0.0.1:{self.fleet_port}"
         self.user_env = lf.flower_env(root / "home-user")
-        lf.write_connection(root / "home-user", CONNECTION, f"127.0.0.1:{self.http_port}", root_certificates=self.certs["ca.crt"])
+        lf.write_connection(
+            root / "home-user", CONNECTION, f"127.0.0.1:{self.http_port}", root_certificates=self.certs["ca.crt"]
+        )
         self.superlink = procs.start(
             "superlink",
-            lf.superlink_argv(http_port=self.http_port, fleet_port=self.fleet_port, certs=self.certs, supernode_auth=True),
+            lf.superlink_argv(
+                http_port=self.http_port, fleet_port=self.fleet_port, certs=self.certs, supernode_auth=True
+            ),
             env=lf.flower_env(root / "home-superlink"),
         )
         lf.wait_until(self._superlink_up, 90, "the SuperLink to listen on its HTTP and Fleet ports")
 
     def _superlink_up(self) -> bool:
         if self.superlink.poll() is not None:
-            raise RuntimeError(f"flower-superlink exited with {self.superlink.poll()}:\n{lf.tail(self.superlink.output())}")
+            raise RuntimeError(
+                f"flower-superlink exited with {self.superlink.poll()}:\n{lf.tail(self.superlink.output())}"
+            )
         self.superlink.remember_tree()
         return lf.port_is_open(self.http_port) and lf.port_is_open(self.fleet_port)
 
@@ -94,14 +100,21 @@ class Federation:
     def register(self, *names: str) -> str:
         """``deploy/scripts/register_supernodes.sh`` = ``flwr supernode register <key>.pub <connection>`` per key."""
         pubs = [f"{self.keys[name]}.pub" for name in names]
-        code, out = self.procs.run("register", ["bash", str(lf.SCRIPTS_DIR / "register_supernodes.sh"), CONNECTION, *pubs], timeout=60 * len(names), env=self.user_env)
+        code, out = self.procs.run(
+            "register",
+            ["bash", str(lf.SCRIPTS_DIR / "register_supernodes.sh"), CONNECTION, *pubs],
+            timeout=60 * len(names),
+            env=self.user_env,
+        )
         assert code == 0 and out.count("registered successfully") == len(names), out
         return out
 
     def supernode(self, name: str, node_config: str | None = None, **kwargs):
         return self.procs.start(
             name,
-            lf.supernode_argv(superlink=self.fleet_address, runtime_port=self.port(), node_config=node_config, **kwargs),
+            lf.supernode_argv(
+                superlink=self.fleet_address, runtime_port=self.port(), node_config=node_config, **kwargs
+            ),
             env=lf.flower_env(self.root / f"home-{name}"),
         )
 
@@ -168,8 +181,17 @@ def test_federated_run_over_tls_with_node_auth(federation):
 
 
 def run_fed_lamb_round(fed, results):
-    config = dict(RUN_CONFIG, **{"results-dir": str(results), "strategy": "fed-lamb", "num-server-rounds": 1,
-                                 "run-name": "e2e-fed-lamb", "eps": 1e-8, "beta2": 0.999})
+    config = dict(
+        RUN_CONFIG,
+        **{
+            "results-dir": str(results),
+            "strategy": "fed-lamb",
+            "num-server-rounds": 1,
+            "run-name": "e2e-fed-lamb",
+            "eps": 1e-8,
+            "beta2": 0.999,
+        },
+    )
     del config["compressor"]
     code, out = fed.procs.run(
         "flwr-run-fed-lamb",
@@ -188,8 +210,17 @@ def run_fed_lamb_round(fed, results):
 
 
 def run_hafed_round(fed, results):
-    config = dict(RUN_CONFIG, **{"results-dir": str(results), "strategy": "hafed", "num-server-rounds": 1,
-                                 "run-name": "e2e-hafed", "local-steps": 2, "uploaders-per-cluster": 2})
+    config = dict(
+        RUN_CONFIG,
+        **{
+            "results-dir": str(results),
+            "strategy": "hafed",
+            "num-server-rounds": 1,
+            "run-name": "e2e-hafed",
+            "local-steps": 2,
+            "uploaders-per-cluster": 2,
+        },
+    )
     del config["compressor"]
     _, out = _flwr_run(fed, "flwr-run-hafed", config)
     assert "[pollen] done" in out and "HA-Fed: 1 clusters of 3" in out, out
@@ -203,15 +234,29 @@ def run_fedbnlaca_rounds(fed, results):
     """FedBNLACA for two rounds: the full model once, then top-k 1/8 increments against each SuperNode's copy."""
     from pollen.compression import make_codec
 
-    config = dict(RUN_CONFIG, **{"results-dir": str(results), "strategy": "fedbnlaca", "run-name": "e2e-fedbnlaca",
-                                 "compressor": "topk", "topk-ratio": 0.125, "compressor-down": "topk", "topk-ratio-down": 0.125})
+    config = dict(
+        RUN_CONFIG,
+        **{
+            "results-dir": str(results),
+            "strategy": "fedbnlaca",
+            "run-name": "e2e-fedbnlaca",
+            "compressor": "topk",
+            "topk-ratio": 0.125,
+            "compressor-down": "topk",
+            "topk-ratio-down": 0.125,
+        },
+    )
     _, out = _flwr_run(fed, "flwr-run-fedbnlaca", config)
     assert "[pollen] done" in out, out
     first, second = lf.load_metrics(results, "e2e-fedbnlaca")["rows"][1:]
     for row in (first, second):
         assert row["replies"] == NUM_NODES and row["failures"] == 0, row
-    assert first["method.lazy_events"]["down-full"] == NUM_NODES and "pollen.down" not in first["downlink_by_record"], first
-    assert second["method.lazy_events"]["down-send"] == NUM_NODES and "arrays" not in second["downlink_by_record"], second
+    assert first["method.lazy_events"]["down-full"] == NUM_NODES and "pollen.down" not in first["downlink_by_record"], (
+        first
+    )
+    assert second["method.lazy_events"]["down-send"] == NUM_NODES and "arrays" not in second["downlink_by_record"], (
+        second
+    )
     d = 29_034
     payload = make_codec("topk", topk_ratio=0.125).payload_bytes(d)
     per_node_down = second["downlink_by_record"]["pollen.down"] / NUM_NODES
@@ -265,7 +310,12 @@ def supernodes(fed: Federation):
                     private_key=fed.keys[f"supernode-{i}"],
                 )
             )
-        lf.wait_until(lambda: lf.online_nodes(fed.procs, CONNECTION, fed.user_env) >= NUM_NODES, 120, f"{NUM_NODES} SuperNodes online", interval=1.0)
+        lf.wait_until(
+            lambda: lf.online_nodes(fed.procs, CONNECTION, fed.user_env) >= NUM_NODES,
+            120,
+            f"{NUM_NODES} SuperNodes online",
+            interval=1.0,
+        )
         yield nodes
     finally:
         for node in nodes:
@@ -274,7 +324,11 @@ def supernodes(fed: Federation):
 
 def _flwr_run(fed: Federation, name: str, config: dict, stream: bool = True, app: str | None = None) -> tuple[str, str]:
     """``flwr run <app> <connection> [--stream] --run-config ...``; ``(run id, output)``, exit code 0 asserted."""
-    argv = [lf.exe("flwr"), "run", str(app or fed.app), CONNECTION] + (["--stream"] if stream else []) + ["--run-config", lf.run_config_arg(config)]
+    argv = (
+        [lf.exe("flwr"), "run", str(app or fed.app), CONNECTION]
+        + (["--stream"] if stream else [])
+        + ["--run-config", lf.run_config_arg(config)]
+    )
     code, out = fed.procs.run(name, argv, timeout=FLWR_RUN_TIMEOUT_S, env=fed.user_env, cwd=lf.REPO_ROOT)
     assert code == 0, out
     match = re.search(r"Successfully started run (\d+)", out)
@@ -329,22 +383,41 @@ def test_resume_after_serverapp_killed_equals_uninterrupted_run(federation):
         # (while it sends round 3: messages registered at the SuperLink, their objects not all pushed)
         killed = results / KILLED
         checkpoint = killed / "checkpoint.npz"
-        lf.wait_until(lambda: not lf.find_in_tree(fed.superlink, "flwr-serverapp"), 60, "the uninterrupted run's flwr-serverapp to exit")
+        lf.wait_until(
+            lambda: not lf.find_in_tree(fed.superlink, "flwr-serverapp"),
+            60,
+            "the uninterrupted run's flwr-serverapp to exit",
+        )
         run_id, _ = _flwr_run(fed, "flwr-run-killed", dict(config, **{"run-name": KILLED}), stream=False, app=app)
-        lf.wait_until(lambda: lf.find_in_tree(fed.superlink, "flwr-serverapp"), 120, "the SuperLink to start flwr-serverapp")
-        lf.wait_until(lambda: _checkpoint_round(checkpoint) >= KILL_AT_ROUND, 300, f"a checkpoint of round >= {KILL_AT_ROUND}", interval=0.1)
+        lf.wait_until(
+            lambda: lf.find_in_tree(fed.superlink, "flwr-serverapp"), 120, "the SuperLink to start flwr-serverapp"
+        )
+        lf.wait_until(
+            lambda: _checkpoint_round(checkpoint) >= KILL_AT_ROUND,
+            300,
+            f"a checkpoint of round >= {KILL_AT_ROUND}",
+            interval=0.1,
+        )
         serverapps = lf.find_in_tree(fed.superlink, "flwr-serverapp")
         assert len(serverapps) == 1, [lf.cmdline(pid) for pid in serverapps]
         os.kill(serverapps[0], signal.SIGKILL)
         killed_at = time.monotonic()
-        lf.wait_until(lambda: not lf.find_in_tree(fed.superlink, "flwr-serverapp"), 30, "the killed flwr-serverapp to be gone")
+        lf.wait_until(
+            lambda: not lf.find_in_tree(fed.superlink, "flwr-serverapp"), 30, "the killed flwr-serverapp to be gone"
+        )
         saved_round = _checkpoint_round(checkpoint)
         assert KILL_AT_ROUND <= saved_round < RESUME_CONFIG["num-server-rounds"], saved_round
         assert not (killed / "final_model.npz").exists()
         # Flower would mark the run failed once the ServerApp's heartbeat is overdue (2 x 30 s in
         # 1.39), SuperNodes holding a message of the next round waiting meanwhile; an operator who
         # saw the crash stops the run at once, as here.
-        code, out = procs.run("flwr-stop", [lf.exe("flwr"), "stop", str(run_id), CONNECTION], timeout=60, env=fed.user_env, cwd=lf.REPO_ROOT)
+        code, out = procs.run(
+            "flwr-stop",
+            [lf.exe("flwr"), "stop", str(run_id), CONNECTION],
+            timeout=60,
+            env=fed.user_env,
+            cwd=lf.REPO_ROOT,
+        )
         assert code == 0, out
         status = lf.wait_until(
             lambda: (s := lf.run_status(procs, CONNECTION, fed.user_env, run_id=run_id))["status"] != "running" and s,
@@ -358,10 +431,15 @@ def test_resume_after_serverapp_killed_equals_uninterrupted_run(federation):
         )
 
         # c) resume the killed run
-        resume_id, out = _flwr_run(fed, "flwr-run-resume", dict(config, **{"run-name": KILLED, "resume": str(killed)}), app=app)
+        resume_id, out = _flwr_run(
+            fed, "flwr-run-resume", dict(config, **{"run-name": KILLED, "resume": str(killed)}), app=app
+        )
         assert "[pollen] done" in out, out
         assert f"Resuming after round {saved_round} of" in out, out
-        fabs = {rid: lf.run_status(procs, CONNECTION, fed.user_env, run_id=rid)["fab-hash"] for rid in (intact_id, run_id, resume_id)}
+        fabs = {
+            rid: lf.run_status(procs, CONNECTION, fed.user_env, run_id=rid)["fab-hash"]
+            for rid in (intact_id, run_id, resume_id)
+        }
         assert len(set(fabs.values())) == 1, fabs
 
     # d) the same model, bit for bit, and the same results
@@ -371,7 +449,9 @@ def test_resume_after_serverapp_killed_equals_uninterrupted_run(federation):
     for name in want.files:
         assert got[name].dtype == want[name].dtype, (name, got[name].dtype, want[name].dtype)
         assert got[name].shape == want[name].shape, (name, got[name].shape, want[name].shape)
-        assert np.array_equal(got[name], want[name]), f"{name}: max |diff| {np.max(np.abs(got[name].astype(np.float64) - want[name]))}"
+        assert np.array_equal(got[name], want[name]), (
+            f"{name}: max |diff| {np.max(np.abs(got[name].astype(np.float64) - want[name]))}"
+        )
     full = lf.load_metrics(results, INTACT)["rows"]
     resumed = lf.load_metrics(results, KILLED)["rows"]
     assert [row["round"] for row in full] == list(range(RESUME_CONFIG["num-server-rounds"] + 1))
@@ -379,7 +459,9 @@ def test_resume_after_serverapp_killed_equals_uninterrupted_run(federation):
     assert [row["accuracy"] for row in resumed] == [row["accuracy"] for row in full]
     assert all((row["sampled"], row["replies"], row["failures"]) == (2, 2, 0) for row in full[1:]), full
     for before, after in zip(full, resumed):
-        differ = sorted(key for key in set(before) | set(after) if key not in TIMING_KEYS and before.get(key) != after.get(key))
+        differ = sorted(
+            key for key in set(before) | set(after) if key not in TIMING_KEYS and before.get(key) != after.get(key)
+        )
         assert not differ, {key: (before.get(key), after.get(key)) for key in differ}
 
 
@@ -423,12 +505,17 @@ def _wire_sizes(msg) -> dict[str, int]:
     proto = message_to_proto(remove_content_from_message(msg))
     sender, receiver = Node(node_id=msg.metadata.src_node_id), Node(node_id=msg.metadata.dst_node_id)
     push_response = PushMessagesResponse(
-        reconnect=Reconnect(reconnect=5), results={msg.metadata.message_id: 0}, objects_to_push=list(objects), session_id=str(uuid.uuid4())
+        reconnect=Reconnect(reconnect=5),
+        results={msg.metadata.message_id: 0},
+        objects_to_push=list(objects),
+        session_id=str(uuid.uuid4()),
     )
     sizes = {
         "records": sum(record.count_bytes() for record in msg.content.values()),
         "objects": sum(len(obj.deflate()) for obj in objects.values()),
-        "push_request": PushMessagesRequest(node=sender, messages_list=[proto], message_object_trees=[tree], clientapp_runtime_list=[1.0]).ByteSize(),
+        "push_request": PushMessagesRequest(
+            node=sender, messages_list=[proto], message_object_trees=[tree], clientapp_runtime_list=[1.0]
+        ).ByteSize(),
         "push_response": push_response.ByteSize(),
         "pull_request": PullMessagesRequest(node=receiver).ByteSize(),
         "pull_response": PullMessagesResponse(messages_list=[proto], message_object_trees=[tree]).ByteSize(),
@@ -441,11 +528,11 @@ def _framed_messages(run_id: int) -> dict[str, dict[str, int]]:
     """Wire sizes of messages shaped like this run's: identify query and reply, train message and sign reply."""
     from flwr.app import ConfigRecord, Message, Metadata, MetricRecord, RecordDict
 
-    from pollen.wire import protocol
-    from pollen.compression import make_codec
     from pollen.app.config import AppConfig, defaults_from_pyproject
     from pollen.app.experiment import build_model
+    from pollen.compression import make_codec
     from pollen.core.layout import ModelLayout
+    from pollen.wire import protocol
     from pollen.wire.records import arrays_to_record, payload_to_records
 
     cfg = AppConfig.from_run_config({**defaults_from_pyproject(str(lf.REPO_ROOT / "pyproject.toml")), **RUN_CONFIG})
@@ -459,22 +546,47 @@ def _framed_messages(run_id: int) -> dict[str, dict[str, int]]:
     server, node = 0, 2**63 - 12345  # node ids are random 64-bit integers
 
     def sent(content: RecordDict, message_type: str) -> Message:
-        meta = Metadata(run_id=run_id, message_id="", src_node_id=server, dst_node_id=node, reply_to_message_id="",
-                        group_id="", created_at=time.time(), ttl=3600.0, message_type=message_type)
+        meta = Metadata(
+            run_id=run_id,
+            message_id="",
+            src_node_id=server,
+            dst_node_id=node,
+            reply_to_message_id="",
+            group_id="",
+            created_at=time.time(),
+            ttl=3600.0,
+            message_type=message_type,
+        )
         msg = Message(metadata=meta, content=content)
         msg.metadata.__dict__["_message_id"] = msg.object_id  # as the SuperLink stamps it
         return msg
 
     def reply(to: Message, content: RecordDict) -> Message:
-        meta = Metadata(run_id=run_id, message_id="", src_node_id=node, dst_node_id=server, reply_to_message_id=to.metadata.message_id,
-                        group_id="", created_at=time.time(), ttl=3600.0, message_type=to.metadata.message_type)
+        meta = Metadata(
+            run_id=run_id,
+            message_id="",
+            src_node_id=node,
+            dst_node_id=server,
+            reply_to_message_id=to.metadata.message_id,
+            group_id="",
+            created_at=time.time(),
+            ttl=3600.0,
+            message_type=to.metadata.message_type,
+        )
         msg = Message(metadata=meta, content=content)
         msg.metadata.__dict__["_message_id"] = msg.object_id
         return msg
 
     query = sent(RecordDict(), protocol.QUERY_IDENTIFY)
-    answer = reply(query, RecordDict({protocol.IDENTITY_RECORD: ConfigRecord({protocol.IDENTITY_CLIENT_ID: "partition-0"})}))
-    train = sent(RecordDict({protocol.ARRAYS_RECORD: arrays_to_record(model), protocol.CONFIG_RECORD: ConfigRecord({"local-steps": 5})}), "train")
+    answer = reply(
+        query, RecordDict({protocol.IDENTITY_RECORD: ConfigRecord({protocol.IDENTITY_CLIENT_ID: "partition-0"})})
+    )
+    train = sent(
+        RecordDict(
+            {protocol.ARRAYS_RECORD: arrays_to_record(model), protocol.CONFIG_RECORD: ConfigRecord({"local-steps": 5})}
+        ),
+        "train",
+    )
     delta = rng.standard_normal(layout.dim).astype(np.float32)
     update, meta = payload_to_records(make_codec("sign", segments=layout.segments).encode(delta), "model")
     content = RecordDict({protocol.UPDATE_RECORD: update, protocol.UPDATE_META_RECORD: meta})
@@ -482,7 +594,10 @@ def _framed_messages(run_id: int) -> dict[str, dict[str, int]]:
     content[protocol.METRICS_RECORD] = MetricRecord({"train-loss": 2.0, "num-examples": 160})
     content[protocol.CLIENT_INFO_RECORD] = ConfigRecord({"client-id": "partition-0"})
     trained = reply(train, content)
-    return {name: _wire_sizes(msg) for name, msg in (("query", query), ("answer", answer), ("train", train), ("trained", trained))}
+    return {
+        name: _wire_sizes(msg)
+        for name, msg in (("query", query), ("answer", answer), ("train", train), ("trained", trained))
+    }
 
 
 def check_traffic(fed: Federation, run_id: str, rows: list[dict]) -> None:

@@ -36,12 +36,21 @@ def test_scripts_are_valid_bash_and_executable(script):
 @needs_openssl
 def test_make_certs_puts_loopback_and_given_names_in_the_certificate(tmp_path):
     certs = lf.make_certs(tmp_path / "c", "10.1.2.3", "superlink.lab.example", bits=2048)
-    text = subprocess.run(["openssl", "x509", "-in", str(certs["server.pem"]), "-noout", "-text"], capture_output=True, text=True, check=True).stdout
+    text = subprocess.run(
+        ["openssl", "x509", "-in", str(certs["server.pem"]), "-noout", "-text"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     san = text.split("Subject Alternative Name:")[1].splitlines()[1]
     for name in ("IP Address:127.0.0.1", "IP Address:10.1.2.3", "DNS:localhost", "DNS:superlink.lab.example"):
         assert name in san
     assert "TLS Web Server Authentication" in text
-    subprocess.run(["openssl", "verify", "-CAfile", str(certs["ca.crt"]), str(certs["server.pem"])], check=True, capture_output=True)
+    subprocess.run(
+        ["openssl", "verify", "-CAfile", str(certs["ca.crt"]), str(certs["server.pem"])],
+        check=True,
+        capture_output=True,
+    )
     assert oct(certs["server.key"].stat().st_mode & 0o777) == "0o600"
     assert oct((tmp_path / "c" / "ca.key").stat().st_mode & 0o777) == "0o600"
 
@@ -50,10 +59,18 @@ def test_make_certs_puts_loopback_and_given_names_in_the_certificate(tmp_path):
 def test_make_certs_never_overwrites_and_rejects_bad_names(tmp_path):
     lf.make_certs(tmp_path / "c", bits=2048)
     before = (tmp_path / "c" / "server.pem").read_bytes()
-    again = subprocess.run(["bash", str(lf.SCRIPTS_DIR / "make_certs.sh"), "-o", str(tmp_path / "c"), "-b", "2048"], capture_output=True, text=True)
+    again = subprocess.run(
+        ["bash", str(lf.SCRIPTS_DIR / "make_certs.sh"), "-o", str(tmp_path / "c"), "-b", "2048"],
+        capture_output=True,
+        text=True,
+    )
     assert again.returncode != 0 and "not overwriting" in again.stderr
     assert (tmp_path / "c" / "server.pem").read_bytes() == before
-    bad = subprocess.run(["bash", str(lf.SCRIPTS_DIR / "make_certs.sh"), "-o", str(tmp_path / "d"), "bad name!"], capture_output=True, text=True)
+    bad = subprocess.run(
+        ["bash", str(lf.SCRIPTS_DIR / "make_certs.sh"), "-o", str(tmp_path / "d"), "bad name!"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "neither an IP address nor a DNS name" in bad.stderr
 
 
@@ -71,7 +88,9 @@ def _check_key_pair(private: Path) -> None:
 @pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="needs ssh-keygen")
 def test_make_supernode_keys_with_ssh_keygen(tmp_path):
     keys = lf.make_supernode_keys(tmp_path / "k", "3")
-    assert sorted(p.name for p in (tmp_path / "k").iterdir()) == sorted([f"supernode-{i}{s}" for i in (1, 2, 3) for s in ("", ".pub")])
+    assert sorted(p.name for p in (tmp_path / "k").iterdir()) == sorted(
+        [f"supernode-{i}{s}" for i in (1, 2, 3) for s in ("", ".pub")]
+    )
     for i in (1, 2, 3):
         _check_key_pair(tmp_path / "k" / f"supernode-{i}")
     first = (tmp_path / "k" / "supernode-1").read_bytes()
@@ -182,8 +201,16 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path):
         (tmp_path / unit).write_text(text)
     shutil.copy(tmp_path / "flower-supernode@.service", tmp_path / "flower-supernode@1.service")
     done = subprocess.run(
-        ["systemd-analyze", "verify", "--man=no", str(tmp_path / "flower-superlink.service"), str(tmp_path / "flower-supernode@1.service")],
-        capture_output=True, text=True, timeout=60,
+        [
+            "systemd-analyze",
+            "verify",
+            "--man=no",
+            str(tmp_path / "flower-superlink.service"),
+            str(tmp_path / "flower-supernode@1.service"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     problems = [line for line in done.stderr.splitlines() if str(tmp_path) in line]
     assert done.returncode == 0 and not problems, done.stderr

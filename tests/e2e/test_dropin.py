@@ -66,8 +66,12 @@ def main(grid: Grid, context: Context) -> None:
 
 def test_fedams_drops_into_a_plain_flower_project() -> None:
     RESULTS.clear()
-    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=3,
-                   backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
+    run_simulation(
+        server_app=server_app,
+        client_app=client_app,
+        num_supernodes=3,
+        backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}},
+    )
     assert "arrays" in RESULTS, "the ServerApp did not finish"
     final = next(iter(RESULTS["arrays"].values())).numpy()
     mse = RESULTS["evaluate"]

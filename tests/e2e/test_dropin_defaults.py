@@ -63,9 +63,9 @@ from flwr.serverapp.strategy import FedAvg
 from pollen.clientside import compression_mod
 from pollen.clientside.lazy_mod import lazy_mod
 from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, FedLAMB, FedLazy, HAFed
-from pollen.testing.relay_demo import RelayAverage
 from pollen.strategies.rounds import SetupError
 from pollen.testing.fakes import FakeGrid
+from pollen.testing.relay_demo import RelayAverage
 
 NUM_CLIENTS = 4
 NUM_ROUNDS = 5
@@ -109,7 +109,9 @@ def make_images(labels: np.ndarray, rng: np.random.Generator, seed: int) -> np.n
     Gaussian noise of standard deviation ``NOISE``, so the net needs its convolutions and a few
     rounds to tell the classes apart (FedAvg: chance after round 1, near 1.0 after round 5).
     """
-    textures = torch.from_numpy(np.random.default_rng(1000 + seed).normal(size=(NUM_CLASSES, 3, 8, 8)).astype(np.float32))
+    textures = torch.from_numpy(
+        np.random.default_rng(1000 + seed).normal(size=(NUM_CLASSES, 3, 8, 8)).astype(np.float32)
+    )
     textures = F.interpolate(textures, size=(32 + SHIFT, 32 + SHIFT), mode="bilinear", align_corners=False).numpy()
     dy, dx = rng.integers(0, SHIFT + 1, size=(2, len(labels)))
     images = np.stack([CONTRAST * textures[k, :, y : y + 32, x : x + 32] for k, y, x in zip(labels, dy, dx)])
@@ -205,7 +207,9 @@ app_with_lazy_mod.evaluate()(evaluate)
 
 
 # --------------------------------------------------------------------------- running a strategy
-def run_project(strategy, *, seed: int = SEED, client_app: ClientApp = app, num_rounds: int = NUM_ROUNDS) -> dict[int, float]:
+def run_project(
+    strategy, *, seed: int = SEED, client_app: ClientApp = app, num_rounds: int = NUM_ROUNDS
+) -> dict[int, float]:
     """Run ``strategy`` on the project in process; the centralised test accuracy of every round.
 
     A ClientApp that raises (e.g. for a message type it has no function for) answers with an
@@ -290,8 +294,13 @@ def test_the_quickstart_evaluate_answers() -> None:
     net = Net()
     content = RecordDict({"arrays": ArrayRecord(net.state_dict()), "config": ConfigRecord()})
     msg = Message(content=content, dst_node_id=1, message_type="evaluate")
-    context = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": NUM_CLIENTS},
-                      state=RecordDict(), run_config={"seed": SEED})
+    context = Context(
+        run_id=1,
+        node_id=1,
+        node_config={"partition-id": 0, "num-partitions": NUM_CLIENTS},
+        state=RecordDict(),
+        run_config={"seed": SEED},
+    )
     metrics = app(msg, context).content["metrics"]
     assert metrics["num-examples"] == TRAIN_PER_CLIENT and 0.0 <= metrics["eval_acc"] <= 1.0
 
@@ -321,15 +330,29 @@ def test_every_strategy_with_its_defaults_keeps_up_with_fedavg() -> None:
 #: each node's cluster id and answers gossip messages.
 NEEDS_POLLEN_CLIENT = [
     ("FedLAMB()", lambda: FedLAMB(**SAMPLING), "reply lacks the extra record 'pollen.x.v'"),
-    ("FedLAMB(variant='mime-lamb')", lambda: FedLAMB(variant="mime-lamb", **SAMPLING), "reply lacks the extra record 'pollen.x.grad'"),
-    ("FedLAMB(variant='fed-ams')", lambda: FedLAMB(variant="fed-ams", **SAMPLING), "reply lacks the extra record 'pollen.x.v'"),
-    ("FedLAMB(variant='mime')", lambda: FedLAMB(variant="mime", **SAMPLING), "reply lacks the extra record 'pollen.x.grad'"),
+    (
+        "FedLAMB(variant='mime-lamb')",
+        lambda: FedLAMB(variant="mime-lamb", **SAMPLING),
+        "reply lacks the extra record 'pollen.x.grad'",
+    ),
+    (
+        "FedLAMB(variant='fed-ams')",
+        lambda: FedLAMB(variant="fed-ams", **SAMPLING),
+        "reply lacks the extra record 'pollen.x.v'",
+    ),
+    (
+        "FedLAMB(variant='mime')",
+        lambda: FedLAMB(variant="mime", **SAMPLING),
+        "reply lacks the extra record 'pollen.x.grad'",
+    ),
     ("RelayAverage()", lambda: RelayAverage(**SAMPLING), "No train function registered with name 'pollen_phase'"),
 ]
 
 
 @pytest.mark.parametrize(("name", "make", "reason"), NEEDS_POLLEN_CLIENT, ids=[n for n, _, _ in NEEDS_POLLEN_CLIENT])
-def test_methods_that_need_pollens_client_reject_every_reply_with_a_reason(name: str, make: Callable, reason: str) -> None:
+def test_methods_that_need_pollens_client_reject_every_reply_with_a_reason(
+    name: str, make: Callable, reason: str
+) -> None:
     strategy = make()
     accuracy = run_project(strategy, num_rounds=1)
     reasons = strategy.accounting.round(1).failure_reasons

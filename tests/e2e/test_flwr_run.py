@@ -43,8 +43,14 @@ def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("results")
 
 
-def _run(flower: LocalFlower, results_dir: Path, name: str, num_supernodes: int = 4, variant: str = "product", **config) -> dict:
-    proc = flower.run({**TINY, **config, "results-dir": str(results_dir), "run-name": name}, num_supernodes=num_supernodes, variant=variant)
+def _run(
+    flower: LocalFlower, results_dir: Path, name: str, num_supernodes: int = 4, variant: str = "product", **config
+) -> dict:
+    proc = flower.run(
+        {**TINY, **config, "results-dir": str(results_dir), "run-name": name},
+        num_supernodes=num_supernodes,
+        variant=variant,
+    )
     out_dir = Path(config["resume"]) if config.get("resume") else results_dir / name
     assert proc.returncode == 0 and (out_dir / "final_model.npz").is_file(), proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads((out_dir / "metrics.json").read_text())
@@ -53,7 +59,14 @@ def _run(flower: LocalFlower, results_dir: Path, name: str, num_supernodes: int 
 def test_fedams_run_writes_every_results_file(flower: LocalFlower, results_dir: Path) -> None:
     metrics = _run(flower, results_dir, "fedams", strategy="fedams")
     out_dir = results_dir / "fedams"
-    for name in ("config.json", "metrics.csv", "metrics.json", "final_model.npz", "accuracy_vs_round.png", "accuracy_vs_uplink.png"):
+    for name in (
+        "config.json",
+        "metrics.csv",
+        "metrics.json",
+        "final_model.npz",
+        "accuracy_vs_round.png",
+        "accuracy_vs_uplink.png",
+    ):
         assert (out_dir / name).stat().st_size > 0, name
     rows = list(csv.DictReader(open(out_dir / "metrics.csv")))
     assert [int(r["round"]) for r in rows] == [0, 1, 2]
@@ -68,7 +81,9 @@ def test_fedcams_sign_uploads_about_one_32nd_of_fedams(flower: LocalFlower, resu
     dense = _run(flower, results_dir, "dense", strategy="fedams")["rows"][-1]
     sign = _run(flower, results_dir, "sign", strategy="fedcams", compressor="sign")["rows"][-1]
     ratio = dense["uplink_update_bytes"] / sign["uplink_update_bytes"]
-    print(f"update bytes per round: fedams {dense['uplink_update_bytes']}, fedcams-sign {sign['uplink_update_bytes']}, ratio {ratio:.1f}")
+    print(
+        f"update bytes per round: fedams {dense['uplink_update_bytes']}, fedcams-sign {sign['uplink_update_bytes']}, ratio {ratio:.1f}"
+    )
     assert 28 < ratio < 33
     assert sign["compression_ratio"] > 28
 
@@ -76,9 +91,20 @@ def test_fedcams_sign_uploads_about_one_32nd_of_fedams(flower: LocalFlower, resu
 def test_compositions_no_paper_ran_run_end_to_end(flower: LocalFlower, results_dir: Path) -> None:
     """AdaBelief with scaled-sign uploads (strategy=fedopt) and FedAdaVR with error-fed top-k uploads: no class
     of their own, chosen from the run-config, compressed on the wire and learning."""
-    belief = _run(flower, results_dir, "adabelief-sign", strategy="fedopt", **{"server-optimizer": "adabelief", "compressor": "sign"})
-    vr = _run(flower, results_dir, "fedadavr-topk", strategy="fedadavr",
-              **{"compressor": "topk", "topk-ratio": 0.015625, "error-feedback": True, "server-lr": 0.01})
+    belief = _run(
+        flower,
+        results_dir,
+        "adabelief-sign",
+        strategy="fedopt",
+        **{"server-optimizer": "adabelief", "compressor": "sign"},
+    )
+    vr = _run(
+        flower,
+        results_dir,
+        "fedadavr-topk",
+        strategy="fedadavr",
+        **{"compressor": "topk", "topk-ratio": 0.015625, "error-feedback": True, "server-lr": 0.01},
+    )
     for metrics, least in ((belief, 28), (vr, 10)):  # 1 bit a value; top-k 1/64 sends values and indices
         last = metrics["rows"][-1]
         assert last["replies"] == 2 and last["failures"] == 0
@@ -90,8 +116,12 @@ def test_compositions_no_paper_ran_run_end_to_end(flower: LocalFlower, results_d
 
 def test_fedadavr_int4_with_partial_participation(flower: LocalFlower, results_dir: Path) -> None:
     metrics = _run(
-        flower, results_dir, "vr", strategy="fedadavr", **{"table-precision": "int4", "server-lr": 0.01, "fraction-train": 0.34},
-        )
+        flower,
+        results_dir,
+        "vr",
+        strategy="fedadavr",
+        **{"table-precision": "int4", "server-lr": 0.01, "fraction-train": 0.34},
+    )
     rows = metrics["rows"]
     assert rows[-1]["sampled"] == 2 and rows[-1]["replies"] == 2
     assert rows[-1]["server_state_bytes"] > 0
@@ -100,7 +130,14 @@ def test_fedadavr_int4_with_partial_participation(flower: LocalFlower, results_d
 
 def test_relay_demo_runs_its_mid_round_exchange(flower: LocalFlower, results_dir: Path) -> None:
     """The round-protocol example through a real simulation (the test harness's apps): a relay phase, an extra uplink record."""
-    metrics = _run(flower, results_dir, "relay", variant="testing", strategy="relay-demo", **{"local-steps": 4, "fraction-train": 0.75})
+    metrics = _run(
+        flower,
+        results_dir,
+        "relay",
+        variant="testing",
+        strategy="relay-demo",
+        **{"local-steps": 4, "fraction-train": 0.75},
+    )
     last = metrics["rows"][-1]
     assert last["replies"] == 3 and last["failures"] == 0
     assert last["exchange_messages"] == 3 and last["messages_sent"] == 6
@@ -109,11 +146,20 @@ def test_relay_demo_runs_its_mid_round_exchange(flower: LocalFlower, results_dir
     assert metrics["rows"][-1]["accuracy"] > metrics["rows"][0]["accuracy"]
 
 
-def test_resume_in_simulation_equals_the_uninterrupted_run(flower: LocalFlower, results_dir: Path, tmp_path: Path) -> None:
+def test_resume_in_simulation_equals_the_uninterrupted_run(
+    flower: LocalFlower, results_dir: Path, tmp_path: Path
+) -> None:
     """FedCAMS with error feedback kept in client state files: stop after round 1, resume, compare."""
-    config = {"strategy": "fedcams", "compressor": "sign", "num-server-rounds": 3, "state-dir": str(tmp_path / "clients")}
+    config = {
+        "strategy": "fedcams",
+        "compressor": "sign",
+        "num-server-rounds": 3,
+        "state-dir": str(tmp_path / "clients"),
+    }
     _run(flower, results_dir, "uninterrupted", **config)
-    proc = flower.run({**TINY, **config, "results-dir": str(results_dir), "run-name": "interrupted", "stop-after-round": 1})
+    proc = flower.run(
+        {**TINY, **config, "results-dir": str(results_dir), "run-name": "interrupted", "stop-after-round": 1}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     crashed = results_dir / "interrupted"
     assert (crashed / "checkpoint.npz").is_file() and not (crashed / "final_model.npz").exists()
@@ -131,8 +177,12 @@ def test_resume_in_simulation_equals_the_uninterrupted_run(flower: LocalFlower, 
 def test_a_third_of_clients_failing_every_round_does_not_stop_the_run(flower: LocalFlower, results_dir: Path) -> None:
     """fault-fraction (the test harness's apps): seeded clients raise or send NaN models each round; every round completes."""
     metrics = _run(
-        flower, results_dir, "faults", variant="testing",
-        strategy="fedams", **{"num-server-rounds": 3, "fraction-train": 1.0, "fault-fraction": 0.3, "fault-kind": "mixed"},
+        flower,
+        results_dir,
+        "faults",
+        variant="testing",
+        strategy="fedams",
+        **{"num-server-rounds": 3, "fraction-train": 1.0, "fault-fraction": 0.3, "fault-kind": "mixed"},
     )
     rows = metrics["rows"][1:]
     assert [row["round"] for row in rows] == [1, 2, 3]
@@ -157,9 +207,23 @@ def test_fed_lamb_family_moves_its_moments_on_the_wire(flower: LocalFlower, resu
     """Fed-* upload v next to the model and get v_hat; Mime* upload a full-batch gradient; SGD ones only the model."""
     extra, rates = FED_LAMB_FAMILY[name]
     # 16 SuperNodes, 2 sampled, batch 256: Mime's full local pass over 1/16 of Fashion-MNIST is 15 batches
-    metrics = _run(flower, results_dir, name, num_supernodes=16, strategy=name, **{
-        "beta2": 0.999, "eps": 1e-8, "fraction-train": 0.125, "fraction-evaluate": 0.0, "min-evaluate-nodes": 0,
-        "eval-every": 2, "batch-size": 256, **rates})
+    metrics = _run(
+        flower,
+        results_dir,
+        name,
+        num_supernodes=16,
+        strategy=name,
+        **{
+            "beta2": 0.999,
+            "eps": 1e-8,
+            "fraction-train": 0.125,
+            "fraction-evaluate": 0.0,
+            "min-evaluate-nodes": 0,
+            "eval-every": 2,
+            "batch-size": 256,
+            **rates,
+        },
+    )
     first, last = metrics["rows"][1], metrics["rows"][-1]
     assert last["failures"] == 0 and last["replies"] == 2, last
     assert last["grad_evals"] >= 2 * 5
@@ -175,14 +239,32 @@ def test_fed_lamb_family_moves_its_moments_on_the_wire(flower: LocalFlower, resu
 
 def test_hafed_gossips_in_two_clusters_of_four(flower: LocalFlower, results_dir: Path) -> None:
     """8 SuperNodes, cluster = partition // 4, a ring in each; 3 local steps, a gossip after each."""
-    metrics = _run(flower, results_dir, "hafed", num_supernodes=8, strategy="hafed", **{
-        "cluster-size": 4, "local-steps": 3, "uploaders-per-cluster": 2, "min-train-nodes": 8,
-        "local-lr": 0.05, "server-lr": 0.01, "fraction-evaluate": 0.0, "min-evaluate-nodes": 0})
+    metrics = _run(
+        flower,
+        results_dir,
+        "hafed",
+        num_supernodes=8,
+        strategy="hafed",
+        **{
+            "cluster-size": 4,
+            "local-steps": 3,
+            "uploaders-per-cluster": 2,
+            "min-train-nodes": 8,
+            "local-lr": 0.05,
+            "server-lr": 0.01,
+            "fraction-evaluate": 0.0,
+            "min-evaluate-nodes": 0,
+        },
+    )
     for row in metrics["rows"][1:]:
         assert row["replies"] == 4 and row["failures"] == 0, row  # 2 uploaders in each cluster
         assert row["exchange_messages"] == 2 * 8  # gossip steps 1 and 2 relayed to all 8 clients
         assert row["grad_evals"] == 3 * 8  # every client trains
-        assert row["downlink_by_record"]["hafed-gossip/arrays"] > 0 and row["method.relayed_bytes"] > 0 and row["method.peer_bytes"] > 0
+        assert (
+            row["downlink_by_record"]["hafed-gossip/arrays"] > 0
+            and row["method.relayed_bytes"] > 0
+            and row["method.peer_bytes"] > 0
+        )
     assert metrics["rows"][-1]["accuracy"] > metrics["rows"][0]["accuracy"]
 
 
@@ -190,23 +272,47 @@ LAZY_FAMILY = ("fednlaa", "fedaa", "fednlaca", "fedaca", "fedbnlaca", "fedbaca")
 
 
 @pytest.mark.parametrize("name", LAZY_FAMILY)
-def test_lazy_family_runs_with_its_flags_and_increments_on_the_wire(flower: LocalFlower, results_dir: Path, name: str) -> None:
+def test_lazy_family_runs_with_its_flags_and_increments_on_the_wire(
+    flower: LocalFlower, results_dir: Path, name: str
+) -> None:
     """All 4 SuperNodes train each round; the bidirectional ones get the full model once, then top-k 1/8 increments."""
-    metrics = _run(flower, results_dir, name, strategy=name, **{
-        "fraction-train": 1.0, "min-train-nodes": 4, "fraction-evaluate": 0.0, "min-evaluate-nodes": 0, "model": "mlp", "eval-every": 2,
-        "local-lr": 0.05, "server-lr": 0.01, "compressor": "topk", "topk-ratio": 0.125, "compressor-down": "topk",
-        "topk-ratio-down": 0.125, "tau-up": 0.5, "tau-down": 0.5})
+    metrics = _run(
+        flower,
+        results_dir,
+        name,
+        strategy=name,
+        **{
+            "fraction-train": 1.0,
+            "min-train-nodes": 4,
+            "fraction-evaluate": 0.0,
+            "min-evaluate-nodes": 0,
+            "model": "mlp",
+            "eval-every": 2,
+            "local-lr": 0.05,
+            "server-lr": 0.01,
+            "compressor": "topk",
+            "topk-ratio": 0.125,
+            "compressor-down": "topk",
+            "topk-ratio-down": 0.125,
+            "tau-up": 0.5,
+            "tau-down": 0.5,
+        },
+    )
     first, last = metrics["rows"][1], metrics["rows"][-1]
     for row in (first, last):
         assert row["failures"] == 0 and row["replies"] == 4, row
         events = row["method.lazy_events"]
         assert sum(events.get(f"up-{kind}", 0) for kind in ("send", "skip", "aa")) == 4, events
-    assert "up-skip" not in first["method.lazy_events"] and "up-aa" not in first["method.lazy_events"]  # no reference yet
+    assert (
+        "up-skip" not in first["method.lazy_events"] and "up-aa" not in first["method.lazy_events"]
+    )  # no reference yet
     dense_model = first["downlink_by_record"]["arrays"]
     if name.startswith("fedb"):
         assert first["method.lazy_events"]["down-full"] == 4 and "pollen.down" not in first["downlink_by_record"]
         assert "arrays" not in last["downlink_by_record"]
-        assert 0 < last["downlink_by_record"].get("pollen.down", 0) < 0.3 * dense_model  # top-k 1/8: k values + k indices
+        assert (
+            0 < last["downlink_by_record"].get("pollen.down", 0) < 0.3 * dense_model
+        )  # top-k 1/8: k values + k indices
     else:
         assert last["downlink_by_record"]["arrays"] == dense_model and last["method.lazy_events"]["down-dense"] == 4
     assert last["accuracy"] > metrics["rows"][0]["accuracy"]

@@ -8,7 +8,6 @@ full-size CIFAR-10 ones here) is skipped with that reason.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ import pytest
 from pollen.app.preset import load_preset, preset_names
 
 pytestmark = pytest.mark.slow
-
 
 
 def data_missing(dataset: str) -> str | None:
@@ -41,9 +39,21 @@ def test_a_two_round_smoke_version_of_each_preset_runs(name: str, tmp_path: Path
     if preset.config.get("model") in ("resnet18", "convmixer"):
         pytest.skip(f"preset {name} trains {preset.config['model']}: a GPU machine's smoke test")
     method = next(iter(preset.methods))
-    rows = run_inprocess({"preset": name, **preset.methods[method], "num-server-rounds": 2, "local-steps": 2, "eval-every": 2,
-                          "eval-batch-size": 2000, "fraction-train": 0.05, "min-train-nodes": 2,
-                          "results-dir": str(tmp_path), "run-name": name}, preset.supernodes)
+    rows = run_inprocess(
+        {
+            "preset": name,
+            **preset.methods[method],
+            "num-server-rounds": 2,
+            "local-steps": 2,
+            "eval-every": 2,
+            "eval-batch-size": 2000,
+            "fraction-train": 0.05,
+            "min-train-nodes": 2,
+            "results-dir": str(tmp_path),
+            "run-name": name,
+        },
+        preset.supernodes,
+    )
     assert [row["round"] for row in rows] == [0, 1, 2]
     assert rows[-1]["replies"] >= 1 and rows[-1]["failures"] == 0, rows[-1]
     assert isinstance(rows[-1]["accuracy"], float)

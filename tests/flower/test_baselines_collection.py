@@ -21,8 +21,10 @@ pytestmark = pytest.mark.flower_compat
 
 def moving_client(msg):  # noqa: ANN001, ANN201
     """A full-model client that moves every tensor by +0.01 x (its node id - 20)."""
-    arrays = {k: v + np.asarray(0.01 * (msg.metadata.dst_node_id - 20), dtype=v.dtype) if v.dtype.kind == "f" else v
-              for k, v in named_arrays(msg.content.array_records[protocol.ARRAYS_RECORD]).items()}
+    arrays = {
+        k: v + np.asarray(0.01 * (msg.metadata.dst_node_id - 20), dtype=v.dtype) if v.dtype.kind == "f" else v
+        for k, v in named_arrays(msg.content.array_records[protocol.ARRAYS_RECORD]).items()
+    }
     return full_model_reply(msg, arrays, num_examples=10)
 
 
@@ -32,9 +34,14 @@ def start_round(strategy, grid: FakeGrid, server_round: int):  # noqa: ANN001, A
     return messages, list(grid.send_and_receive(messages))
 
 
-@pytest.mark.parametrize("make", [lambda: MeteredFedAvg(fraction_train=0.5, fraction_evaluate=0.0, min_available_nodes=2),
-                                  lambda: MeteredFedAdam(fraction_train=0.5, fraction_evaluate=0.0, min_available_nodes=2)],
-                         ids=["fedavg", "fedadam"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: MeteredFedAvg(fraction_train=0.5, fraction_evaluate=0.0, min_available_nodes=2),
+        lambda: MeteredFedAdam(fraction_train=0.5, fraction_evaluate=0.0, min_available_nodes=2),
+    ],
+    ids=["fedavg", "fedadam"],
+)
 def test_duplicate_unasked_and_late_replies_are_failures_not_aggregated(make) -> None:  # noqa: ANN001
     grid = FakeGrid(NODES, moving_client)
     strategy = make()
@@ -43,8 +50,11 @@ def test_duplicate_unasked_and_late_replies_are_failures_not_aggregated(make) ->
 
     messages, replies = start_round(strategy, grid, 2)
     asked = {m.metadata.dst_node_id for m in messages}
-    stranger_msg = next(m for m in old_messages if m.metadata.dst_node_id not in asked) if any(
-        m.metadata.dst_node_id not in asked for m in old_messages) else None
+    stranger_msg = (
+        next(m for m in old_messages if m.metadata.dst_node_id not in asked)
+        if any(m.metadata.dst_node_id not in asked for m in old_messages)
+        else None
+    )
     duplicate = moving_client(messages[0])
     late = [r for r in old_replies if r.metadata.src_node_id not in asked]
     extra = [duplicate, *late]

@@ -6,8 +6,8 @@ import pytest
 from flwr.app import ConfigRecord
 
 import pollen.clientside
-from pollen.testing import relay_demo
 from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, fedlamb, hafed, lookup, sgd, with_steps
+from pollen.testing import relay_demo
 from pollen.wire import protocol
 
 
@@ -49,8 +49,17 @@ def test_with_steps_adds_an_apps_own_steps_and_refuses_to_shadow_pollens():
 
 def test_the_client_side_declares_its_public_api():
     assert sorted(pollen.clientside.__all__) == sorted(
-        ["compression_mod", "lazy_mod", "compress_update", "ClientState", "LocalLAMB", "LocalWork", "StepOutcome",
-         "LOCAL_STEPS", "PHASES"]
+        [
+            "compression_mod",
+            "lazy_mod",
+            "compress_update",
+            "ClientState",
+            "LocalLAMB",
+            "LocalWork",
+            "StepOutcome",
+            "LOCAL_STEPS",
+            "PHASES",
+        ]
     )
     from pollen.clientside.lamb import LocalLAMB
 
@@ -76,10 +85,25 @@ def test_a_step_runs_without_pollens_app_from_the_message_and_a_plain_mapping():
         def loaders(self, batch_size: int):  # noqa: ANN202
             return DataLoader(self.data, batch_size=batch_size, shuffle=True), None
 
-    settings = {"local-lr": 0.1, "local-steps": 3, "local-epochs": 1, "batch-size": 5, "momentum": 0.0, "weight-decay": 0.0}
+    settings = {
+        "local-lr": 0.1,
+        "local-steps": 3,
+        "local-epochs": 1,
+        "batch-size": 5,
+        "momentum": 0.0,
+        "weight-decay": 0.0,
+    }
     task = Task()
     before = task.model.weight.detach().clone()
-    work = LocalWork(task=task, msg=None, config=ConfigRecord({"local-steps": 2}), state=None, server_round=7, seed=3, settings=settings)
+    work = LocalWork(
+        task=task,
+        msg=None,
+        config=ConfigRecord({"local-steps": 2}),
+        state=None,
+        server_round=7,
+        seed=3,
+        settings=settings,
+    )
     assert work.setting("local-lr") == 0.1  # no lr-schedule given: constant
     outcome = sgd.run(work)
     assert outcome.metrics["num-steps"] == 2  # the message's config wins over the mapping

@@ -41,19 +41,29 @@ def test_fedcams_is_fedams_given_an_uplink_bit_for_bit() -> None:
 
 def test_fedopt_amsgrad_is_fedams_bit_for_bit() -> None:
     fedams, _, _, _ = run(FedAMS(eta=0.3, beta_2=0.9, eps=1e-3, option=1, **SAMPLING))
-    fedopt, _, _, _ = run(FedOpt(optimizer="amsgrad", eta=0.3, beta_2=0.9, eps=1e-3, eps_mode="max", bias_correction=False, **SAMPLING))
+    fedopt, _, _, _ = run(
+        FedOpt(optimizer="amsgrad", eta=0.3, beta_2=0.9, eps=1e-3, eps_mode="max", bias_correction=False, **SAMPLING)
+    )
     np.testing.assert_array_equal(fedams.params, fedopt.params)
 
 
 def test_adabelief_with_scaled_sign_uploads_runs_and_compresses() -> None:
     strategy, grid, codecs, _ = run(FedOpt(optimizer="adabelief", eta=0.01, uplink=Uplink("sign"), **SAMPLING))
     assert set(codecs) == {"sign"}
-    assert all(set(r.content.array_records) == {protocol.UPDATE_RECORD, protocol.BUFFERS_RECORD} for r in grid.replies if r.has_content()
-               if r.metadata.message_type == "train")
+    assert all(
+        set(r.content.array_records) == {protocol.UPDATE_RECORD, protocol.BUFFERS_RECORD}
+        for r in grid.replies
+        if r.has_content()
+        if r.metadata.message_type == "train"
+    )
     dim = strategy.layout.dim
     stats = strategy.accounting.rounds[4]
     assert stats.replies == 3 and stats.failures == 0
-    metas = [r.content.config_records[protocol.UPDATE_META_RECORD] for r in grid.replies if r.has_content() and protocol.UPDATE_RECORD in r.content.array_records]
+    metas = [
+        r.content.config_records[protocol.UPDATE_META_RECORD]
+        for r in grid.replies
+        if r.has_content() and protocol.UPDATE_RECORD in r.content.array_records
+    ]
     assert metas and {meta[protocol.META_CODEC] for meta in metas} == {"sign"}
     assert np.isfinite(strategy.params).all() and strategy.opt_state.step == 4
     assert strategy.params.shape == (dim,)
@@ -64,7 +74,11 @@ def test_fedadavr_with_error_fed_topk_uploads_fills_its_table() -> None:
     assert set(codecs) == {"topk"}
     stats = strategy.accounting.rounds[4]
     assert stats.replies == 3 and stats.failures == 0
-    metas = [r.content.config_records[protocol.UPDATE_META_RECORD] for r in grid.replies if r.has_content() and protocol.UPDATE_RECORD in r.content.array_records]
+    metas = [
+        r.content.config_records[protocol.UPDATE_META_RECORD]
+        for r in grid.replies
+        if r.has_content() and protocol.UPDATE_RECORD in r.content.array_records
+    ]
     assert metas and {meta[protocol.META_CODEC] for meta in metas} == {"topk"}
     assert strategy.table.known_clients == len({n for call in grid.sampled_per_call() for n in call})
 

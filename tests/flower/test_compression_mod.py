@@ -10,12 +10,10 @@ import numpy as np
 import pytest
 from flwr.app import Message, MessageType
 
-from pollen.wire import protocol
 from pollen.clientside import compression_mod
 from pollen.clientside.compression_mod import RESIDUAL
 from pollen.clientside.state import STATE_KEY
 from pollen.compression import SignCodec, decode_payload
-from pollen.wire.records import records_to_payload
 from pollen.testing.fakes import (
     BUFFERS,
     TRAINABLE,
@@ -29,6 +27,8 @@ from pollen.testing.fakes import (
     tiny_model,
     train_message,
 )
+from pollen.wire import protocol
+from pollen.wire.records import records_to_payload
 
 pytestmark = pytest.mark.flower_compat
 
@@ -131,7 +131,9 @@ def test_without_error_feedback_no_residual_is_stored():
     context = make_context(3)
     trainer = Trainer(4)
     for t in (1, 2, 3):
-        out = compression_mod(train_message(global_model(t), sign_config(error_feedback=False), node_id=3), context, trainer)
+        out = compression_mod(
+            train_message(global_model(t), sign_config(error_feedback=False), node_id=3), context, trainer
+        )
         assert STATE_KEY not in context.state.array_records
         # Plain C(Delta): nothing carried over from earlier rounds.
         want = SignCodec().decode(SignCodec().encode(trainer.true_deltas[-1].astype(np.float32)), D)

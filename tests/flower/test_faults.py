@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from flwr.app import Context, RecordDict
 
-from pollen.wire import protocol
 from pollen.app.spec import ConfigError
-from pollen.testing.faults import InjectedFault, fault_for, fault_mod
 from pollen.testing.fakes import full_model_reply, tiny_model, train_message
+from pollen.testing.faults import InjectedFault, fault_for, fault_mod
+from pollen.wire import protocol
 
 pytestmark = pytest.mark.flower_compat
 
@@ -41,7 +41,9 @@ def test_each_kind_does_what_it_says():
     assert np.isnan(model["conv.weight"].numpy()).all()
     assert model["bn.num_batches_tracked"].numpy().dtype == np.int64
     untouched = fault_mod(msg, context(0.0, "error"), trainer)
-    np.testing.assert_array_equal(untouched.content.array_records[protocol.ARRAYS_RECORD]["conv.weight"].numpy(), tiny_model(1)["conv.weight"])
+    np.testing.assert_array_equal(
+        untouched.content.array_records[protocol.ARRAYS_RECORD]["conv.weight"].numpy(), tiny_model(1)["conv.weight"]
+    )
 
 
 def test_node_config_wins_over_the_run_config():
@@ -54,7 +56,9 @@ def test_node_config_wins_over_the_run_config():
     ctx = context(1.0, "error")
     ctx.node_config["fault-fraction"] = 0.0
     untouched = fault_mod(msg, ctx, trainer)
-    np.testing.assert_array_equal(untouched.content.array_records[protocol.ARRAYS_RECORD]["conv.weight"].numpy(), tiny_model(1)["conv.weight"])
+    np.testing.assert_array_equal(
+        untouched.content.array_records[protocol.ARRAYS_RECORD]["conv.weight"].numpy(), tiny_model(1)["conv.weight"]
+    )
     off = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={"seed": 1})
     fault_mod(msg, off, trainer)  # no fault keys anywhere: off
 
@@ -75,4 +79,3 @@ def test_a_bad_fault_setting_is_one_line_naming_key_value_and_allowed(where, key
     with pytest.raises(ConfigError) as info:
         fault_mod(msg, ctx, trainer)
     assert str(info.value) == f"{where} '{key}' = {value!r} is out of range; allowed: {allowed}"
-

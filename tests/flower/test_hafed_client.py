@@ -9,20 +9,32 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from pollen.wire import protocol
-from pollen.clientside.steps.hafed import CFG_ACTIVE, CFG_EVERY, CFG_SEGMENT, CFG_TAU
-from pollen.wire.protocol import GOSSIP_LOCAL_STEP, GOSSIP_PHASE
 from pollen.app.config import defaults_from_pyproject
+from pollen.clientside.steps.hafed import CFG_ACTIVE, CFG_EVERY, CFG_SEGMENT, CFG_TAU
 from pollen.testing.fakes import FakeGrid, named_arrays
+from pollen.wire import protocol
+from pollen.wire.protocol import GOSSIP_LOCAL_STEP, GOSSIP_PHASE
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = {"model": "cnn", "batch-size": 16, "partitioner": "iid", "local-lr": 0.05, "fraction-evaluate": 0.0,
-         "min-evaluate-nodes": 0, "eval-every": 100}
+SMALL = {
+    "model": "cnn",
+    "batch-size": 16,
+    "partitioner": "iid",
+    "local-lr": 0.05,
+    "fraction-evaluate": 0.0,
+    "min-evaluate-nodes": 0,
+    "eval-every": 100,
+}
 
 
 def context(node: int, num: int, run_config: dict) -> Context:
-    return Context(run_id=1, node_id=node, node_config={"partition-id": node - 1, "num-partitions": num},
-                   state=RecordDict(), run_config=run_config)
+    return Context(
+        run_id=1,
+        node_id=node,
+        node_config={"partition-id": node - 1, "num-partitions": num},
+        state=RecordDict(),
+        run_config=run_config,
+    )
 
 
 def message(arrays: ArrayRecord, config: dict, phase: str | None = None) -> Message:
@@ -35,13 +47,19 @@ def message(arrays: ArrayRecord, config: dict, phase: str | None = None) -> Mess
 @pytest.mark.parametrize("active", [1.0, 0.5])
 def test_a_round_cut_into_segments_trains_exactly_like_one_uninterrupted_segment(active):
     import pollen.client_app as client_app
-    from pollen.app.experiment import build_model
     from pollen.app.config import AppConfig
+    from pollen.app.experiment import build_model
 
     run_config = {**defaults_from_pyproject(str(ROOT / "pyproject.toml")), **SMALL}
     model = build_model(AppConfig.from_run_config(run_config, check_strategy=False))
     start = ArrayRecord(model.state_dict())
-    base = {protocol.CFG_SERVER_ROUND: 1, protocol.CFG_LOCAL_STEP: GOSSIP_LOCAL_STEP, CFG_TAU: 6, CFG_ACTIVE: active, CFG_SEGMENT: 0}
+    base = {
+        protocol.CFG_SERVER_ROUND: 1,
+        protocol.CFG_LOCAL_STEP: GOSSIP_LOCAL_STEP,
+        CFG_TAU: 6,
+        CFG_ACTIVE: active,
+        CFG_SEGMENT: 0,
+    }
 
     whole = client_app.app(message(start, {**base, CFG_EVERY: 6}), context(1, 4, run_config))
     ctx = context(1, 4, run_config)
@@ -62,14 +80,17 @@ def test_a_round_cut_into_segments_trains_exactly_like_one_uninterrupted_segment
 
 def run_inprocess(overrides: dict, num_nodes: int, cluster_size: int) -> np.ndarray:
     import pollen.client_app as client_module
-    from pollen.app.registry import build_strategy
     from pollen.app.config import AppConfig
+    from pollen.app.registry import build_strategy
 
     run_config = {**defaults_from_pyproject(str(ROOT / "pyproject.toml")), **SMALL, **overrides}
     contexts = {node: context(node, num_nodes, run_config) for node in range(1, num_nodes + 1)}
-    grid = FakeGrid(list(contexts), lambda msg: client_module.app(msg, contexts[msg.metadata.dst_node_id]),
-                    client_ids={n: f"partition-{n - 1}" for n in contexts},
-                    cluster_ids={n: str((n - 1) // cluster_size) for n in contexts})
+    grid = FakeGrid(
+        list(contexts),
+        lambda msg: client_module.app(msg, contexts[msg.metadata.dst_node_id]),
+        client_ids={n: f"partition-{n - 1}" for n in contexts},
+        cluster_ids={n: str((n - 1) // cluster_size) for n in contexts},
+    )
     cfg = AppConfig.from_run_config(run_config)
     from pollen.app.experiment import build_model
 

@@ -19,11 +19,20 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, Re
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pollen.wire.records import protocol
 from pollen.clientside import compression_mod
 from pollen.clientside.lazy_mod import lazy_mod
 from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, FedLazy, MeteredFedAdam, MeteredFedAvg
-from pollen.testing.fakes import FakeGrid, config_of, full_model_reply, global_arrays_of, model_record, reply, split_trainable, tiny_model
+from pollen.testing.fakes import (
+    FakeGrid,
+    config_of,
+    full_model_reply,
+    global_arrays_of,
+    model_record,
+    reply,
+    split_trainable,
+    tiny_model,
+)
+from pollen.wire.records import protocol
 
 pytestmark = pytest.mark.flower_compat
 
@@ -67,7 +76,9 @@ def run(make, hostile, rounds=3, attack_round=2):  # noqa: ANN001, ANN201
             return hostile(msg, out) if hostile is not None else None
         return out
 
-    strategy.start(grid=FakeGrid(NODES, client, client_ids=IDS), initial_arrays=model_record(tiny_model(2)), num_rounds=rounds)
+    strategy.start(
+        grid=FakeGrid(NODES, client, client_ids=IDS), initial_arrays=model_record(tiny_model(2)), num_rounds=rounds
+    )
     return strategy
 
 
@@ -81,7 +92,13 @@ def state_arrays(strategy) -> dict[str, np.ndarray]:  # noqa: ANN001
                 if key in ("accounting",):
                     continue
                 walk(f"{prefix}/{key}", item)
-        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], (list, tuple)) and len(value[0]) == 2 and isinstance(value[0][1], np.ndarray):
+        elif (
+            isinstance(value, (list, tuple))
+            and value
+            and isinstance(value[0], (list, tuple))
+            and len(value[0]) == 2
+            and isinstance(value[0][1], np.ndarray)
+        ):
             for key, item in value:
                 walk(f"{prefix}/{key}", item)
         elif isinstance(value, np.ndarray):
@@ -103,10 +120,23 @@ STRATEGIES = {
     "fedams": lambda: FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True),
     "fedams-weighted": lambda: FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True, aggregation="weighted"),
     "fedcams-sign": lambda: FedCAMS(compressor="sign", eta=0.3, fraction_evaluate=0.0, identify_clients=True),
-    "fedcams-topk-tensor": lambda: FedCAMS(compressor="topk", topk_ratio=0.25, granularity="tensor", eta=0.3, fraction_evaluate=0.0, identify_clients=True),
-    "fednlaca": lambda: FedLazy(up_rule="nla", up_tau=1.2, compressor="topk", topk_ratio=0.25, eta=0.3, fraction_evaluate=0.0),
-    "fedbaca": lambda: FedLazy(up_rule="aa", up_tau=1.2, compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="aa",
-                               down_tau=1.0, eta=0.3, fraction_evaluate=0.0),
+    "fedcams-topk-tensor": lambda: FedCAMS(
+        compressor="topk", topk_ratio=0.25, granularity="tensor", eta=0.3, fraction_evaluate=0.0, identify_clients=True
+    ),
+    "fednlaca": lambda: FedLazy(
+        up_rule="nla", up_tau=1.2, compressor="topk", topk_ratio=0.25, eta=0.3, fraction_evaluate=0.0
+    ),
+    "fedbaca": lambda: FedLazy(
+        up_rule="aa",
+        up_tau=1.2,
+        compressor="topk",
+        topk_ratio=0.25,
+        down_compressor="topk",
+        down_rule="aa",
+        down_tau=1.0,
+        eta=0.3,
+        fraction_evaluate=0.0,
+    ),
     "fedadavr-int4": lambda: FedAdaVR(table_precision="int4", eta=0.05, fraction_evaluate=0.0),
     "fedadavr-fp32": lambda: FedAdaVR(eta=0.05, fraction_evaluate=0.0),
     "flower-fedavg": lambda: MeteredFedAvg(fraction_evaluate=0.0, min_available_nodes=2),
@@ -198,7 +228,9 @@ def sign_scale(value: float):  # noqa: ANN001, ANN201
 HOSTILE = {
     "empty-string-config": with_records(**{"pollen.client-info": ConfigRecord({"device": ""})}),
     "empty-list-config": with_records(extra=ConfigRecord({"x": []})),
-    "empty-string-metric-record": with_records(**{"metrics": lambda r: MetricRecord({protocol.NUM_EXAMPLES: 5, "note": []})}),
+    "empty-string-metric-record": with_records(
+        **{"metrics": lambda r: MetricRecord({protocol.NUM_EXAMPLES: 5, "note": []})}
+    ),
     "one-coordinate-1e20": scaled_model(1e20, coordinate=True),
     "model-times-1e6": scaled_model(1e6),
     "sign-scale-or-topk-value-1e30": sign_scale(1e30),
@@ -214,7 +246,9 @@ HOSTILE = {
     "no-metrics": with_records(metrics=None),
     "no-model": with_records(arrays=None, **{"pollen.update": None}),
     "two-metric-records": with_records(more=MetricRecord({"a": 1.0})),
-    "error-reply": lambda msg, out: type(out)(__import__("flwr.app", fromlist=["Error"]).Error(code=1, reason="boom"), reply_to=msg),
+    "error-reply": lambda msg, out: type(out)(
+        __import__("flwr.app", fromlist=["Error"]).Error(code=1, reason="boom"), reply_to=msg
+    ),
 }
 
 
@@ -226,8 +260,16 @@ def test_a_hostile_reply_changes_nothing_but_a_failure_count(strategy_name, host
     attacked = run(STRATEGIES[strategy_name], HOSTILE[hostile_name])
     silent = run(STRATEGIES[strategy_name], None)
     stats = attacked.accounting.rounds[2]
-    benign = hostile_name in ("empty-string-config", "empty-list-config", "two-metric-records", "empty-string-metric-record")
-    benign = benign or (hostile_name == "no-metrics" and strategy_name in ("fedams", "fedcams-sign", "fedcams-topk-tensor", "fednlaca", "fedbaca"))
+    benign = hostile_name in (
+        "empty-string-config",
+        "empty-list-config",
+        "two-metric-records",
+        "empty-string-metric-record",
+    )
+    benign = benign or (
+        hostile_name == "no-metrics"
+        and strategy_name in ("fedams", "fedcams-sign", "fedcams-topk-tensor", "fednlaca", "fedbaca")
+    )
     if benign and strategy_name.startswith("fed") and not stats.failures:
         return  # a harmless extra or odd record that pollen ignores: accepted, no harm to check
     assert stats.failures >= 1, stats.failure_reasons
@@ -241,12 +283,18 @@ def test_a_poisoned_round_does_not_freeze_amsgrad():
     """Without the screen, one 1e18 coordinate drives v_hat to ~1e35 there for ever (the model freezes)."""
     attacked = run(STRATEGIES["fedams"], scaled_model(1e18, coordinate=True), rounds=4)
     assert float(attacked.opt_state.slots["v_hat"].max()) < 1.0
-    unscreened = run(lambda: FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True, outlier_rule="off", max_abs_update=1e30), scaled_model(1e18, coordinate=True), rounds=4)
+    unscreened = run(
+        lambda: FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True, outlier_rule="off", max_abs_update=1e30),
+        scaled_model(1e18, coordinate=True),
+        rounds=4,
+    )
     assert float(unscreened.opt_state.slots["v_hat"].max()) > 1e30
 
 
 def test_clip_rule_scales_the_outlier_to_the_bound():
-    strategy = run(lambda: FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True, outlier_rule="clip"), scaled_model(1e6))
+    strategy = run(
+        lambda: FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True, outlier_rule="clip"), scaled_model(1e6)
+    )
     stats = strategy.accounting.rounds[2]
     assert stats.failures == 0 and stats.replies == len(NODES)
     accepted = list(strategy.screen.history)[-2]  # round 2's norms
@@ -320,14 +368,21 @@ def test_two_nodes_claiming_one_client_id_are_kept_apart():
     ids = dict(IDS)
     ids[NODES[1]] = ids[NODES[0]]  # a second SuperNode with the same client-id
     strategy = FedAdaVR(eta=0.05, fraction_evaluate=0.0)
-    strategy.start(grid=FakeGrid(NODES, lambda m: honest_reply(m, {}), client_ids=ids), initial_arrays=model_record(tiny_model(2)), num_rounds=1)
+    strategy.start(
+        grid=FakeGrid(NODES, lambda m: honest_reply(m, {}), client_ids=ids),
+        initial_arrays=model_record(tiny_model(2)),
+        num_rounds=1,
+    )
     assert strategy.node_keys[NODES[0]] == IDS[NODES[0]]
     assert strategy.node_keys[NODES[1]] == f"node-{NODES[1]}"
     assert len(strategy.table) == len(NODES)  # four rows, not three
 
 
 def test_too_few_usable_replies_skip_the_round():
-    strategy = run(lambda: FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True, min_replies=4), scaled_model(1e20, coordinate=True))
+    strategy = run(
+        lambda: FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True, min_replies=4),
+        scaled_model(1e20, coordinate=True),
+    )
     stats = strategy.accounting.rounds[2]
     assert stats.replies == 3 and any("min_replies=4" in r for r in stats.failure_reasons)
     assert strategy.opt_state.step == 2  # rounds 1 and 3 stepped, round 2 did not
@@ -339,14 +394,18 @@ def test_evaluation_replies_never_crash_either():
     def client(msg):  # noqa: ANN001, ANN202
         if msg.metadata.message_type == "evaluate":
             node = msg.metadata.dst_node_id
-            bad = {NODES[0]: MetricRecord({"accuracy": float("nan"), protocol.NUM_EXAMPLES: 5}),
-                   NODES[1]: ConfigRecord({"x": ""}),
-                   NODES[2]: MetricRecord({"accuracy": 0.5, protocol.NUM_EXAMPLES: 2**63 - 1})}
+            bad = {
+                NODES[0]: MetricRecord({"accuracy": float("nan"), protocol.NUM_EXAMPLES: 5}),
+                NODES[1]: ConfigRecord({"x": ""}),
+                NODES[2]: MetricRecord({"accuracy": 0.5, protocol.NUM_EXAMPLES: 2**63 - 1}),
+            }
             record = bad.get(node, MetricRecord({"accuracy": 0.75, protocol.NUM_EXAMPLES: 10}))
             return reply(msg, {"metrics": record})
         return honest_reply(msg, {})
 
-    result = strategy.start(grid=FakeGrid(NODES, client, client_ids=IDS), initial_arrays=model_record(tiny_model()), num_rounds=1)
+    result = strategy.start(
+        grid=FakeGrid(NODES, client, client_ids=IDS), initial_arrays=model_record(tiny_model()), num_rounds=1
+    )
     assert result.evaluate_metrics_clientapp[1]["accuracy"] == pytest.approx(0.75)
 
 
@@ -372,7 +431,9 @@ def mutate(kind, value, dtype, index):  # noqa: ANN001, ANN201
         key = list(arrays)[index % len(arrays)]
         array = arrays[key].numpy()
         if kind == "scale":
-            arrays[key] = Array(np.asarray(array * (value if isinstance(value, float) else float(value % 1000)), dtype=np.float64))
+            arrays[key] = Array(
+                np.asarray(array * (value if isinstance(value, float) else float(value % 1000)), dtype=np.float64)
+            )
         elif kind == "coordinate" and array.size:
             bent = np.array(array, dtype=np.float64)
             bent.flat[index % bent.size] = float(value)
@@ -387,7 +448,12 @@ def mutate(kind, value, dtype, index):  # noqa: ANN001, ANN201
             records[protocol.METRICS_RECORD] = MetricRecord({protocol.NUM_EXAMPLES: value})
         elif kind == "truncate":
             data = arrays[key].data
-            arrays[key] = Array(dtype=arrays[key].dtype, shape=tuple(arrays[key].shape), stype="numpy.ndarray", data=data[: max(0, len(data) - 1 - index)])
+            arrays[key] = Array(
+                dtype=arrays[key].dtype,
+                shape=tuple(arrays[key].shape),
+                stype="numpy.ndarray",
+                data=data[: max(0, len(data) - 1 - index)],
+            )
         elif kind == "extra-record":
             records[f"junk{index}"] = ConfigRecord({"v": ""})
         elif kind == "nan" and array.dtype.kind == "f" and array.size:

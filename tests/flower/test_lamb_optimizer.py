@@ -185,7 +185,9 @@ def test_floor_mode_floors_v_hat_at_eps_and_add_mode_keeps_it():
     params = [nn.Parameter(torch.ones(3))]
     floor = _installed(LocalLAMB(params, eps=1e-6), [torch.tensor([0.0, 1e-7, 4.0])])
     assert global_v_hat(floor)[0].tolist() == pytest.approx([1e-6, 1e-6, 4.0], rel=1e-6)
-    add = _installed(LocalLAMB([nn.Parameter(torch.ones(3))], eps=1e-6, eps_mode="add"), [torch.tensor([0.0, 1e-7, 4.0])])
+    add = _installed(
+        LocalLAMB([nn.Parameter(torch.ones(3))], eps=1e-6, eps_mode="add"), [torch.tensor([0.0, 1e-7, 4.0])]
+    )
     assert global_v_hat(add)[0].tolist() == pytest.approx([0.0, 1e-7, 4.0], rel=1e-6)
     # Before any v_hat is installed it is v_hat_0 = eps (Algorithm 1 line 2).
     fresh = LocalLAMB([nn.Parameter(torch.ones(2))], eps=1e-8)

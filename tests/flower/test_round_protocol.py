@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-from pollen.wire import protocol
-from pollen.core.checkpoint import CheckpointError
 from pollen.clientside import compression_mod
+from pollen.core.checkpoint import CheckpointError
 from pollen.strategies import (
     Extra,
     FedAdaVR,
@@ -35,8 +34,6 @@ from pollen.strategies import (
     RunCheckpoint,
     RunInterrupted,
 )
-from pollen.testing.relay_demo import CFG_WEIGHT, NORMS_EXTRA, RELAY_EXTRA, RELAY_PHASE, RelayAverage
-from pollen.wire.records import arrays_to_record, record_to_arrays
 from pollen.testing.fakes import (
     TRAINABLE,
     FakeGrid,
@@ -50,6 +47,9 @@ from pollen.testing.fakes import (
     split_trainable,
     tiny_model,
 )
+from pollen.testing.relay_demo import CFG_WEIGHT, NORMS_EXTRA, RELAY_EXTRA, RELAY_PHASE, RelayAverage
+from pollen.wire import protocol
+from pollen.wire.records import arrays_to_record, record_to_arrays
 
 pytestmark = pytest.mark.flower_compat
 
@@ -173,7 +173,10 @@ def test_relay_average_equals_the_hand_computation_and_counts_the_exchange():
     assert stats.uplink_bytes == sum(stats.uplink_records.values())
     assert stats.downlink_bytes == sum(stats.downlink_records.values())
     want_norms = np.mean(
-        [[np.sum(np.square(p)) for p in split_trainable(steps_second[(IDS[n], 1)], x0, TRAINABLE).values()] for n in NODES],
+        [
+            [np.sum(np.square(p)) for p in split_trainable(steps_second[(IDS[n], 1)], x0, TRAINABLE).values()]
+            for n in NODES
+        ],
         axis=0,
     )
     np.testing.assert_allclose(strategy.last_layer_sq_norms, want_norms, rtol=1e-5)
@@ -190,7 +193,9 @@ def test_relay_client_dropping_out_mid_round_is_a_failure_and_the_round_complete
         return None if dropped else out
 
     strategy = RelayAverage(fraction_train=1.0, fraction_evaluate=0.0, identify_clients=True)
-    strategy.start(grid=FakeGrid(NODES, client, client_ids=IDS), initial_arrays=model_record(tiny_model(3)), num_rounds=1)
+    strategy.start(
+        grid=FakeGrid(NODES, client, client_ids=IDS), initial_arrays=model_record(tiny_model(3)), num_rounds=1
+    )
     stats = strategy.accounting.rounds[1]
     assert stats.replies == len(NODES) - 1 and stats.failures == 1
     assert "no reply before the timeout (relay-mix)" in stats.failure_reasons[0]
@@ -241,10 +246,13 @@ def test_bad_extras_and_flags_are_rejected_with_a_reason(records, reason):
     bad_node = NODES[1]
     strategy = WantsExtras(fraction_train=1.0, fraction_evaluate=0.0, identify_clients=True)
     clean = WantsExtras(fraction_train=1.0, fraction_evaluate=0.0, identify_clients=True)
-    run_train_round(strategy, FakeGrid(NODES, extras_client({bad_node: records}), client_ids=IDS), 1, model_record(tiny_model()))
+    run_train_round(
+        strategy, FakeGrid(NODES, extras_client({bad_node: records}), client_ids=IDS), 1, model_record(tiny_model())
+    )
     stats = strategy.accounting.rounds[1]
     assert stats.replies == len(NODES) - 1 and stats.failures == 1
     assert reason in stats.failure_reasons[0] and IDS[bad_node] in stats.failure_reasons[0]
+
     # the rejected reply left no trace: same as a round where that client stayed silent
     def silent(msg):  # noqa: ANN001, ANN202
         return None if msg.metadata.dst_node_id == bad_node else extras_client({})(msg)
@@ -284,7 +292,9 @@ def test_replies_from_nodes_not_asked_and_second_replies_are_rejected():
     stats = strategy.accounting.rounds[1]
     assert stats.replies == len(asked)
     assert stats.failures == 2
-    assert any("not asked" in r for r in stats.failure_reasons) and any("second reply" in r for r in stats.failure_reasons)
+    assert any("not asked" in r for r in stats.failure_reasons) and any(
+        "second reply" in r for r in stats.failure_reasons
+    )
 
 
 # --------------------------------------------------------------------------- resume
@@ -296,7 +306,11 @@ def cams_client(state_dir):  # noqa: ANN001, ANN201
         node = msg.metadata.dst_node_id
         if node not in contexts:  # a resumed run starts with empty contexts, as in Flower
             contexts[node] = Context(
-                run_id=1, node_id=node, node_config={"state-dir": str(state_dir), "client-id": IDS[node]}, state=RecordDict(), run_config={}
+                run_id=1,
+                node_id=node,
+                node_config={"state-dir": str(state_dir), "client-id": IDS[node]},
+                state=RecordDict(),
+                run_config={},
             )
         return compression_mod(msg, contexts[node], lambda m, c: keyed_client(m))
 
@@ -315,7 +329,11 @@ def lazy_client(state_dir):  # noqa: ANN001, ANN201
         node = msg.metadata.dst_node_id
         if node not in contexts:
             contexts[node] = Context(
-                run_id=1, node_id=node, node_config={"state-dir": str(state_dir), "client-id": IDS[node]}, state=RecordDict(), run_config={}
+                run_id=1,
+                node_id=node,
+                node_config={"state-dir": str(state_dir), "client-id": IDS[node]},
+                state=RecordDict(),
+                run_config={},
             )
         return lazy_mod(copy.deepcopy(msg), contexts[node], lambda m, c: keyed_client(m))
 
@@ -324,15 +342,30 @@ def lazy_client(state_dir):  # noqa: ANN001, ANN201
 
 STRATEGIES = {
     "fedams": lambda: FedAMS(eta=0.3, fraction_train=0.5, fraction_evaluate=0.0, seed=5, identify_clients=True),
-    "fedcams-sign": lambda: FedCAMS(compressor="sign", eta=0.3, fraction_train=0.5, fraction_evaluate=0.0, seed=5, identify_clients=True),
-    "fedadavr-int4": lambda: FedAdaVR(table_precision="int4", eta=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
+    "fedcams-sign": lambda: FedCAMS(
+        compressor="sign", eta=0.3, fraction_train=0.5, fraction_evaluate=0.0, seed=5, identify_clients=True
+    ),
+    "fedadavr-int4": lambda: FedAdaVR(
+        table_precision="int4", eta=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5
+    ),
     "flower-fedadam": lambda: MeteredFedAdam(fraction_train=0.5, fraction_evaluate=0.0, min_available_nodes=2),
     "relay-demo": lambda: RelayAverage(fraction_train=0.5, fraction_evaluate=0.0, seed=5, identify_clients=True),
     "fed-lamb-z2": lambda: FedLAMB(variant="fed-lamb", sync_every=2, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
     "adp-fed": lambda: FedLAMB(variant="adp-fed", eta=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
     "hafed": lambda: HAFed(topology="full", local_steps=2, uploaders_per_cluster=1, fraction_evaluate=0.0, seed=5),
-    "fedbaca": lambda: FedLazy(up_rule="aa", up_tau=1.2, compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="aa",
-                               down_tau=1.0, eta=0.3, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
+    "fedbaca": lambda: FedLazy(
+        up_rule="aa",
+        up_tau=1.2,
+        compressor="topk",
+        topk_ratio=0.25,
+        down_compressor="topk",
+        down_rule="aa",
+        down_tau=1.0,
+        eta=0.3,
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        seed=5,
+    ),
 }
 CLUSTER_IDS = {node: "ab"[i // 2] for i, node in enumerate(NODES)}
 
@@ -413,7 +446,10 @@ def test_resume_refuses_another_strategy_or_config(tmp_path):
         RunCheckpoint(tmp_path, resume=True, fingerprint={"server-lr": 0.1}).validate("FedCAMS")
     with pytest.raises(CheckpointError, match="'server-lr' was 0.1 in the checkpoint and is 0.2 now"):
         RunCheckpoint(tmp_path, resume=True, fingerprint={"server-lr": 0.2}).validate("FedAMS")
-    assert RunCheckpoint(tmp_path, resume=True, fingerprint={"server-lr": 0.2}, ignore=("server-lr",)).validate("FedAMS") == 1
+    assert (
+        RunCheckpoint(tmp_path, resume=True, fingerprint={"server-lr": 0.2}, ignore=("server-lr",)).validate("FedAMS")
+        == 1
+    )
     with pytest.raises(CheckpointError, match="nothing to resume"):
         RunCheckpoint(tmp_path / "elsewhere", resume=True).validate("FedAMS")
 
@@ -434,7 +470,12 @@ def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, mon
 
     monkeypatch.setattr(os, "replace", failing_replace)
     with pytest.raises(OSError, match="disk full"):
-        strategy.start(grid=FakeGrid(NODES, keyed_client, client_ids=IDS), initial_arrays=model_record(tiny_model()), num_rounds=3, checkpoint=checkpoint)
+        strategy.start(
+            grid=FakeGrid(NODES, keyed_client, client_ids=IDS),
+            initial_arrays=model_record(tiny_model()),
+            num_rounds=3,
+            checkpoint=checkpoint,
+        )
     monkeypatch.setattr(os, "replace", real_replace)
     assert RunCheckpoint(tmp_path, resume=True).validate("FedAMS") == 1
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
@@ -445,10 +486,15 @@ def test_a_table_on_disk_survives_a_crash_between_its_rows_and_the_checkpoint(tm
     x0 = model_record(tiny_model(1))
 
     def make(path):  # noqa: ANN001, ANN202
-        return FedAdaVR(table_precision="int8", table_path=str(path), eta=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5)
+        return FedAdaVR(
+            table_precision="int8", table_path=str(path), eta=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5
+        )
 
     full = make(tmp_path / "full.table").start(
-        grid=FakeGrid(NODES, keyed_client, client_ids=IDS), initial_arrays=x0, num_rounds=4, checkpoint=RunCheckpoint(tmp_path / "full")
+        grid=FakeGrid(NODES, keyed_client, client_ids=IDS),
+        initial_arrays=x0,
+        num_rounds=4,
+        checkpoint=RunCheckpoint(tmp_path / "full"),
     )
 
     crashing = RunCheckpoint(tmp_path / "crash")
@@ -461,9 +507,14 @@ def test_a_table_on_disk_survives_a_crash_between_its_rows_and_the_checkpoint(tm
 
     crashing.save = save_then_die
     with pytest.raises(KeyboardInterrupt):
-        make(tmp_path / "crash.table").start(grid=FakeGrid(NODES, keyed_client, client_ids=IDS), initial_arrays=x0, num_rounds=4, checkpoint=crashing)
+        make(tmp_path / "crash.table").start(
+            grid=FakeGrid(NODES, keyed_client, client_ids=IDS), initial_arrays=x0, num_rounds=4, checkpoint=crashing
+        )
     resumed = make(tmp_path / "crash.table").start(
-        grid=FakeGrid(NODES, keyed_client, client_ids=IDS), initial_arrays=x0, num_rounds=4, checkpoint=RunCheckpoint(tmp_path / "crash", resume=True)
+        grid=FakeGrid(NODES, keyed_client, client_ids=IDS),
+        initial_arrays=x0,
+        num_rounds=4,
+        checkpoint=RunCheckpoint(tmp_path / "crash", resume=True),
     )
     want, got = named_arrays(full.arrays), named_arrays(resumed.arrays)
     for key in want:
@@ -476,9 +527,13 @@ def test_a_stale_or_foreign_table_file_is_refused(tmp_path):
     x0 = model_record(tiny_model(1))
     grid = FakeGrid(NODES, keyed_client, client_ids=IDS)
     table = tmp_path / "table.bin"
-    FedAdaVR(table_path=str(table), fraction_evaluate=0.0, seed=5).start(grid=grid, initial_arrays=x0, num_rounds=1, checkpoint=RunCheckpoint(tmp_path / "a"))
+    FedAdaVR(table_path=str(table), fraction_evaluate=0.0, seed=5).start(
+        grid=grid, initial_arrays=x0, num_rounds=1, checkpoint=RunCheckpoint(tmp_path / "a")
+    )
     # another run writes its own table at the same path: the first run's checkpoint must not use it
-    FedAdaVR(table_path=str(table), fraction_evaluate=0.0, seed=6).start(grid=grid, initial_arrays=x0, num_rounds=3, checkpoint=RunCheckpoint(tmp_path / "b"))
+    FedAdaVR(table_path=str(table), fraction_evaluate=0.0, seed=6).start(
+        grid=grid, initial_arrays=x0, num_rounds=3, checkpoint=RunCheckpoint(tmp_path / "b")
+    )
     with pytest.raises(TableFileError, match="belongs to table"):
         FedAdaVR(table_path=str(table), fraction_evaluate=0.0, seed=5).start(
             grid=grid, initial_arrays=x0, num_rounds=2, checkpoint=RunCheckpoint(tmp_path / "a", resume=True)

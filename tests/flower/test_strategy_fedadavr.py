@@ -44,7 +44,7 @@ def make_client(ids: dict[int, str], drop: set[int] = frozenset(), rnd_of=lambda
         out = dict(x)
         for name in TRAINABLE:
             size = x[name].size
-            out[name] = flat[start:start + size].reshape(x[name].shape).astype(np.float32)
+            out[name] = flat[start : start + size].reshape(x[name].shape).astype(np.float32)
             start += size
         return full_model_reply(msg, out, num_examples=10)
 
@@ -52,8 +52,16 @@ def make_client(ids: dict[int, str], drop: set[int] = frozenset(), rnd_of=lambda
 
 
 def strategy(**kwargs) -> FedAdaVR:  # noqa: ANN003
-    options = dict(variant="fedadavr", server_optimizer="adam", eta=0.01, client_lr=CLIENT_LR,
-                   fraction_train=0.5, fraction_evaluate=0.0, min_train_nodes=3, seed=3)
+    options = dict(
+        variant="fedadavr",
+        server_optimizer="adam",
+        eta=0.01,
+        client_lr=CLIENT_LR,
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        min_train_nodes=3,
+        seed=3,
+    )
     options.update(kwargs)
     return FedAdaVR(**options)
 
@@ -116,7 +124,9 @@ def test_rows_follow_the_client_id_across_a_reconnect():
     grid2 = FakeGrid(list(ids2), make_client(ids2, rnd_of=lambda: 2), client_ids=ids2)
     run_train_round(s, grid2, 2, arrays)
     assert s.table.known_clients == 3
-    np.testing.assert_allclose(s.table.get("partition-1"), delta_of("partition-1", 2, 19) / CLIENT_LR, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        s.table.get("partition-1"), delta_of("partition-1", 2, 19) / CLIENT_LR, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_state_dict_roundtrip_includes_the_table():
@@ -193,7 +203,9 @@ def test_streamed_rounds_equal_a_plain_transcription_of_the_boxed_estimator(prec
     rows replaced after the step, over five rounds with a client dropping out in one of them."""
     streamed = []
     original = FedAdaVR.round_sink
-    monkeypatch.setattr(FedAdaVR, "round_sink", lambda self, rnd, bound: streamed.append(rnd) or original(self, rnd, bound))
+    monkeypatch.setattr(
+        FedAdaVR, "round_sink", lambda self, rnd, bound: streamed.append(rnd) or original(self, rnd, bound)
+    )
     ids = {n: f"partition-{i}" for i, n in enumerate(NODES)}
     current = {"round": 1, "drop": set()}
     grid = FakeGrid(NODES, lambda msg: make_client(ids, current["drop"], lambda: current["round"])(msg), client_ids=ids)
@@ -208,8 +220,12 @@ def test_streamed_rounds_equal_a_plain_transcription_of_the_boxed_estimator(prec
         sent = flat_trainable(named_arrays(arrays)).astype(np.float32)
         arrays, _, replies = run_train_round(s, grid, rnd, arrays)
         replied = [ids[r.metadata.src_node_id] for r in replies if r.has_content()]
-        ys = {ids[r.metadata.src_node_id]: (flat_trainable(global_arrays_of(r)).astype(np.float32) - sent) / np.float32(CLIENT_LR)
-              for r in replies if r.has_content()}
+        ys = {
+            ids[r.metadata.src_node_id]: (flat_trainable(global_arrays_of(r)).astype(np.float32) - sent)
+            / np.float32(CLIENT_LR)
+            for r in replies
+            if r.has_content()
+        }
         population = len(NODES)  # every node identified itself in round 1
         r_vec = sum(table.values(), np.zeros(19)) / population
         r_vec = r_vec + np.mean([ys[k].astype(np.float64) - table.get(k, 0.0) for k in replied], axis=0)

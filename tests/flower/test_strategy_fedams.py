@@ -16,14 +16,12 @@ import pytest
 from flwr.app import Array, ArrayRecord, MessageType
 from flwr.serverapp.strategy import FedAdam
 
-from pollen.wire import protocol
 from pollen.clientside import compression_mod
 from pollen.clientside.compression_mod import RESIDUAL
 from pollen.clientside.state import STATE_KEY
 from pollen.compression import decode_payload
 from pollen.optim import amsgrad
 from pollen.strategies import FedAMS, FedCAMS
-from pollen.wire.records import records_to_payload
 from pollen.testing.fakes import (
     BUFFERS,
     TRAINABLE,
@@ -39,6 +37,8 @@ from pollen.testing.fakes import (
     split_trainable,
     tiny_model,
 )
+from pollen.wire import protocol
+from pollen.wire.records import records_to_payload
 
 pytestmark = pytest.mark.flower_compat
 
@@ -136,8 +136,15 @@ def test_fedams_three_rounds_match_algorithm1(option):
     nodes = [101, 205, 333, 478]
     grid = FakeGrid(nodes, full_model_client)
     strategy = FedAMS(
-        eta=eta, beta_1=beta1, beta_2=beta2, eps=eps, option=option,
-        fraction_train=0.5, fraction_evaluate=0.0, min_train_nodes=2, seed=5,
+        eta=eta,
+        beta_1=beta1,
+        beta_2=beta2,
+        eps=eps,
+        option=option,
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        min_train_nodes=2,
+        seed=5,
     )
     x0 = tiny_model(0)
     result = strategy.start(grid=grid, initial_arrays=model_record(x0), num_rounds=3)
@@ -230,7 +237,9 @@ def test_weighted_aggregation_uses_num_examples():
         for node, sent, reply in entries
     }
     weighted = sum(counts[n] * deltas[n] for n in counts) / sum(counts.values())
-    (want,), _, _ = reference_algorithm1(flat_trainable(x0), [weighted], eta=0.5, beta1=0.9, beta2=0.99, eps=1e-3, option=2)
+    (want,), _, _ = reference_algorithm1(
+        flat_trainable(x0), [weighted], eta=0.5, beta1=0.9, beta2=0.99, eps=1e-3, option=2
+    )
     np.testing.assert_allclose(strategy.params, want, rtol=1e-5, atol=1e-6)
     (plain,), _, _ = reference_algorithm1(
         flat_trainable(x0), [np.mean(list(deltas.values()), axis=0)], eta=0.5, beta1=0.9, beta2=0.99, eps=1e-3, option=2
@@ -255,9 +264,7 @@ def test_sampling_is_seeded_and_keyed_by_client_id():
 
     def sample(seed, node_ids=nodes, client_ids=None):  # noqa: ANN001, ANN202
         grid = FakeGrid(node_ids, full_model_client, client_ids=client_ids)
-        strategy = FedAMS(
-            fraction_train=0.5, fraction_evaluate=0.0, seed=seed, identify_clients=client_ids is not None
-        )
+        strategy = FedAMS(fraction_train=0.5, fraction_evaluate=0.0, seed=seed, identify_clients=client_ids is not None)
         run_rounds(strategy, grid, 5)
         return strategy, grid
 
@@ -403,10 +410,12 @@ def test_fedcams_none_equals_fedams_bit_for_bit():
     assert set(seen_ams) == {None} and set(seen_cams) == {"none"}
     # FedAMS got full models; FedCAMS got pollen's compressed form (identity codec).
     assert all(protocol.ARRAYS_RECORD in r.content.array_records for r in grid_ams.replies)
-    assert all(set(r.content.array_records) == {protocol.UPDATE_RECORD, protocol.BUFFERS_RECORD} for r in grid_cams.replies)
+    assert all(
+        set(r.content.array_records) == {protocol.UPDATE_RECORD, protocol.BUFFERS_RECORD} for r in grid_cams.replies
+    )
 
     assert grid_ams.sampled_per_call() == grid_cams.sampled_per_call()
-    for (ra, rc) in zip(train_rounds(grid_ams), train_rounds(grid_cams)):
+    for ra, rc in zip(train_rounds(grid_ams), train_rounds(grid_cams)):
         for (_, sent_a, _), (_, sent_c, _) in zip(ra, rc):
             a, c = global_arrays_of(sent_a), global_arrays_of(sent_c)
             for name in a:

@@ -11,10 +11,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pollen.wire import protocol
 from pollen.strategies import FedLAMB
+from pollen.testing.fakes import (
+    FakeGrid,
+    config_of,
+    full_model_reply,
+    global_arrays_of,
+    model_record,
+    reply,
+    split_trainable,
+    tiny_model,
+)
+from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record
-from pollen.testing.fakes import FakeGrid, config_of, full_model_reply, global_arrays_of, model_record, reply, split_trainable, tiny_model
 
 pytestmark = pytest.mark.flower_compat
 
@@ -118,7 +127,9 @@ def test_v_hat_is_sent_only_to_clients_that_lack_its_current_version():
             held[node] = version
         version = int(strategy.accounting.rounds[rnd].train_metrics.get("v-hat-version", version))
     assert sum(got for _, _, got, _ in seen) < len(seen)  # some messages went without it
-    v_hat_bytes = [strategy.accounting.rounds[r].downlink_records.get(protocol.extra_record("v_hat"), 0) for r in range(1, 7)]
+    v_hat_bytes = [
+        strategy.accounting.rounds[r].downlink_records.get(protocol.extra_record("v_hat"), 0) for r in range(1, 7)
+    ]
     one_copy = arrays_to_record({protocol.EXTRA_ARRAY: np.zeros(D, np.float32)}).count_bytes()
     assert v_hat_bytes[0] == 2 * one_copy  # both clients of round 1 got it
 
@@ -143,7 +154,12 @@ def test_state_round_trip_keeps_v_hat_and_who_holds_it():
 
 
 def test_bad_settings_are_refused():
-    for kwargs, word in ((dict(variant="lamb"), "variant"), (dict(sync_every=0), "sync_every"), (dict(eps=0), "eps"), (dict(sync_phase="mid"), "sync_phase")):
+    for kwargs, word in (
+        (dict(variant="lamb"), "variant"),
+        (dict(sync_every=0), "sync_every"),
+        (dict(eps=0), "eps"),
+        (dict(sync_phase="mid"), "sync_phase"),
+    ):
         with pytest.raises(ValueError, match=word):
             FedLAMB(**kwargs)
 
@@ -151,7 +167,10 @@ def test_bad_settings_are_refused():
 def client_steps(grid: FakeGrid, rounds: int) -> list[np.ndarray]:
     """The mean client step of each round, as the fake clients took it (float32 sums, float64 mean)."""
     return [
-        np.mean([np.random.default_rng([n, r]).standard_normal(D).astype(np.float32) * np.float32(0.01) for n in nodes], axis=0)
+        np.mean(
+            [np.random.default_rng([n, r]).standard_normal(D).astype(np.float32) * np.float32(0.01) for n in nodes],
+            axis=0,
+        )
         for r, nodes in zip(range(1, rounds + 1), sampled(grid))
     ]
 
@@ -187,8 +206,12 @@ def test_skip_sync_z3_over_30_rounds_uploads_in_10_and_averages_four_thirds_tens
     strategy, _, seen = run(variant, 30, sync_every=3)
     sync_rounds = sorted({rnd for rnd, _, _, sync in seen if sync})
     assert len(sync_rounds) == 10
-    changed = [r for r in range(2, 31) if strategy.accounting.rounds[r].train_metrics["v-hat-version"]
-               != strategy.accounting.rounds[r - 1].train_metrics["v-hat-version"]]
+    changed = [
+        r
+        for r in range(2, 31)
+        if strategy.accounting.rounds[r].train_metrics["v-hat-version"]
+        != strategy.accounting.rounds[r - 1].train_metrics["v-hat-version"]
+    ]
     assert set(changed) <= set(sync_rounds)
     one_copy = arrays_to_record({protocol.EXTRA_ARRAY: np.zeros(D, np.float32)}).count_bytes()
     rounds = strategy.accounting.rounds.values()
@@ -219,7 +242,9 @@ def test_fed_sgd_with_one_step_and_everyone_is_centralised_sgd_on_the_mean_gradi
         return full_model_reply(msg, local)
 
     strategy = FedLAMB(variant="fed-sgd", fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=4, seed=3)
-    strategy.start(grid=FakeGrid(NODES, client, client_ids=IDS), initial_arrays=model_record(tiny_model()), num_rounds=3)
+    strategy.start(
+        grid=FakeGrid(NODES, client, client_ids=IDS), initial_arrays=model_record(tiny_model()), num_rounds=3
+    )
     x = x0 = np.concatenate([tiny_model()[n].reshape(-1) for n in TRAINABLE]).astype(np.float64)
     for _ in range(3):
         x = x - lr * np.mean([mats[n] @ (x - targets[n]) for n in NODES], axis=0)

@@ -11,10 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pollen.wire import protocol
 from pollen.clientside.steps.hafed import CFG_SEGMENT, active_iterations, segment_bounds, stream_indices
 from pollen.gossip import mixing_matrix, without_absent
-from pollen.wire.protocol import GOSSIP_PHASE
 from pollen.optim import amsgrad
 from pollen.strategies import HAFed
 from pollen.strategies.rounds import SetupError
@@ -28,6 +26,8 @@ from pollen.testing.fakes import (
     split_trainable,
     tiny_model,
 )
+from pollen.wire import protocol
+from pollen.wire.protocol import GOSSIP_PHASE
 
 pytestmark = pytest.mark.flower_compat
 
@@ -79,9 +79,11 @@ def hand_round(x: np.ndarray, rnd: int, w: np.ndarray, segments: int, drop: set 
     models = {node: x.copy() for node in NODES}
     for segment in range(segments):
         for c in range(K):
-            members = NODES[c * N:(c + 1) * N]
+            members = NODES[c * N : (c + 1) * N]
             present = np.array([not (drop and (node, rnd, segment) in drop) for node in members])
-            half = np.stack([models[node] + step(node, rnd, segment) if ok else models[node] for node, ok in zip(members, present)])
+            half = np.stack(
+                [models[node] + step(node, rnd, segment) if ok else models[node] for node, ok in zip(members, present)]
+            )
             mixed = without_absent(w, present) @ half
             for i, node in enumerate(members):
                 models[node] = mixed[i]
@@ -181,25 +183,40 @@ def test_relayed_and_peer_bytes():
 
 def test_bad_layouts_stop_before_round_one():
     with pytest.raises(SetupError, match="same size"):
-        HAFed(seed=1).start(grid=FakeGrid(NODES[:3], lambda m: None, client_ids=IDS, cluster_ids={NODES[0]: "a", NODES[1]: "a", NODES[2]: "b"}),
-                            initial_arrays=model_record(tiny_model()), num_rounds=1)
+        HAFed(seed=1).start(
+            grid=FakeGrid(
+                NODES[:3], lambda m: None, client_ids=IDS, cluster_ids={NODES[0]: "a", NODES[1]: "a", NODES[2]: "b"}
+            ),
+            initial_arrays=model_record(tiny_model()),
+            num_rounds=1,
+        )
     with pytest.raises(SetupError, match="cluster of one client has no neighbours"):
-        HAFed(seed=1, uploaders_per_cluster=1).start(grid=FakeGrid(NODES[:2], lambda m: None, client_ids=IDS, cluster_ids={NODES[0]: "a", NODES[1]: "b"}),
-                                                     initial_arrays=model_record(tiny_model()), num_rounds=1)
+        HAFed(seed=1, uploaders_per_cluster=1).start(
+            grid=FakeGrid(NODES[:2], lambda m: None, client_ids=IDS, cluster_ids={NODES[0]: "a", NODES[1]: "b"}),
+            initial_arrays=model_record(tiny_model()),
+            num_rounds=1,
+        )
     with pytest.raises(SetupError, match="m=5 exceeds the cluster size n=4"):
         run(uploaders_per_cluster=5)
     with pytest.raises(SetupError, match="cluster id"):
-        HAFed(seed=1).start(grid=FakeGrid(NODES, lambda m: None, client_ids=IDS), initial_arrays=model_record(tiny_model()), num_rounds=1)
+        HAFed(seed=1).start(
+            grid=FakeGrid(NODES, lambda m: None, client_ids=IDS),
+            initial_arrays=model_record(tiny_model()),
+            num_rounds=1,
+        )
 
 
-@pytest.mark.parametrize(("kwargs", "words"), [
-    ({"local_steps": 2, "gossip_every": 3}, "gossip_every=3 is larger than local_steps"),
-    ({"topology": "star"}, "topology='star' is unknown"),
-    ({"active_prob": 0.0}, "active_prob"),
-    ({"topology": "circulant"}, "needs offsets"),
-    ({"topology": "interpolated", "lam": 2.0}, "lam"),
-    ({"clustered": False}, "topology='identity'"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"local_steps": 2, "gossip_every": 3}, "gossip_every=3 is larger than local_steps"),
+        ({"topology": "star"}, "topology='star' is unknown"),
+        ({"active_prob": 0.0}, "active_prob"),
+        ({"topology": "circulant"}, "needs offsets"),
+        ({"topology": "interpolated", "lam": 2.0}, "lam"),
+        ({"clustered": False}, "topology='identity'"),
+    ],
+)
 def test_bad_settings_are_refused(kwargs, words):
     with pytest.raises(ValueError, match=words):
         HAFed(**kwargs)
@@ -222,7 +239,9 @@ def test_the_batch_stream_does_not_depend_on_how_the_round_is_cut():
 def test_partially_active_clients_draw_per_iteration():
     counts = [active_iterations(1, c, 1, 0, 48, 0.25) for c in range(200)]
     assert 0.2 < np.mean(counts) / 48 < 0.3
-    assert active_iterations(1, 5, 2, 0, 8, 0.5) == active_iterations(1, 5, 2, 0, 4, 0.5) + active_iterations(1, 5, 2, 4, 8, 0.5)
+    assert active_iterations(1, 5, 2, 0, 8, 0.5) == active_iterations(1, 5, 2, 0, 4, 0.5) + active_iterations(
+        1, 5, 2, 4, 8, 0.5
+    )
     assert active_iterations(1, 5, 2, 0, 8, 1.0) == 8
 
 
@@ -287,8 +306,14 @@ def test_relaying_with_w_equal_identity_is_fedamsgrad():
                 cluster.w = np.eye(N)
 
     seen: list = []
-    relayed = RelayWithIdentity(fraction_evaluate=0.0, seed=5, min_available_nodes=len(NODES), local_steps=3, uploaders_per_cluster=N)
-    relayed.start(grid=FakeGrid(NODES, gossip_client(seen), client_ids=IDS, cluster_ids=CLUSTERS), initial_arrays=model_record(tiny_model()), num_rounds=1)
+    relayed = RelayWithIdentity(
+        fraction_evaluate=0.0, seed=5, min_available_nodes=len(NODES), local_steps=3, uploaders_per_cluster=N
+    )
+    relayed.start(
+        grid=FakeGrid(NODES, gossip_client(seen), client_ids=IDS, cluster_ids=CLUSTERS),
+        initial_arrays=model_record(tiny_model()),
+        num_rounds=1,
+    )
     assert relayed.accounting.rounds[1].exchange_messages == 2 * len(NODES)
     direct = np.mean([sum(step(n, 1, s).astype(np.float64) for s in range(3)) for n in NODES], axis=0)
     np.testing.assert_allclose(relayed.params, amsgrad_step(x0(), direct), rtol=1e-5, atol=1e-6)

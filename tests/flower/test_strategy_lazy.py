@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, MessageType, RecordDict
 
-from pollen.wire import protocol
 from pollen.clientside.compression_mod import RESIDUAL, compression_mod
-from pollen.clientside.lazy_mod import COPY_PREFIX, ORDER, UP_REF, lazy_mod
+from pollen.clientside.lazy_mod import COPY_PREFIX, lazy_mod
 from pollen.clientside.state import STATE_KEY
 from pollen.compression import make_codec
 from pollen.lazy import checksum
@@ -35,6 +34,7 @@ from pollen.testing.fakes import (
     split_trainable,
     tiny_model,
 )
+from pollen.wire import protocol
 
 pytestmark = pytest.mark.flower_compat
 
@@ -140,7 +140,15 @@ def test_compressed_at_tau_zero_is_fedcams_bit_for_bit(rule):
 def test_bidirectional_at_tau_zero_is_fedcams_with_error_fed_downlink():
     """FedBNLACA(0, 0) = FedCAMS + the increment-reading downlink, against a plain transcription."""
     rounds = 5
-    lazy = FedLazy(up_rule="nla", compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="nla", down_topk_ratio=0.5, **SERVER)
+    lazy = FedLazy(
+        up_rule="nla",
+        compressor="topk",
+        topk_ratio=0.25,
+        down_compressor="topk",
+        down_rule="nla",
+        down_topk_ratio=0.5,
+        **SERVER,
+    )
     grid, _ = run(lazy, lazy_mod, rounds)
     sampled = grid.sampled_per_call(MessageType.TRAIN)
 
@@ -155,8 +163,15 @@ def test_bidirectional_at_tau_zero_is_fedcams_with_error_fed_downlink():
             if node not in x:
                 x[node] = theta.copy()
             else:
-                x[node] = np.add(x[node], down.decode(down.encode(np.subtract(theta, x[node], dtype=np.float32)), D), dtype=np.float32)
-            delta = (np.float32(-0.3) * (x[node] - centre(node)) + np.random.default_rng([node, r]).standard_normal(D).astype(np.float32) * np.float32(0.02)).astype(np.float32)
+                x[node] = np.add(
+                    x[node],
+                    down.decode(down.encode(np.subtract(theta, x[node], dtype=np.float32)), D),
+                    dtype=np.float32,
+                )
+            delta = (
+                np.float32(-0.3) * (x[node] - centre(node))
+                + np.random.default_rng([node, r]).standard_normal(D).astype(np.float32) * np.float32(0.02)
+            ).astype(np.float32)
             delta = ((x[node] + delta).astype(np.float32) - x[node]).astype(np.float32)  # what the client's model holds
             p = delta if node not in e else np.add(delta, e[node], dtype=np.float32)
             sent = up.decode(up.encode(p), D)
@@ -241,7 +256,9 @@ def run_recording_deltas(lazy, rounds: int, *, lose_first_lazy_reply: bool = Fal
     grid = FakeGrid(NODES, client)
     arrays = model_record(tiny_model(2))
     for r in range(1, rounds + 1):
-        new, _ = lazy.aggregate_train(r, list(grid.send_and_receive(lazy.configure_train(r, arrays, ConfigRecord(), grid))))
+        new, _ = lazy.aggregate_train(
+            r, list(grid.send_and_receive(lazy.configure_train(r, arrays, ConfigRecord(), grid)))
+        )
         arrays = new or arrays
     return contexts, deltas, lost
 
@@ -249,7 +266,9 @@ def run_recording_deltas(lazy, rounds: int, *, lose_first_lazy_reply: bool = Fal
 def assert_error_feedback_balances(contexts, deltas, vectors, node: int) -> None:  # noqa: ANN001
     """sum(recorded vectors) + the client's final residual = sum(its true deltas)."""
     residual = client_vector(contexts[node], RESIDUAL).astype(np.float64)
-    np.testing.assert_allclose(np.sum(vectors[f"node-{node}"], axis=0) + residual, np.sum(deltas[node], axis=0), atol=1e-5)
+    np.testing.assert_allclose(
+        np.sum(vectors[f"node-{node}"], axis=0) + residual, np.sum(deltas[node], axis=0), atol=1e-5
+    )
 
 
 def test_aa_adds_the_stored_vector_and_applied_error_feedback_balances():
@@ -287,7 +306,16 @@ def test_downlink_mirror_equals_the_client_copy_after_every_round_and_absent_cli
                     np.testing.assert_array_equal(value, old_client[name])
             before[node] = (snapshot, client)
 
-    lazy = FedLazy(up_rule="nla", up_tau=1.3, compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="nla", down_tau=2.0, **SERVER)
+    lazy = FedLazy(
+        up_rule="nla",
+        up_tau=1.3,
+        compressor="topk",
+        topk_ratio=0.25,
+        down_compressor="topk",
+        down_rule="nla",
+        down_tau=2.0,
+        **SERVER,
+    )
     run(lazy, lazy_mod, rounds=8, between=check)
     seen = events(lazy)
     assert seen.get("down-skip", 0) > 0 and seen.get("down-send", 0) > 0
@@ -315,7 +343,7 @@ def test_a_client_that_lost_its_state_is_resynced_and_the_run_goes_on():
     sent_to = [m for m in grid.sent if m.metadata.dst_node_id == node and m.metadata.message_type == MessageType.TRAIN]
     kinds = [str(config_of(m)[protocol.CFG_LAZY_DOWN]) for m in sent_to]
     first_resync = kinds.index("full", 1)
-    assert all(k != "full" for k in kinds[1:first_resync - 1]) and kinds[first_resync - 1] != "full"
+    assert all(k != "full" for k in kinds[1 : first_resync - 1]) and kinds[first_resync - 1] != "full"
     assert np.isfinite(lazy.params).all()
     assert checksum(lazy.book.get("x", lazy.sampler.key(node))) == checksum(client_copy(contexts[node]))
 
@@ -371,7 +399,9 @@ def test_hostile_lazy_replies_are_rejected_with_a_reason(case, rule, reason):
             if case == "skip-without-copy":
                 for name in (protocol.UPDATE_RECORD, protocol.UPDATE_META_RECORD):
                     del content[name]
-            content[protocol.FLAGS_RECORD] = ConfigRecord({protocol.FLAG_SKIP if case == "skip-without-copy" else protocol.FLAG_AA: True})
+            content[protocol.FLAGS_RECORD] = ConfigRecord(
+                {protocol.FLAG_SKIP if case == "skip-without-copy" else protocol.FLAG_AA: True}
+            )
         elif case == "both-flags":
             content[protocol.FLAGS_RECORD] = ConfigRecord({protocol.FLAG_SKIP: True, protocol.FLAG_AA: True})
         elif case == "nothing":
@@ -385,8 +415,14 @@ def test_hostile_lazy_replies_are_rejected_with_a_reason(case, rule, reason):
                 if name in content:
                     del content[name]
             content[protocol.FLAGS_RECORD] = ConfigRecord({protocol.FLAG_SKIP: True})
-        elif case == "aa-beyond-tau" and protocol.CFG_LAZY_REF_SUM in config_of(msg) and protocol.UPDATE_RECORD in content:
-            content[protocol.FLAGS_RECORD] = ConfigRecord({protocol.FLAG_AA: True})  # top-k with EF: rel is about 1.2-1.4
+        elif (
+            case == "aa-beyond-tau"
+            and protocol.CFG_LAZY_REF_SUM in config_of(msg)
+            and protocol.UPDATE_RECORD in content
+        ):
+            content[protocol.FLAGS_RECORD] = ConfigRecord(
+                {protocol.FLAG_AA: True}
+            )  # top-k with EF: rel is about 1.2-1.4
         elif case == "resync-without-downlink":
             for name in (protocol.UPDATE_RECORD, protocol.UPDATE_META_RECORD):
                 if name in content:
@@ -399,7 +435,9 @@ def test_hostile_lazy_replies_are_rejected_with_a_reason(case, rule, reason):
     grid = FakeGrid(NODES, hostile_client(contexts, forge))
     arrays = model_record(tiny_model(2))
     for r in range(1, 6):
-        new, _ = lazy.aggregate_train(r, list(grid.send_and_receive(lazy.configure_train(r, arrays, ConfigRecord(), grid))))
+        new, _ = lazy.aggregate_train(
+            r, list(grid.send_and_receive(lazy.configure_train(r, arrays, ConfigRecord(), grid)))
+        )
         arrays = new or arrays
     reasons = [reason for stats in lazy.accounting.rounds.values() for reason in stats.failure_reasons]
     assert reasons and all(text.startswith(f"node-{victim}: ") for text in reasons)
@@ -409,18 +447,34 @@ def test_hostile_lazy_replies_are_rejected_with_a_reason(case, rule, reason):
 
 # --------------------------------------------------------------------------- ablations and settings
 def test_model_keep_and_literal_downlinks_run_and_the_literal_one_inflates_the_model():
-    keep = FedLazy(up_rule="nla", compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="nla", down_tau=10.0,
-                   downlink_mode="model-keep", **SERVER)
+    keep = FedLazy(
+        up_rule="nla",
+        compressor="topk",
+        topk_ratio=0.25,
+        down_compressor="topk",
+        down_rule="nla",
+        down_tau=10.0,
+        downlink_mode="model-keep",
+        **SERVER,
+    )
     run(keep, lazy_mod, rounds=6)
     assert events(keep).get("down-keep", 0) > 0
-    sparse = dict(up_rule="none", compressor="topk", topk_ratio=0.25, down_compressor="topk", down_topk_ratio=0.05, **SERVER)  # k = 1
+    sparse = dict(
+        up_rule="none", compressor="topk", topk_ratio=0.25, down_compressor="topk", down_topk_ratio=0.05, **SERVER
+    )  # k = 1
     literal = FedLazy(downlink_mode="literal", **sparse)
     _, contexts = run(literal, lazy_mod, rounds=30)
     increment = FedLazy(**sparse)
     _, inc_contexts = run(increment, lazy_mod, rounds=30)
-    error = max(np.linalg.norm(literal.book.get("error", f"node-{n}")) for n in NODES if literal.book.has("error", f"node-{n}"))
+    error = max(
+        np.linalg.norm(literal.book.get("error", f"node-{n}")) for n in NODES if literal.book.has("error", f"node-{n}")
+    )
     assert error > 3 * np.linalg.norm(literal.params)  # unsent coordinates pile up copies of theta (spec §5.3)
-    inc_error = max(np.linalg.norm(increment.params - increment.book.get("x", f"node-{n}")) for n in NODES if increment.book.has("x", f"node-{n}"))
+    inc_error = max(
+        np.linalg.norm(increment.params - increment.book.get("x", f"node-{n}"))
+        for n in NODES
+        if increment.book.has("x", f"node-{n}")
+    )
     assert error > 2 * inc_error  # the increment reading's implicit error theta - x_i stays small
 
 
@@ -451,7 +505,9 @@ def test_consecutive_only_reference_needs_the_previous_round():
                 continue
             key = lazy.sampler.key(msg.metadata.dst_node_id)
             had_ref = protocol.CFG_LAZY_REF_SUM in config_of(msg)
-            previous = [m for m in (grid.calls[r - 2] if r >= 2 else []) if m.metadata.message_type == MessageType.TRAIN]
+            previous = [
+                m for m in (grid.calls[r - 2] if r >= 2 else []) if m.metadata.message_type == MessageType.TRAIN
+            ]
             took_part_before = any(m.metadata.dst_node_id == msg.metadata.dst_node_id for m in previous)
             assert had_ref == took_part_before, key  # a reference exactly when it took part in the round before
             refs += had_ref
@@ -459,7 +515,16 @@ def test_consecutive_only_reference_needs_the_previous_round():
 
 
 def test_state_dict_resumes_bit_for_bit():
-    settings = dict(up_rule="aa", up_tau=1.2, compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="aa", down_tau=1.0, **SERVER)
+    settings = dict(
+        up_rule="aa",
+        up_tau=1.2,
+        compressor="topk",
+        topk_ratio=0.25,
+        down_compressor="topk",
+        down_rule="aa",
+        down_tau=1.0,
+        **SERVER,
+    )
     whole = FedLazy(**settings)
     _, _ = run(whole, lazy_mod, rounds=6)
 
@@ -473,7 +538,9 @@ def test_state_dict_resumes_bit_for_bit():
             first = FedLazy(**settings)
             first.load_state_dict(copy.deepcopy(state))
             first.sampler.node_keys.update({n: f"node-{n}" for n in NODES})
-        new, _ = first.aggregate_train(r, list(grid.send_and_receive(first.configure_train(r, arrays, ConfigRecord(), grid))))
+        new, _ = first.aggregate_train(
+            r, list(grid.send_and_receive(first.configure_train(r, arrays, ConfigRecord(), grid)))
+        )
         arrays = new or arrays
     np.testing.assert_array_equal(first.params, whole.params)
     assert named_arrays(arrays).keys() == set(tiny_model(2))
@@ -497,15 +564,22 @@ def test_a_reply_lost_after_the_client_moved_on_costs_no_resync(bidirectional):
     grid = FakeGrid(NODES, client)
     arrays = model_record(tiny_model(2))
     for r in range(1, 13):
-        new, _ = lazy.aggregate_train(r, list(grid.send_and_receive(lazy.configure_train(r, arrays, ConfigRecord(), grid))))
+        new, _ = lazy.aggregate_train(
+            r, list(grid.send_and_receive(lazy.configure_train(r, arrays, ConfigRecord(), grid)))
+        )
         arrays = new or arrays
     assert lost
     reasons = [text for stats in lazy.accounting.rounds.values() for text in stats.failure_reasons]
     assert len(reasons) == 1 and "no reply" in reasons[0], reasons
     assert "resync" not in events(lazy)
     node, round_lost = lost[0]
-    asked_later = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN and m.metadata.dst_node_id == node
-                   and int(config_of(m)[protocol.CFG_SERVER_ROUND]) > round_lost]
+    asked_later = [
+        m
+        for m in grid.sent
+        if m.metadata.message_type == MessageType.TRAIN
+        and m.metadata.dst_node_id == node
+        and int(config_of(m)[protocol.CFG_SERVER_ROUND]) > round_lost
+    ]
     assert asked_later  # it took part again, from the copies the server held
     if bidirectional:
         assert checksum(lazy.book.get("x", f"node-{node}")) == checksum(client_copy(contexts[node]))
@@ -516,12 +590,18 @@ def test_relative_changes_are_recorded_where_the_server_sees_both_vectors():
     lazy = FedLazy(up_rule="nla", compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="nla", **SERVER)
     grid, _ = run(lazy, lazy_mod, rounds=6)
     for r, call in enumerate(grid.calls[-6:], start=1):
-        with_ref = sum(1 for m in call if m.metadata.message_type == MessageType.TRAIN and protocol.CFG_LAZY_REF_SUM in config_of(m))
+        with_ref = sum(
+            1
+            for m in call
+            if m.metadata.message_type == MessageType.TRAIN and protocol.CFG_LAZY_REF_SUM in config_of(m)
+        )
         rel = lazy.accounting.rounds[r].method.get("lazy_rel", {})
         assert len(rel.get("up", [])) == with_ref, r
         assert all(value > 0 for value in rel.get("up", []) + rel.get("down", []))
     downs = [v for stats in lazy.accounting.rounds.values() for v in stats.method.get("lazy_rel", {}).get("down", [])]
-    increments = sum(stats.method.get("lazy_events", {}).get("down-send", 0) for stats in lazy.accounting.rounds.values())
+    increments = sum(
+        stats.method.get("lazy_events", {}).get("down-send", 0) for stats in lazy.accounting.rounds.values()
+    )
     assert 0 < len(downs) < increments  # a client's first increment has no earlier one to compare with
 
 
@@ -536,7 +616,9 @@ def test_error_feedback_balances_across_a_lost_reply():
 
 def test_compressed_error_feedback_keeps_what_the_codec_dropped():
     """ef_mode='compressed' (proof identities D.1/E.1): e <- Delta + e - cand, so sum(cand) + e = sum(Delta), AA or not."""
-    lazy, sent = recording_lazy(record_sent=True, up_rule="aa", up_tau=2.0, ef_mode="compressed", compressor="topk", topk_ratio=0.25)
+    lazy, sent = recording_lazy(
+        record_sent=True, up_rule="aa", up_tau=2.0, ef_mode="compressed", compressor="topk", topk_ratio=0.25
+    )
     contexts, deltas, _ = run_recording_deltas(lazy, 6)
     assert events(lazy).get("up-aa", 0) > 0
     for node in NODES:
@@ -546,8 +628,16 @@ def test_compressed_error_feedback_keeps_what_the_codec_dropped():
 
 def test_a_memory_mapped_book_resumes_bit_for_bit(tmp_path):
     """bookkeeping_dir keeps the per-client copies in files; a strategy rebuilt from state_dict goes on exactly."""
-    settings = dict(up_rule="nla", up_tau=1.3, compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="nla",
-                    down_tau=1.0, **SERVER)
+    settings = dict(
+        up_rule="nla",
+        up_tau=1.3,
+        compressor="topk",
+        topk_ratio=0.25,
+        down_compressor="topk",
+        down_rule="nla",
+        down_tau=1.0,
+        **SERVER,
+    )
     whole = FedLazy(**settings, bookkeeping_dir=str(tmp_path / "whole"))
     run(whole, lazy_mod, rounds=6)
     assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == ["c-prev.f32", "error.f32", "up-ref.f32", "x.f32"]
@@ -562,7 +652,9 @@ def test_a_memory_mapped_book_resumes_bit_for_bit(tmp_path):
             first = FedLazy(**settings, bookkeeping_dir=str(tmp_path / "resumed"))
             first.load_state_dict(copy.deepcopy(state))
             first.sampler.node_keys.update({n: f"node-{n}" for n in NODES})
-        new, _ = first.aggregate_train(r, list(grid.send_and_receive(first.configure_train(r, arrays, ConfigRecord(), grid))))
+        new, _ = first.aggregate_train(
+            r, list(grid.send_and_receive(first.configure_train(r, arrays, ConfigRecord(), grid)))
+        )
         arrays = new or arrays
     np.testing.assert_array_equal(first.params, whole.params)
     for node in NODES:

@@ -16,12 +16,10 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
-from pollen.wire import protocol
 from pollen.clientside import compression_mod
 from pollen.compression import decode_payload
 from pollen.optim import amsgrad
 from pollen.strategies import FedAMS, FedCAMS, MeteredFedAdam, MeteredFedAvg
-from pollen.wire.records import records_to_payload
 from pollen.testing.fakes import (
     BUFFERS,
     FakeGrid,
@@ -40,6 +38,8 @@ from pollen.testing.fakes import (
     split_trainable,
     tiny_model,
 )
+from pollen.wire import protocol
+from pollen.wire.records import records_to_payload
 
 pytestmark = pytest.mark.flower_compat
 
@@ -81,7 +81,9 @@ def replace_records(msg: Message, good: Message, changes: dict[str, object]) -> 
     return reply(msg, records)
 
 
-def with_arrays(msg: Message, good: Message, edit: Callable[[dict], None], num_examples: float | None = None) -> Message:
+def with_arrays(
+    msg: Message, good: Message, edit: Callable[[dict], None], num_examples: float | None = None
+) -> Message:
     arrays = named_arrays(good.content[protocol.ARRAYS_RECORD])
     edit(arrays)
     n = NUM_EXAMPLES[msg.metadata.dst_node_id] if num_examples is None else num_examples
@@ -164,7 +166,9 @@ CASES = [
         lambda m, g: with_arrays(m, g, lambda a: _set(a, "conv.weight", np.ascontiguousarray(a["conv.weight"].T))),
         "shape",
     ),
-    Case("missing-array", "full", lambda m, g: with_arrays(m, g, lambda a: a.pop("conv.bias")), "missing ['conv.bias']"),
+    Case(
+        "missing-array", "full", lambda m, g: with_arrays(m, g, lambda a: a.pop("conv.bias")), "missing ['conv.bias']"
+    ),
     Case(
         "extra-array",
         "full",
@@ -207,7 +211,9 @@ CASES = [
     Case("garbage-dim", "sign", lambda m, g: with_meta(m, g, dim="nineteen"), "dim"),
     Case("float-dim", "sign", lambda m, g: with_meta(m, g, dim=19.0), "dim"),
     Case("unknown-codec", "sign", lambda m, g: with_meta(m, g, codec="gzip"), "unknown codec"),
-    Case("missing-meta", "sign", lambda m, g: replace_records(m, g, {protocol.UPDATE_META_RECORD: None}), "meta record"),
+    Case(
+        "missing-meta", "sign", lambda m, g: replace_records(m, g, {protocol.UPDATE_META_RECORD: None}), "meta record"
+    ),
     Case("missing-buffers", "sign", lambda m, g: replace_records(m, g, {protocol.BUFFERS_RECORD: None}), "buffers"),
     Case(
         "nan-in-buffers",
@@ -314,10 +320,24 @@ def test_bad_reply_is_rejected_and_round_completes(case: Case):
     assert abs(int(out["bn.num_batches_tracked"].reshape(())) - want_count) <= 0.5
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("nan-in-arrays", "error-reply", "no-reply",
-                                                                "truncated-bits", "unknown-codec",
-                                                                "zero-examples", "topk-index-out-of-range")],
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case",
+    [
+        c
+        for c in CASES
+        if c.id
+        in (
+            "nan-in-arrays",
+            "error-reply",
+            "no-reply",
+            "truncated-bits",
+            "unknown-codec",
+            "zero-examples",
+            "topk-index-out-of-range",
+        )
+    ],
+    ids=lambda c: c.id,
+)
 def test_all_replies_bad_leaves_model_unchanged(case: Case):
     strategy = make_strategy(case.strategy)
     client, _ = make_client(case.strategy, case.tamper, set(NODES))
@@ -348,6 +368,7 @@ def test_all_replies_bad_leaves_model_unchanged(case: Case):
 
 def test_failures_in_start_do_not_stop_the_run():
     """Through ``Strategy.start``: one node always crashes, the run still finishes."""
+
     def client(msg: Message) -> Message:
         if msg.metadata.dst_node_id == BAD:
             return error_reply(msg, "boom")

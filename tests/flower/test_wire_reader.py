@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 
-from pollen.wire import protocol
 from pollen.clientside import compression_mod
+from pollen.testing.fakes import full_model_reply, tiny_model, train_message
+from pollen.wire import protocol
 from pollen.wire.records import array_to_numpy, record_to_arrays
-from pollen.testing.fakes import full_model_reply, train_message, tiny_model
 
 pytestmark = pytest.mark.flower_compat
 
@@ -75,7 +75,14 @@ def test_reader_refuses_untrustworthy_arrays(array, reason):
 
 def test_compression_mod_keeps_records_it_does_not_own():
     """The mod replaces only the full model; extras, flags and a user's own records pass through intact."""
-    msg = train_message(tiny_model(), {protocol.CFG_CODEC: "sign", protocol.CFG_SERVER_ROUND: 1, protocol.CFG_BUFFER_KEYS: "bn.running_mean\nbn.num_batches_tracked"})
+    msg = train_message(
+        tiny_model(),
+        {
+            protocol.CFG_CODEC: "sign",
+            protocol.CFG_SERVER_ROUND: 1,
+            protocol.CFG_BUFFER_KEYS: "bn.running_mean\nbn.num_batches_tracked",
+        },
+    )
     own = ArrayRecord({"sketch": Array(np.arange(5, dtype=np.float32))})
     extra = ArrayRecord({protocol.EXTRA_ARRAY: Array(np.ones(3, dtype=np.float32))})
     flags = ConfigRecord({"skip": False})

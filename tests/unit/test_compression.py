@@ -279,9 +279,18 @@ def test_topk_error_bound(ratio, kind):
 
 @pytest.mark.parametrize(
     "d, dtype",
-    [(1, np.uint8), (200, np.uint8), (256, np.uint8), (257, np.uint16), (65_536, np.uint16),
-     (65_537, np.uint32), (70_000, np.uint32), (5_000_000, np.uint32), (2**32, np.uint32),
-     (2**32 + 1, np.uint64)],
+    [
+        (1, np.uint8),
+        (200, np.uint8),
+        (256, np.uint8),
+        (257, np.uint16),
+        (65_536, np.uint16),
+        (65_537, np.uint32),
+        (70_000, np.uint32),
+        (5_000_000, np.uint32),
+        (2**32, np.uint32),
+        (2**32 + 1, np.uint64),
+    ],
 )
 def test_index_dtype_is_narrowest(d, dtype):
     assert index_dtype(d) == np.dtype(dtype)

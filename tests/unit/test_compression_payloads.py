@@ -101,7 +101,9 @@ def test_sign_nonzero_padding_bits():
     rejects(with_arrays(p, bits=bits), "padding bit", dim=13, codec=SignCodec())
 
 
-@pytest.mark.parametrize("scale, match", [(np.nan, "'scale' is nan"), (np.inf, "'scale' is inf"), (-1.0, "'scale' is -1.0")])
+@pytest.mark.parametrize(
+    "scale, match", [(np.nan, "'scale' is nan"), (np.inf, "'scale' is inf"), (-1.0, "'scale' is -1.0")]
+)
 def test_sign_bad_scale_value(scale, match):
     rejects(with_arrays(SIGN, scale=np.array([scale], np.float32)), match, codec=SignCodec())
 
@@ -241,7 +243,9 @@ def _mutate(p: Payload, rng: np.random.Generator) -> Payload:
     elif op == 2:
         arrays[key] = np.concatenate([a, a[:1]])
     elif op == 3:
-        arrays[key] = a.astype(rng.choice([np.uint8, np.uint16, np.uint32, np.int64, np.float16, np.float32, np.float64]))
+        arrays[key] = a.astype(
+            rng.choice([np.uint8, np.uint16, np.uint32, np.int64, np.float16, np.float32, np.float64])
+        )
     elif op == 4:
         del arrays[key]
     elif op == 5:

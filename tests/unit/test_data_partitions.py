@@ -103,7 +103,9 @@ def test_fast_path_matches_flower_public_api(name):
     fast = P.make_partitions(LABELS, name, num_partitions=6, seed=2)
     perm = np.random.default_rng(2).permutation(len(LABELS))
     table = datasets.Dataset.from_dict({"label": LABELS[perm], "_idx": perm}).with_format("arrow")
-    part = P._partitioner(name, num_partitions=6, num_examples=1000, alpha=0.5, classes_per_partition=2, shards_per_partition=2, seed=2)
+    part = P._partitioner(
+        name, num_partitions=6, num_examples=1000, alpha=0.5, classes_per_partition=2, shards_per_partition=2, seed=2
+    )
     part.dataset = table
     slow = [P._read_idx(part.load_partition(pid)) for pid in range(6)]
     assert all(np.array_equal(x, y) for x, y in zip(fast, slow))

@@ -49,7 +49,12 @@ def tiny(n_train=200, n_test=50, shape=(28, 28), classes=10, seed=0):
     y_tr = np.arange(n_train) % classes
     y_te = np.arange(n_test) % classes
     rng.shuffle(y_tr)
-    return (_images(n_train, y_tr, shape, seed), y_tr.astype(np.uint8), _images(n_test, y_te, shape, seed + 1), y_te.astype(np.uint8))
+    return (
+        _images(n_train, y_tr, shape, seed),
+        y_tr.astype(np.uint8),
+        _images(n_test, y_te, shape, seed + 1),
+        y_te.astype(np.uint8),
+    )
 
 
 def write_idx(path: Path, arr: np.ndarray, gz: bool = True) -> Path:
@@ -154,7 +159,9 @@ def test_save_to_disk_directory(tmp_path):
 
 def test_save_to_disk_cifar100_columns(tmp_path):
     arrays = tiny(40, 10, shape=(32, 32, 3), classes=100)
-    hf_dataset_dict(*arrays, image_col="img", label_col="fine_label", classes=100).save_to_disk(str(tmp_path / "cifar100"))
+    hf_dataset_dict(*arrays, image_col="img", label_col="fine_label", classes=100).save_to_disk(
+        str(tmp_path / "cifar100")
+    )
     raw = S.load_raw("cifar100", str(tmp_path))  # found in the subdirectory named after the dataset
     assert_same(raw, arrays)
     assert raw.x_train.shape == (40, 32, 32, 3)
@@ -240,7 +247,9 @@ def test_embedded_subset_declaring_more_than_it_holds_is_refused(tmp_path, monke
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
         zf.writestr("x_train.npy", header.getvalue() + bytes(784))
     monkeypatch.setattr(S, "_embedded_path", lambda: path)
-    with pytest.raises(DataSourceError, match=r"unusable: it has member x_train.npy declaring shape \(1000000000, 28, 28\)"):
+    with pytest.raises(
+        DataSourceError, match=r"unusable: it has member x_train.npy declaring shape \(1000000000, 28, 28\)"
+    ):
         S._load_embedded()
 
 
@@ -326,7 +335,11 @@ def test_hub_probe_failure_falls_back_to_cache_only(monkeypatch):
 def test_data_dir_without_the_dataset_is_an_error(tmp_path):
     (tmp_path / "notes.txt").write_text("nothing here")
     cfg = D.DataConfig(dataset="fashion-mnist", data_dir=str(tmp_path))
-    for call in (lambda: D.validate_data_config(cfg), lambda: D.describe_source(cfg), lambda: D.load_partition(cfg, 0, 8)):
+    for call in (
+        lambda: D.validate_data_config(cfg),
+        lambda: D.describe_source(cfg),
+        lambda: D.load_partition(cfg, 0, 8),
+    ):
         with pytest.raises(DataSourceError) as info:
             call()
         msg = str(info.value)
@@ -369,5 +382,7 @@ def test_cifar10_from_data_dir_end_to_end(tmp_path):
     assert x.shape == (8, 3, 32, 32) and len(set(torch.cat([b[1] for b in train_loader]).tolist())) <= 2
     assert len(D.load_test_set(cfg, 16).dataset) == 20
     torch.manual_seed(0)
-    res = train(build_model("lenet5", D.dataset_info("cifar10")), train_loader, lr=0.01, local_steps=2, device="cpu", seed=0)
+    res = train(
+        build_model("lenet5", D.dataset_info("cifar10")), train_loader, lr=0.01, local_steps=2, device="cpu", seed=0
+    )
     assert res.num_steps == 2 and res.num_examples == len(train_loader.dataset)

@@ -72,9 +72,7 @@ def test_partial_participation_stale_residuals_and_invariants():
     sampled_count = np.zeros(m, int)
 
     def e_prime() -> np.ndarray:
-        return sum(
-            (s.residual.astype(np.float64) for s in state.values() if s.residual is not None), np.zeros(D)
-        ) / n
+        return sum((s.residual.astype(np.float64) for s in state.values() if s.residual is not None), np.zeros(D)) / n
 
     for _ in range(T):
         sampled = rng.choice(m, size=n, replace=False)

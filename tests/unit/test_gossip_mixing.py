@@ -22,10 +22,10 @@ from pollen.gossip import (
     interpolated,
     lambda_for_rho,
     mixing_matrix,
-    without_absent,
     ring,
     spectral_gap_rho,
     validate_clusters,
+    without_absent,
 )
 from pollen.gossip import mixing as mixing_module
 
@@ -388,7 +388,11 @@ def test_mixing_matrix_dispatches_to_the_named_function():
         (("circulant", 8), {}, r"'circulant' needs offsets, distinct integers in \[1, 4\]"),
         (("circulant", 8), {"offsets": ()}, "non-empty sequence of integers; got \\(\\)"),
         (("circulant", 8), {"offsets": "13"}, "non-empty sequence of integers; got '13'"),
-        (("circulant", 8), {"offsets": (1, 5)}, r"offset 5 is out of range for n = 8; allowed: distinct integers in \[1, 4\]"),
+        (
+            ("circulant", 8),
+            {"offsets": (1, 5)},
+            r"offset 5 is out of range for n = 8; allowed: distinct integers in \[1, 4\]",
+        ),
         (("circulant", 8), {"offsets": (0,)}, "offset 0 is out of range"),
         (("circulant", 8), {"offsets": (1.0,)}, "offset 1.0 is out of range"),
         (("circulant", 8), {"offsets": (1, 1)}, r"offsets \[1, 1\] repeat a value"),

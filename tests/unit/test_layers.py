@@ -74,7 +74,11 @@ def _modules() -> list[Path]:
 
 
 def test_every_top_level_entry_has_a_layer() -> None:
-    entries = {p.name.removesuffix(".py") for p in PACKAGE.iterdir() if p.name not in {"__init__.py", "__pycache__", "py.typed"}}
+    entries = {
+        p.name.removesuffix(".py")
+        for p in PACKAGE.iterdir()
+        if p.name not in {"__init__.py", "__pycache__", "py.typed"}
+    }
     assert entries <= set(ALLOWED), f"unplaced entries in pollen/: {sorted(entries - set(ALLOWED))}"
 
 

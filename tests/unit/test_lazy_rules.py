@@ -26,7 +26,9 @@ def test_trigger_iff_the_change_is_within_tau_of_the_reference(rule):
     ref = vec(2)
     for scale in (0.1, 0.3, 0.6, 1.0, 1.5):
         cand = (ref + scale * vec(3)).astype(np.float32)
-        rel = np.linalg.norm((cand - ref).astype(np.float64)) / np.linalg.norm(ref.astype(np.float64))  # the change in float32, as sent
+        rel = np.linalg.norm((cand - ref).astype(np.float64)) / np.linalg.norm(
+            ref.astype(np.float64)
+        )  # the change in float32, as sent
         for tau in (0.0, 0.2, 0.5, 1.0, 2.0):
             verdict = judge(cand, ref, rule, tau)
             assert (verdict.kind != "send") == (rel <= tau)
@@ -43,8 +45,13 @@ def test_trigger_iff_the_change_is_within_tau_of_the_reference(rule):
 
 def test_skip_rate_grows_with_tau():
     refs = [vec(10 + i) for i in range(200)]
-    cands = [(r + np.random.default_rng(i).uniform(0.1, 2.0) * vec(500 + i)).astype(np.float32) for i, r in enumerate(refs)]
-    rates = [np.mean([judge(c, r, "nla", tau).kind == "skip" for c, r in zip(cands, refs)]) for tau in (0, 0.25, 0.5, 1.0, 1.5, 3.0)]
+    cands = [
+        (r + np.random.default_rng(i).uniform(0.1, 2.0) * vec(500 + i)).astype(np.float32) for i, r in enumerate(refs)
+    ]
+    rates = [
+        np.mean([judge(c, r, "nla", tau).kind == "skip" for c, r in zip(cands, refs)])
+        for tau in (0, 0.25, 0.5, 1.0, 1.5, 3.0)
+    ]
     assert rates == sorted(rates) and rates[0] == 0 and rates[-1] == 1
 
 

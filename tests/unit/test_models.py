@@ -38,7 +38,9 @@ def test_groupnorm_keeps_the_count_and_drops_batchnorm(name):
     assert num_parameters(bn) == num_parameters(gn)
     assert not any(isinstance(m, nn.BatchNorm2d) for m in gn.modules())
     assert all(m.num_groups == 2 for m in gn.modules() if isinstance(m, nn.GroupNorm))
-    assert sum(isinstance(m, nn.GroupNorm) for m in gn.modules()) == sum(isinstance(m, nn.BatchNorm2d) for m in bn.modules())
+    assert sum(isinstance(m, nn.GroupNorm) for m in gn.modules()) == sum(
+        isinstance(m, nn.BatchNorm2d) for m in bn.modules()
+    )
 
 
 def test_batchnorm_buffers_are_not_parameters():

@@ -258,8 +258,13 @@ def test_factory_builds_amsgrad_with_options():
     opt = make_server_optimizer("amsgrad", eta=1, eps=1e-3, eps_mode="add", max_stabilisation=False)
     assert isinstance(opt, Transform) and opt.name == "amsgrad"
     assert opt.hyperparameters() == {
-        "eta": 1.0, "beta1": 0.9, "beta2": 0.99, "eps": 1e-3,
-        "eps_mode": "add", "bias_correction": False, "max_stabilisation": False,
+        "eta": 1.0,
+        "beta1": 0.9,
+        "beta2": 0.99,
+        "eps": 1e-3,
+        "eps_mode": "add",
+        "bias_correction": False,
+        "max_stabilisation": False,
     }
 
 

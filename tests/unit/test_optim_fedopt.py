@@ -196,7 +196,7 @@ def test_adagrad_fedadavr_form_and_accumulator_telescopes():
     state, steps = _run(adagrad(eta=eta, eps=eps), deltas)
     z = np.zeros(len(deltas[0]))
     for d, got in zip(deltas, steps):
-        z += d.astype(np.float64) ** 2                       # z_t = z_{t-1} + G^2
+        z += d.astype(np.float64) ** 2  # z_t = z_{t-1} + G^2
         np.testing.assert_allclose(got, eta * d / (np.sqrt(z) + eps), rtol=1e-5)
     np.testing.assert_allclose(state.slots["z"], np.sum(np.square(deltas, dtype=np.float64), axis=0), rtol=1e-5)
     assert set(state.slots) == {"z"}

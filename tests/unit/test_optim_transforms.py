@@ -107,8 +107,9 @@ def _old_adabelief(s, d, p, t, eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_
     return _old_adaptive_step(s["m"], s["z"], eta=eta, eps=eps, t=t, b1=beta1, b2=beta2, bc=bias_correction)
 
 
-def _old_lamb(s, d, p, t, eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True, segments=None,
-              layerwise=True):
+def _old_lamb(
+    s, d, p, t, eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True, segments=None, layerwise=True
+):
     _old_moments(s, d, beta1, beta2)
     r_hat = _old_adaptive_step(s["m"], s["v"], eta=1.0, eps=eps, t=t, b1=beta1, b2=beta2, bc=bias_correction)
     for start, stop in segments if layerwise else ((0, d.shape[0]),):
@@ -120,8 +121,9 @@ def _old_lamb(s, d, p, t, eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_corre
     return r_hat
 
 
-def _old_amsgrad(s, d, p, t, eta=1.0, beta1=0.9, beta2=0.99, eps=1e-3, eps_mode="max", bias_correction=False,
-                 max_stabilisation=True):
+def _old_amsgrad(
+    s, d, p, t, eta=1.0, beta1=0.9, beta2=0.99, eps=1e-3, eps_mode="max", bias_correction=False, max_stabilisation=True
+):
     _old_moments(s, d, beta1, beta2)
     option1 = eps_mode == "max"
     if max_stabilisation:
@@ -149,17 +151,27 @@ OLD = {
     "sgd": (_old_sgd, lambda kw, d: {"momentum_buffer": np.zeros(d, F32)} if kw.get("momentum", 0.0) > 0 else {}),
     "adam": (_old_adam, lambda kw, d: {"m": np.zeros(d, F32), "v": np.zeros(d, F32)}),
     "yogi": (_old_yogi, lambda kw, d: {"m": np.zeros(d, F32), "v": np.zeros(d, F32)}),
-    "adagrad": (_old_adagrad, lambda kw, d: {
-        **({"m": np.zeros(d, F32)} if kw.get("beta1", 0.0) > 0 else {}),
-        "z": np.full(d, kw.get("initial_accumulator", 0.0), F32),
-    }),
+    "adagrad": (
+        _old_adagrad,
+        lambda kw, d: {
+            **({"m": np.zeros(d, F32)} if kw.get("beta1", 0.0) > 0 else {}),
+            "z": np.full(d, kw.get("initial_accumulator", 0.0), F32),
+        },
+    ),
     "adabelief": (_old_adabelief, lambda kw, d: {"m": np.zeros(d, F32), "z": np.zeros(d, F32)}),
     "lamb": (_old_lamb, lambda kw, d: {"m": np.zeros(d, F32), "v": np.zeros(d, F32)}),
-    "amsgrad": (_old_amsgrad, lambda kw, d: {
-        "m": np.zeros(d, F32), "v": np.zeros(d, F32),
-        **({"v_hat": np.full(d, kw.get("eps", 1e-3) if kw.get("eps_mode", "max") == "max" else 0.0, F32)}
-           if kw.get("max_stabilisation", True) else {}),
-    }),
+    "amsgrad": (
+        _old_amsgrad,
+        lambda kw, d: {
+            "m": np.zeros(d, F32),
+            "v": np.zeros(d, F32),
+            **(
+                {"v_hat": np.full(d, kw.get("eps", 1e-3) if kw.get("eps_mode", "max") == "max" else 0.0, F32)}
+                if kw.get("max_stabilisation", True)
+                else {}
+            ),
+        },
+    ),
     "adpfed_adam": (_old_adpfed_adam, lambda kw, d: {"m": np.zeros(d, F32), "v": np.full(d, kw.get("v0", 1e-8), F32)}),
 }
 

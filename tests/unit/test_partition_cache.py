@@ -47,7 +47,9 @@ def _isolated(monkeypatch, tmp_path):
 @pytest.fixture
 def cfg(tmp_path) -> D.DataConfig:
     data = write_mnist(tmp_path / "mnist")
-    return D.DataConfig(dataset="mnist", partitioner="dirichlet", num_partitions=4, alpha=0.5, seed=1, data_dir=str(data))
+    return D.DataConfig(
+        dataset="mnist", partitioner="dirichlet", num_partitions=4, alpha=0.5, seed=1, data_dir=str(data)
+    )
 
 
 def cache_files(tmp_path) -> list[Path]:
@@ -205,7 +207,8 @@ def _pickled(path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "damage", [_truncated, _random, _wrong_keys, _wrong_dtype, _wrong_labels, _other_key, _pickled, _huge_declared_shape]
+    "damage",
+    [_truncated, _random, _wrong_keys, _wrong_dtype, _wrong_labels, _other_key, _pickled, _huge_declared_shape],
 )
 def test_bad_cache_file_is_rebuilt_with_one_warning(cfg, tmp_path, caplog, damage):
     reference = tensors(cfg)

@@ -26,9 +26,31 @@ def test_strategies_export_strategies_and_what_a_user_builds_from_not_the_engine
     import pollen.strategies as strategies
 
     exported = set(strategies.__all__)
-    assert {"FedAMS", "FedCAMS", "FedOpt", "FedAdaVR", "FedLAMB", "HAFed", "FedLazy", "AdaptiveStrategy", "Uplink", "ReplySpec"} <= exported
-    assert not exported & {"Accounting", "RoundStats", "ClientSampler", "ReplyCollector", "Transport", "GlobalModel",
-                           "ServerStep", "build_strategy", "register", "strategy_names", "RelayAverage"}
+    assert {
+        "FedAMS",
+        "FedCAMS",
+        "FedOpt",
+        "FedAdaVR",
+        "FedLAMB",
+        "HAFed",
+        "FedLazy",
+        "AdaptiveStrategy",
+        "Uplink",
+        "ReplySpec",
+    } <= exported
+    assert not exported & {
+        "Accounting",
+        "RoundStats",
+        "ClientSampler",
+        "ReplyCollector",
+        "Transport",
+        "GlobalModel",
+        "ServerStep",
+        "build_strategy",
+        "register",
+        "strategy_names",
+        "RelayAverage",
+    }
 
 
 def test_the_client_side_exports_the_mods_and_local_lamb() -> None:

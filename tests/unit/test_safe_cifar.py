@@ -79,7 +79,17 @@ def py2_pickle(batch: dict) -> bytes:
         if isinstance(v, int):
             return i(v)
         assert isinstance(v, np.ndarray) and v.dtype == np.uint8
-        dtype = b"cnumpy\ndtype\n" + s(b"u1") + b"K\x00K\x01\x87R" + b"(K\x03" + s(b"|") + b"NNN" + i(-1) + i(-1) + b"K\x00tb"
+        dtype = (
+            b"cnumpy\ndtype\n"
+            + s(b"u1")
+            + b"K\x00K\x01\x87R"
+            + b"(K\x03"
+            + s(b"|")
+            + b"NNN"
+            + i(-1)
+            + i(-1)
+            + b"K\x00tb"
+        )
         shape = b"(" + b"".join(i(d) for d in v.shape) + b"t"
         head = b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85" + s(b"b") + b"\x87R"
         return head + b"(K\x01" + shape + dtype + b"\x89" + s(v.tobytes()) + b"tb"

@@ -75,7 +75,11 @@ def test_evaluate_counts_and_empty_loader():
     loader = _loader(n=30, batch=8, shuffle=False)
     loss, acc, n = evaluate(_model(), loader, "cpu")
     assert n == 30 and 0.0 <= acc <= 1.0 and loss > 0
-    empty = DataLoader(BatchTensorDataset(torch.zeros(0, 1, 28, 28), torch.zeros(0, dtype=torch.long)), batch_size=4, collate_fn=BatchCollate())
+    empty = DataLoader(
+        BatchTensorDataset(torch.zeros(0, 1, 28, 28), torch.zeros(0, dtype=torch.long)),
+        batch_size=4,
+        collate_fn=BatchCollate(),
+    )
     assert evaluate(_model(), empty, "cpu") == (0.0, 0.0, 0)
 
 

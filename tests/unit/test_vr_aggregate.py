@@ -29,7 +29,9 @@ def test_round_zero_is_fedavg():
     for table in (None, UpdateTable(D, SEGS, "int4")):
         r = vr_aggregate(ys, table, num_clients=100, weights=n)
         np.testing.assert_allclose(r, fedavg, rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(vr_aggregate(ys, table, num_clients=100, weights=n, weighting="none"), fedavg, rtol=1e-6)
+        np.testing.assert_allclose(
+            vr_aggregate(ys, table, num_clients=100, weights=n, weighting="none"), fedavg, rtol=1e-6
+        )
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -55,7 +57,9 @@ def test_equal_sizes_is_fedvarp(precision):
     Y = np.vstack([_table_matrix(table, 70), np.zeros((30, D))])
     fedvarp = np.mean([ys[i] - Y[i] for i in S], axis=0) + Y.sum(axis=0) / N
     for weighting in ("sampled-normalised", "horvitz-thompson"):  # identical for equal sizes
-        np.testing.assert_allclose(vr_aggregate(ys, table, num_clients=N, weighting=weighting), fedvarp, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            vr_aggregate(ys, table, num_clients=N, weighting=weighting), fedvarp, rtol=1e-5, atol=1e-6
+        )
     # equal example counts give the same thing (weights are relative)
     same = vr_aggregate(ys, table, num_clients=N, weights=dict.fromkeys(S, 1.0))
     np.testing.assert_allclose(same, fedvarp, rtol=1e-5, atol=1e-6)
@@ -83,7 +87,14 @@ def test_literal_is_mifa_sag_after_replacement():
 def _all_subsets(ys, table, N, M, weights, W, weighting):
     return np.array(
         [
-            vr_aggregate({i: ys[i] for i in S}, table, num_clients=N, weights={i: weights[i] for i in S}, total_weight=W, weighting=weighting)
+            vr_aggregate(
+                {i: ys[i] for i in S},
+                table,
+                num_clients=N,
+                weights={i: weights[i] for i in S},
+                total_weight=W,
+                weighting=weighting,
+            )
             for S in combinations(range(N), M)
         ],
         dtype=np.float64,
@@ -185,7 +196,9 @@ def test_quantised_table_error_cancels_for_sampled_clients():
     big = UpdateTable(D, SEGS, "int4")
     _fill(big, N, rng)
     ys = {j: rng.standard_normal(D).astype(np.float32) for j in range(N)}
-    np.testing.assert_allclose(vr_aggregate(ys, big, num_clients=N), np.mean(list(ys.values()), axis=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        vr_aggregate(ys, big, num_clients=N), np.mean(list(ys.values()), axis=0), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_validation_messages():
@@ -332,7 +345,9 @@ def test_a_streamed_round_equals_the_estimator_and_commits_what_replace_many_sto
         W = 12 * (sum(float(i + 1) for i in range(5)) - 2.0 - 4.0 + n.sum()) / 6  # N * mean weight of seen clients
         coef = {"sampled-normalised": n / n.sum(), "horvitz-thompson": (12 / 3) * n / W, "literal": n / W}[weighting]
         stored = sum(w * before[str(k)].astype(np.float64) for k, w in zip(range(5), [1.0, 2.0, 3.0, 4.0, 5.0]))
-        fresh = sum(c * (ys[k].astype(np.float64) - (before[str(k)] if str(k) in before else 0.0)) for c, k in zip(coef, ys))
+        fresh = sum(
+            c * (ys[k].astype(np.float64) - (before[str(k)] if str(k) in before else 0.0)) for c, k in zip(coef, ys)
+        )
         want = 0.5 * (stored / W + fresh)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     for k, row in before.items():  # nothing stored before commit

@@ -53,7 +53,9 @@ def test_replace_then_get_is_per_tensor_dequantised(precision):
     t.replace("a", y2, weight=5.0)  # replaced, not appended
     assert t.known_clients == 1 and t.weight("a") == 5.0 and t.total_weight == 5.0
     np.testing.assert_array_equal(t.get("a"), _expected_row(y2, precision))
-    np.testing.assert_allclose(t.running_sum, 5.0 * _expected_row(y2, precision).astype(np.float64), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        t.running_sum, 5.0 * _expected_row(y2, precision).astype(np.float64), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_int_and_str_keys_are_the_same_client():

@@ -45,10 +45,23 @@ KEYS = {
 }
 
 #: Run-config name -> :data:`pollen.vr.VARIANTS` name.
-VARIANT_OF = {"fedadavr": "fedadavr", "mifa": "mifa", "fedvarp": "fedvarp", "fedadavr-novr": "novr", "fedadavr-noopt": "noopt"}
+VARIANT_OF = {
+    "fedadavr": "fedadavr",
+    "mifa": "mifa",
+    "fedvarp": "fedvarp",
+    "fedadavr-novr": "novr",
+    "fedadavr-noopt": "noopt",
+}
 
-_PAPER = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "momentum": 0.9, "batch-size": 20, "local-epochs": 3, "compressor": "none"}
-
+_PAPER = {
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "eps": 1e-8,
+    "momentum": 0.9,
+    "batch-size": 20,
+    "local-epochs": 3,
+    "compressor": "none",
+}
 
 
 def _recommended(variant: str) -> dict[str, Any]:

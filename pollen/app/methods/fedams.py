@@ -57,7 +57,9 @@ DEFAULTS: dict[str, Mapping[str, Any]] = {
 def fedams_kwargs(cfg: Mapping[str, Any], option: int | None = None) -> dict[str, Any]:
     """FedAMS's arguments from the run-config (``option`` from ``eps-mode`` unless given)."""
     if option is None and cfg["eps-mode"] == "inside":
-        raise ValueError("run-config 'eps-mode' = 'inside' is HA-Fed's form; FedAMS and FedCAMS allow paper, max or add")
+        raise ValueError(
+            "run-config 'eps-mode' = 'inside' is HA-Fed's form; FedAMS and FedCAMS allow paper, max or add"
+        )
     return dict(
         **adaptive_kwargs(cfg),
         eta=cfg["server-lr"],

@@ -33,7 +33,15 @@ KEYS = {
 
 VARIANTS = ("fed-lamb", "mime-lamb", "fed-ams", "mime", "adp-fed", "fed-sgd")
 
-_PAPER = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "fraction-train": 0.5, "local-epochs": 1, "batch-size": 128, "sync-every": 1}
+_PAPER = {
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "eps": 1e-8,
+    "fraction-train": 0.5,
+    "local-epochs": 1,
+    "batch-size": 128,
+    "sync-every": 1,
+}
 
 DEFAULTS: dict[str, Mapping[str, Any]] = {variant: _PAPER for variant in VARIANTS}
 

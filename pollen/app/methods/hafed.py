@@ -36,7 +36,7 @@ KEYS = {
     "gossip-every": pos_int(1),
     "active-prob": unit_open(1.0),
     "gossip-lambda": unit_closed(1.0),
-    "gossip-offsets": Key(str, "1,3", _offsets_ok, "comma-separated positive integers, e.g. \"1,3\" (or empty)"),
+    "gossip-offsets": Key(str, "1,3", _offsets_ok, 'comma-separated positive integers, e.g. "1,3" (or empty)'),
     "uploaders-per-cluster": pos_int(2),
 }
 

@@ -69,7 +69,9 @@ def with_steps(
 def _merged(base: Mapping[str, Step], extra: Mapping[str, Step], what: str) -> Mapping[str, Step]:
     clash = sorted(set(base) & set(extra))
     if clash:
-        raise ValueError(f"{what} {clash[0]!r} is one of pollen's; allowed: a new name, or merge the dicts to replace it")
+        raise ValueError(
+            f"{what} {clash[0]!r} is one of pollen's; allowed: a new name, or merge the dicts to replace it"
+        )
     return MappingProxyType({**base, **extra})
 
 

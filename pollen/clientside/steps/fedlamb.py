@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pollen.wire import protocol
 from pollen.clientside.steps.work import LocalWork, StepOutcome, run_sgd, train_metrics
 from pollen.core.layout import segments_from_sizes
+from pollen.wire import protocol
 from pollen.wire.protocol import (
     CFG_BETA1,
     CFG_BETA2,
@@ -144,7 +144,9 @@ def run(work: LocalWork) -> StepOutcome:
         extras["grad"], extra_batches = full_batch_gradient(work, params)
     result = run_sgd(work, None, optimizer=optimizer)
     if sync and stat == "v":
-        extras["v"] = layout.flatten({name: optimizer.state[p]["v"].detach().cpu().numpy() for name, p in named.items()})
+        extras["v"] = layout.flatten(
+            {name: optimizer.state[p]["v"].detach().cpu().numpy() for name, p in named.items()}
+        )
     work.state.set(MOMENTUM, torch.cat([optimizer.state[p]["m"].reshape(-1) for p in params]).cpu().numpy())
     metrics = train_metrics(result)
     metrics["grad-evals"] = int(result.num_steps + extra_batches)
@@ -174,7 +176,9 @@ def set_global_v_hat(optimizer: LocalLAMB, v_hat: Any) -> None:
         if not bool(torch.isfinite(piece).all()):
             raise ValueError(f"v_hat for parameter {i} holds NaN or Inf (as {p.dtype})")
         if bool((piece < 0).any()):
-            raise ValueError(f"v_hat for parameter {i} has a negative value (min {float(piece.min())!r}); allowed: values >= 0")
+            raise ValueError(
+                f"v_hat for parameter {i} has a negative value (min {float(piece.min())!r}); allowed: values >= 0"
+            )
     for (p, group), piece in zip(pairs, pieces):
         if group["eps_mode"] == "floor":
             piece.clamp_(min=group["eps"])
@@ -198,12 +202,16 @@ def _split(v_hat: Any, params: list[torch.Tensor]) -> list[torch.Tensor]:
         chunks = [flat[start:stop].reshape(p.shape) for (start, stop), p in zip(segments_from_sizes(sizes), params)]
     elif isinstance(v_hat, (list, tuple)):
         if len(v_hat) != len(params):
-            raise ValueError(f"v_hat has {len(v_hat)} tensors; allowed: one per parameter ({len(params)}), or one flat vector")
+            raise ValueError(
+                f"v_hat has {len(v_hat)} tensors; allowed: one per parameter ({len(params)}), or one flat vector"
+            )
         chunks = []
         for i, (c, p) in enumerate(zip(v_hat, params)):
             c = torch.as_tensor(c)
             if tuple(c.shape) != tuple(p.shape):
-                raise ValueError(f"v_hat[{i}] has shape {tuple(c.shape)}; allowed: the parameter's shape {tuple(p.shape)}")
+                raise ValueError(
+                    f"v_hat[{i}] has shape {tuple(c.shape)}; allowed: the parameter's shape {tuple(p.shape)}"
+                )
             chunks.append(c)
     else:  # ValueError like every other bad v_hat: one except clause for a bad broadcast
         raise ValueError(  # noqa: TRY004
@@ -226,7 +234,9 @@ def local_v(optimizer: LocalLAMB) -> list[torch.Tensor]:
     return [optimizer.state[p]["v"].clone() for p, _ in pairs]
 
 
-def flat_local_v(optimizer: LocalLAMB, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+def flat_local_v(
+    optimizer: LocalLAMB, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """The local ``v`` of all parameters in order as one 1-D tensor (default: ``float32`` on the CPU)."""
     import torch
 

@@ -29,13 +29,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from pollen.wire import protocol
 from pollen.clientside.steps.work import LocalWork, StepOutcome
 from pollen.gossip import segment_bounds
+from pollen.wire import protocol
 from pollen.wire.protocol import (
     CFG_GOSSIP_ACTIVE as CFG_ACTIVE,
+)
+from pollen.wire.protocol import (
     CFG_GOSSIP_EVERY as CFG_EVERY,
+)
+from pollen.wire.protocol import (
     CFG_GOSSIP_SEGMENT as CFG_SEGMENT,
+)
+from pollen.wire.protocol import (
     CFG_GOSSIP_TAU as CFG_TAU,
 )
 
@@ -90,7 +96,9 @@ def run_segment(work: LocalWork, segment: int) -> StepOutcome:
     held = work.state.get(POSITION)
     position = int(held) if held is not None else 0
     indices = stream_indices(run_seed, client, len(dataset), position, steps * batch_size)
-    loader = DataLoader(Subset(dataset, indices.tolist()), batch_size=batch_size, shuffle=False, collate_fn=trainloader.collate_fn)
+    loader = DataLoader(
+        Subset(dataset, indices.tolist()), batch_size=batch_size, shuffle=False, collate_fn=trainloader.collate_fn
+    )
     result = train(
         work.task.model,
         loader,

@@ -16,10 +16,10 @@ from typing import Any, Protocol
 import numpy as np
 from flwr.app import ConfigRecord, Message
 
-from pollen.wire import protocol
 from pollen.clientside.state import ClientState
 from pollen.core.layout import ModelLayout
 from pollen.optim.schedule import schedule_factor
+from pollen.wire import protocol
 
 
 class Task(Protocol):
@@ -64,7 +64,9 @@ class LocalWork:
         elif key in self.settings:
             value = self.settings[key]
         else:
-            raise KeyError(f"local setting {key!r} is neither in the message's config nor in the settings given to the step")
+            raise KeyError(
+                f"local setting {key!r} is neither in the message's config nor in the settings given to the step"
+            )
         if key == "local-lr" and "lr-schedule" in self.settings:
             return float(value) * schedule_factor(self.settings, self.server_round)
         return value
