@@ -23,12 +23,21 @@ from pollen.testing.fakes import FakeGrid  # noqa: E402
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
-def run_inprocess(overrides: dict[str, Any], num_nodes: int, threads: int = 1) -> list[dict[str, Any]]:
+def run_inprocess(
+    overrides: dict[str, Any],
+    num_nodes: int,
+    threads: int = 1,
+    *,
+    server_main: Any = None,
+    client_app: Any = None,
+) -> list[dict[str, Any]]:
     """Run one experiment; return its metrics rows (also written under results-dir/run-name).
 
     ``threads`` caps torch's intra-op threads: clients train one after another here, and
     on a small shared machine one thread per benchmark process is the fastest setting
-    (two threads were 2.2x slower per LeNet step under load).
+    (two threads were 2.2x slower per LeNet step under load). ``server_main`` (a ServerApp's main
+    function, ``main(grid, context)``) and ``client_app`` (a ``ClientApp``) replace pollen's own,
+    e.g. a user's apps with a method of their own.
     """
     import torch
 
@@ -36,6 +45,8 @@ def run_inprocess(overrides: dict[str, Any], num_nodes: int, threads: int = 1) -
     import pollen.client_app as client_module
     import pollen.server_app as server_module
 
+    client_app = client_app if client_app is not None else client_module.app
+    server_main = server_main if server_main is not None else server_module.main
     run_config = {**defaults_from_pyproject(str(PYPROJECT)), **overrides}
     effective = effective_run_config(run_config, set(overrides))  # a preset's values, as the ClientApps see them
     contexts = {
@@ -50,7 +61,7 @@ def run_inprocess(overrides: dict[str, Any], num_nodes: int, threads: int = 1) -
     }
     grid = FakeGrid(
         list(contexts),
-        lambda msg: client_module.app(msg, contexts[msg.metadata.dst_node_id]),
+        lambda msg: client_app(msg, contexts[msg.metadata.dst_node_id]),
         client_ids={node: f"partition-{node - 1}" for node in contexts},
         cluster_ids={node: str((node - 1) // size) for node in contexts}
         if (size := int(effective.get("cluster-size", 0)))
@@ -58,7 +69,7 @@ def run_inprocess(overrides: dict[str, Any], num_nodes: int, threads: int = 1) -
     )
     grid.set_run(SimpleNamespace(override_config=dict(overrides)))  # what Flower's run record says was given
     server_context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
-    server_module.main(grid, server_context)
+    server_main(grid, server_context)
     out = Path(run_config["results-dir"]).expanduser().resolve() / run_config["run-name"]
     return json.loads((out / "metrics.json").read_text())["rows"]
 
