@@ -33,7 +33,7 @@ from flwr.serverapp.strategy import FedAdam
 
 from pollen.clientside import compression_mod
 from pollen.strategies import FedAdaVR, FedAMS, FedCAMS
-from pollen.testing.fakes import FakeGrid, full_model_reply, model_record
+from pollen.testing.fakes import FakeGrid, full_model_reply, global_arrays_of, model_record
 
 
 def resnet_arrays() -> dict[str, np.ndarray]:
@@ -48,25 +48,28 @@ def resnet_arrays() -> dict[str, np.ndarray]:
 
 
 class ReplyBank:
-    """Replies of one kind for M nodes, made once from a reference global model and then reused."""
+    """Replies of one kind for M nodes: each node's model is the global model it was sent plus its own
+    fixed move (drawn once), so every round's updates look alike to the outlier screen, as a real
+    round's would (replies made from a fixed local model would drift away from a moving global model
+    and be screened out)."""
 
     def __init__(self, arrays: dict[str, np.ndarray], nodes: list[int], codec: str | None) -> None:
         rng = np.random.default_rng(1)
-        self.replies: dict[int, object] = {}
-        for node in nodes:
-            local = {
-                k: (v + rng.standard_normal(v.shape).astype(v.dtype) * 1e-3) if v.dtype.kind == "f" else v
-                for k, v in arrays.items()
-            }
-            self.replies[node] = local
+        self.moves = {
+            node: {k: rng.standard_normal(v.shape).astype(v.dtype) * 1e-3 for k, v in arrays.items() if v.dtype.kind == "f"}
+            for node in nodes
+        }
         self.codec = codec
-        self.made: dict[int, object] = {}
+
+    def local_model(self, msg) -> dict[str, np.ndarray]:  # noqa: ANN001
+        moves = self.moves[msg.metadata.dst_node_id]
+        return {k: v + moves[k] if k in moves else v for k, v in global_arrays_of(msg).items()}
 
     def client(self, msg):  # noqa: ANN001, ANN201
-        node = msg.metadata.dst_node_id
-        local = self.replies[node]
+        local = self.local_model(msg)
         if self.codec is None:
             return full_model_reply(msg, local)
+        node = msg.metadata.dst_node_id
         context = Context(run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={})
         return compression_mod(msg, context, lambda m, c: full_model_reply(m, local))
 
