@@ -81,7 +81,8 @@ def main() -> None:
 
     base = median_seconds(floor, args.repeats)
     print(
-        f"floor (ArrayRecord(state_dict) + to_torch_state_dict), d = {sum(v.numel() for v in model.parameters()):,}: {1e3 * base:.0f} ms"
+        f"floor (ArrayRecord(state_dict) + to_torch_state_dict), d = {sum(v.numel() for v in model.parameters()):,}: "
+        f"{1e3 * base:.0f} ms"
     )
     for name, codec in (("pollen ClientApp, dense reply", None), ("pollen ClientApp, sign reply", "sign")):
         seconds = median_seconds(message(codec), args.repeats)

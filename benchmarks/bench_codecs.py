@@ -51,8 +51,8 @@ def main() -> None:
         label = name if name != "topk" else "topk 1/64"
         payload = codec.encode(x)
         assert payload.nbytes == codec.payload_bytes(d)
-        enc_s = median_seconds(lambda: codec.encode(x), repeats)
-        dec_s = median_seconds(lambda: codec.decode(payload, d), repeats)
+        enc_s = median_seconds(lambda codec=codec: codec.encode(x), repeats)
+        dec_s = median_seconds(lambda codec=codec, payload=payload: codec.decode(payload, d), repeats)
         print(
             f"{label + ' encode':<28} {enc_s * 1e3:8.2f} ms  {gb / enc_s:6.2f} GB/s  {enc_s / copy_s:6.2f}x copy"
             f"   payload {payload.nbytes:,} B ({x.nbytes / payload.nbytes:.1f}x smaller)"

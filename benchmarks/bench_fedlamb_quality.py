@@ -145,7 +145,8 @@ def print_grid(out: Path, rounds: int) -> None:
                     continue
                 rate = ", ".join(f"{k} {v:g}" for k, v in rates.items())
                 print(
-                    f"| {part} | {method} | {rate} | {rows[-1]['accuracy']:.4f} | {max(r['accuracy'] or 0 for r in rows):.4f} |"
+                    f"| {part} | {method} | {rate} | {rows[-1]['accuracy']:.4f} | "
+                    f"{max(r['accuracy'] or 0 for r in rows):.4f} |"
                 )
 
 
@@ -165,7 +166,8 @@ def print_seeds(out: Path, rounds: int, best: dict, jobs: int = 1) -> None:
     )
     head = " | ".join(f"acc @ {r}" for r in checkpoints)
     print(
-        f"\n| partition | method | rate(s) | {head} | rounds to 80% | rounds to 85% | rounds to 90% | up MB/round | down MB/round | grad evals/round | seeds |"
+        f"\n| partition | method | rate(s) | {head} | rounds to 80% | rounds to 85% | rounds to 90% | "
+        "up MB/round | down MB/round | grad evals/round | seeds |"
     )
     print("|---|---|---|" + "---|" * len(checkpoints) + "---|---|---|---|---|---|---|")
     for part in PARTITIONS:
@@ -183,7 +185,8 @@ def print_seeds(out: Path, rounds: int, best: dict, jobs: int = 1) -> None:
             evals = statistics.mean(sum(r.get("grad_evals") or 0 for r in run) for run in runs) / rounds
             rate = ", ".join(f"{k} {v:g}" for k, v in rates.items())
             print(
-                f"| {part} | {method} | {rate} | {accs} | {to[0]} | {to[1]} | {to[2]} | {up:.2f} | {down:.2f} | {evals:.0f} | {len(runs)} |",
+                f"| {part} | {method} | {rate} | {accs} | {to[0]} | {to[1]} | {to[2]} | "
+                f"{up:.2f} | {down:.2f} | {evals:.0f} | {len(runs)} |",
                 flush=True,
             )
 
@@ -211,7 +214,8 @@ def print_skip(out: Path, rounds: int, best: dict, seeds: tuple[int, ...], jobs:
         calls = [(out, rounds, "fed-lamb", part, best[("fed-lamb", part)], s, z) for s in seeds for z in (1, 3, 5)]
         run_parallel(run_once, calls, jobs)
     print(
-        f"\n| method ({part}) | Z | final accuracy | statistic uploads (MB, total) | uplink MB total | v_hat downlink MB total |"
+        f"\n| method ({part}) | Z | final accuracy | statistic uploads (MB, total) | uplink MB total | "
+        "v_hat downlink MB total |"
     )
     print("|---|---|---|---|---|---|")
     for method, stat in (("fed-lamb", "pollen.x.v"),):
@@ -234,7 +238,8 @@ def print_skip(out: Path, rounds: int, best: dict, seeds: tuple[int, ...], jobs:
                 / 1e6
             )
             print(
-                f"| {method} | {z} | {mean_sd([run[-1]['accuracy'] for run in runs])} | {stat_mb:.1f} | {up:.1f} | {v_hat:.1f} |",
+                f"| {method} | {z} | {mean_sd([run[-1]['accuracy'] for run in runs])} | "
+                f"{stat_mb:.1f} | {up:.1f} | {v_hat:.1f} |",
                 flush=True,
             )
 

@@ -110,7 +110,8 @@ def mean_sd(values: list[float], digits: int = 4) -> str:
 
 
 def counter(row: dict, name: str) -> float:
-    """A method counter of a results row: column ``method.<name>`` (``<name>`` in results written before those columns)."""
+    """A method counter of a results row: column ``method.<name>``
+    (``<name>`` in results written before those columns)."""
     return row.get(f"method.{name}", row.get(name, 0)) or 0
 
 
@@ -143,7 +144,8 @@ def main() -> None:
         for name, config in (("FedAMSGrad (8 of 32)", FEDAMSGRAD), ("HA-Fed (ring, m = 2)", HAFED)):
             runs = [run_once(out, rounds, name.split()[0], config, tau, s) for s in seeds]
             print(
-                f"| {tau} | {name} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd([r[-1]['loss'] for r in runs])} | "
+                f"| {tau} | {name} | {mean_sd([r[-1]['accuracy'] for r in runs])} | "
+                f"{mean_sd([r[-1]['loss'] for r in runs])} | "
                 f"{mean_sd([float(r[-1]['train_loss']) for r in runs])} | {runs[0][-1]['grad_evals']} |",
                 flush=True,
             )
@@ -153,7 +155,8 @@ def main() -> None:
     for name, (config, rho) in RHO.items():
         runs = [run_once(out, rounds, "HA-Fed" if name == "ring" else name, config, 4, s) for s in seeds]
         print(
-            f"| {name} | {rho:g} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd([r[-1]['loss'] for r in runs])} |",
+            f"| {name} | {rho:g} | {mean_sd([r[-1]['accuracy'] for r in runs])} | "
+            f"{mean_sd([r[-1]['loss'] for r in runs])} |",
             flush=True,
         )
 
@@ -185,8 +188,10 @@ def main() -> None:
                 else 0.0
             )
             print(
-                f"| {tau} / {every} | {name} | {seconds_per_round(rows):.1f} | {last['exchange_messages']} | {through:.1f} | "
-                f"{counter(last, 'relayed_bytes') / 1e6:.1f} | {counter(last, 'peer_bytes') / 1e6:.1f} | {overhead:.1f} | {per_msg:.1f} |",
+                f"| {tau} / {every} | {name} | {seconds_per_round(rows):.1f} | {last['exchange_messages']} | "
+                f"{through:.1f} | "
+                f"{counter(last, 'relayed_bytes') / 1e6:.1f} | {counter(last, 'peer_bytes') / 1e6:.1f} | "
+                f"{overhead:.1f} | {per_msg:.1f} |",
                 flush=True,
             )
     if len(seeds) > 1:
@@ -197,7 +202,8 @@ def main() -> None:
             f"(every step: {mean_sd([r[-1]['accuracy'] for r in g1])})"
         )
     print(
-        "\n| the paper's tau | method | seeds | final accuracy | final test loss | train loss (last round) | s / round |"
+        "\n| the paper's tau | method | seeds | final accuracy | final test loss | train loss (last round) | "
+        "s / round |"
     )
     print("|---|---|---|---|---|---|---|")
     for tau in PAPER_TAUS:
@@ -206,8 +212,10 @@ def main() -> None:
                 run_once(out, rounds, name.split()[0], config, tau, s) for s in seeds
             ]  # tau = 48: ~7 min a run here
             print(
-                f"| {tau} | {name} | {len(runs)} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd([r[-1]['loss'] for r in runs])} | "
-                f"{mean_sd([float(r[-1]['train_loss']) for r in runs])} | {statistics.median(seconds_per_round(r) for r in runs):.1f} |",
+                f"| {tau} | {name} | {len(runs)} | {mean_sd([r[-1]['accuracy'] for r in runs])} | "
+                f"{mean_sd([r[-1]['loss'] for r in runs])} | "
+                f"{mean_sd([float(r[-1]['train_loss']) for r in runs])} | "
+                f"{statistics.median(seconds_per_round(r) for r in runs):.1f} |",
                 flush=True,
             )
     print(f"\nruns in {out}")

@@ -109,7 +109,8 @@ def main() -> None:
     cams = FedCAMS(compressor="topk", topk_ratio=0.125, **SERVER)
     base = statistics.median(run(cams, compression_mod, args.rounds)[1:])
     print(
-        "| clients with rows (N) | book | book MB | RSS anon growth MB | fill ms / client | server s / round (median) | slowest round s |"
+        "| clients with rows (N) | book | book MB | RSS anon growth MB | fill ms / client | server s / round (median) "
+        "| slowest round s |"
     )
     print("|---|---|---|---|---|---|---|")
     print(f"| FedCAMS (no book, dense downlink) | - | - | - | - | {base:.3f} | - |", flush=True)

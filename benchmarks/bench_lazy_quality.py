@@ -24,7 +24,8 @@ clients' copies lag behind the server's model at the end (median ``||theta - x_i
 seeds). Plots (seed 1): accuracy vs round, uplink, downlink and total bytes, drawn by
 ``pollen.app.results.plot_runs`` (``pollen-compare``'s engine).
 
-    python benchmarks/bench_lazy_quality.py [--model mlp|cnn] [--rounds 20] [--seeds 1 2 3] [--rel] [--out DIR] [--report-only] [--jobs 2]
+    python benchmarks/bench_lazy_quality.py [--model mlp|cnn] [--rounds 20] [--seeds 1 2 3] [--rel] [--out DIR]
+                                            [--report-only] [--jobs 2]
 
 An MLP run of 20 rounds takes about 45 s here, a CNN run about 14 minutes (3 local epochs of 19 steps for
 50 clients a round: 57 CNN steps per client).
@@ -164,7 +165,8 @@ def rel_table(out: Path, model: str, rounds: int, seeds: list[int], report_only:
 
 
 def counter(row: dict, name: str) -> object:
-    """A method counter of a results row: column ``method.<name>`` (``<name>`` in results written before those columns)."""
+    """A method counter of a results row: column ``method.<name>``
+    (``<name>`` in results written before those columns)."""
     return row.get(f"method.{name}", row.get(name))
 
 
@@ -278,7 +280,8 @@ def main() -> None:
     if unknown:
         parser.error(f"--configs: unknown {unknown}; allowed: {', '.join(repr(label) for label in RUN_CONFIGS)}")
     print(
-        f"Fashion-MNIST, {args.model}, {CLIENTS} clients (IID, 600 each), 50 per round, 3 local epochs of batch 32, eta_l 0.01, "
+        f"Fashion-MNIST, {args.model}, {CLIENTS} clients (IID, 600 each), 50 per round, "
+        "3 local epochs of batch 32, eta_l 0.01, "
         f"FedAMS Option A eta 0.1 eps 1e-3, {args.rounds} rounds, seeds {args.seeds}",
         flush=True,
     )
@@ -298,7 +301,8 @@ def main() -> None:
                 results[label].append(rows)
 
     print(
-        f"\n| method ({args.model}) | seeds | final accuracy | best accuracy | uplink MB | downlink MB | total MB | uploads | downlinks "
+        f"\n| method ({args.model}) | seeds | final accuracy | best accuracy | uplink MB | downlink MB | total MB "
+        "| uploads | downlinks "
         "| client copy lag |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -318,7 +322,8 @@ def main() -> None:
         ]
         lag_text = f"{statistics.mean(lags):.3f}" if lags else "-"
         print(
-            f"| {label} | {len(runs)} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd(best)} | {up:.1f} | {down:.1f} | "
+            f"| {label} | {len(runs)} | {mean_sd([r[-1]['accuracy'] for r in runs])} | {mean_sd(best)} | "
+            f"{up:.1f} | {down:.1f} | "
             f"{up + down:.1f} | {event_share(runs, 'up')} | {event_share(runs, 'down')} | {lag_text} |",
             flush=True,
         )

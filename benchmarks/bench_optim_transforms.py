@@ -151,7 +151,7 @@ def main() -> None:
         for what, fn in (
             ("transform, into=spare", transform_step(opt, delta, params, spare=True)),
             ("transform, fresh state each round", transform_step(opt, delta, params, spare=False)),
-            ("numpy one-liners (same math)", lambda: reference(delta, params)),
+            ("numpy one-liners (same math)", lambda reference=reference: reference(delta, params)),
         ):
             t, t_min, r = paired(fn, copy, args.repeats)
             print(line.format(f"    {what}", t * 1e3, t_min * 1e3, r))

@@ -165,10 +165,10 @@ def main() -> None:
         bank = ReplyBank(arrays, member_nodes, None)
         settings = {**common, "min_available_nodes": count}
         for name, make in (
-            ("Flower FedAdam", lambda: FedAdam(**settings)),
-            ("pollen FedAMS", lambda: FedAMS(eta=0.1, **settings)),
-            ("pollen FedAdaVR int4", lambda: FedAdaVR(table_precision="int4", eta=0.01, **settings)),
-            ("pollen FedAdaVR fp32", lambda: FedAdaVR(table_precision="fp32", eta=0.01, **settings)),
+            ("Flower FedAdam", lambda settings=settings: FedAdam(**settings)),
+            ("pollen FedAMS", lambda settings=settings: FedAMS(eta=0.1, **settings)),
+            ("pollen FedAdaVR int4", lambda settings=settings: FedAdaVR(table_precision="int4", eta=0.01, **settings)),
+            ("pollen FedAdaVR fp32", lambda settings=settings: FedAdaVR(table_precision="fp32", eta=0.01, **settings)),
         ):
             strategy = make()
             vectors = peak_vectors(strategy, arrays, bank, member_nodes, dim)
@@ -177,7 +177,8 @@ def main() -> None:
                 row = strategy.table.memory_report()["row_bytes"]
                 staged = f" (of which the {count} staged new rows: {count * row / (4 * dim):.2f})"
             print(
-                f"peak extra memory during aggregate_train, M = {count:>2}, {name:<20}: {vectors:5.2f} d-size float32 vectors{staged}"
+                f"peak extra memory during aggregate_train, M = {count:>2}, {name:<20}: "
+                f"{vectors:5.2f} d-size float32 vectors{staged}"
             )
 
 

@@ -95,7 +95,8 @@ class RoundReporter:
         self.last = now
         log(
             INFO,
-            "[pollen] round %d/%d  accuracy %.4f  loss %.4f  uplink %s (total %s, x%.1f vs fp32)  downlink total %s  %.1fs",
+            "[pollen] round %d/%d  accuracy %.4f  loss %.4f  uplink %s (total %s, x%.1f vs fp32)  "
+            "downlink total %s  %.1fs",
             server_round,
             total,
             accuracy,
@@ -185,7 +186,8 @@ def given_keys(grid: Grid) -> set[str]:
 
 
 def _method_in_words(counters: dict[str, Any]) -> str:
-    """A round's method counters in words, whatever the method: ``relayed_bytes 1.20 MB | lazy_events up-send 3, up-skip 1``.
+    """A round's method counters in words, whatever the method:
+    ``relayed_bytes 1.20 MB | lazy_events up-send 3, up-skip 1``.
 
     A number named ``*_bytes`` reads as a size; a mapping lists its non-zero numbers, and its lists as
     ``count in [min, max]``; zeros and empty values are left out.

@@ -42,9 +42,9 @@ SuperNode receives a message -> ``flwr-clientapp`` has started and imported flwr
 trained -> the SuperNode sends the reply. Bytes: the app's uplink counts (``uplink_update_bytes``,
 ``uplink_fp32_bytes``, measured from the records) and the SuperLink's own Fleet API traffic counter
 (``flwr list --format json``: ``network-traffic``) for one round, as the difference between a
-2-round and a 1-round run, with scaled-sign and with FP32 (``compressor='none'``) uplink. A cold-start probe times, in a fresh interpreter,
-what each ``flwr-clientapp`` process pays before training: imports and data/model set-up, for pollen and
-for the anchor.
+2-round and a 1-round run, with scaled-sign and with FP32 (``compressor='none'``) uplink. A cold-start probe times,
+in a fresh interpreter, what each ``flwr-clientapp`` process pays before training: imports and data/model set-up,
+for pollen and for the anchor.
 
 Environment of the federation: each SuperNode (and so each ``flwr-clientapp`` it starts) runs torch with
 ``--node-threads`` threads (``OMP_NUM_THREADS``, default 1: two SuperNodes share this machine's cores, as
@@ -377,7 +377,9 @@ def federation(
                 lf.supernode_argv(
                     superlink=f"127.0.0.1:{fleet_port}",
                     runtime_port=runtime_ports[i],
-                    node_config=f"partition-id={i} num-partitions={NUM_CLIENTS} device='cpu' {node_config_extra}".strip(),
+                    node_config=(
+                        f"partition-id={i} num-partitions={NUM_CLIENTS} device='cpu' {node_config_extra}"
+                    ).strip(),
                     insecure=True,
                     isolation=isolation,
                 ),
@@ -634,15 +636,16 @@ else:
     t3 = time.perf_counter()
     train(model, loader, config["local-steps"], config["lr"])
 t4 = time.perf_counter()
-print(json.dumps({"import_flwr_clientapp": t1 - t0, "import_torch_app": t2 - t1, "data_and_model": t3 - t2, "train": t4 - t3,
-                  "imports_pollen_strategies": "pollen.strategies" in sys.modules}))
+print(json.dumps({"import_flwr_clientapp": t1 - t0, "import_torch_app": t2 - t1, "data_and_model": t3 - t2,
+                  "train": t4 - t3, "imports_pollen_strategies": "pollen.strategies" in sys.modules}))
 """
 
 
 def cold_start_probe(local_steps: int, repeats: int, node_threads: int = 1) -> dict[str, Any]:
     """What a fresh ``flwr-clientapp`` pays before and during training, in a new interpreter each time.
 
-    pollen (``partitioner='iid'``, its partition cache warm) and the anchor, alternately, in the SuperNodes' environment (``node_threads``, bytecode written).
+    pollen (``partitioner='iid'``, its partition cache warm) and the anchor, alternately, in the SuperNodes'
+    environment (``node_threads``, bytecode written).
     """
     env = base_env()
     if node_threads > 0:
@@ -687,8 +690,10 @@ def _fmt_bytes(n: float) -> str:
 def report(results: dict[str, Any], rounds: int, local_steps: int) -> str:
     machine = results["machine"]
     lines = [
-        f"pollen deployment vs simulation: {NUM_CLIENTS} clients, FedCAMS sign, CNN, {local_steps} local steps, {rounds} rounds",
-        f"machine: {machine['cpus']} CPUs, load average {machine['loadavg_at_start']:.1f} at start, {machine.get('loadavg_at_end', float('nan')):.1f} at end",
+        f"pollen deployment vs simulation: {NUM_CLIENTS} clients, FedCAMS sign, CNN, {local_steps} local steps, "
+        f"{rounds} rounds",
+        f"machine: {machine['cpus']} CPUs, load average {machine['loadavg_at_start']:.1f} at start, "
+        f"{machine.get('loadavg_at_end', float('nan')):.1f} at end",
         "",
     ]
     if any(name in results for name in VARIANTS if name != "anchor"):
@@ -711,7 +716,8 @@ def report(results: dict[str, Any], rounds: int, local_steps: int) -> str:
                 f"up->trained {phases['clientapp_started_to_trained']:.2f}s, "
                 f"trained->reply sent {phases['trained_to_reply_sent']:.2f}s, "
                 f"total {phases['receive_to_reply_sent']:.2f}s; rest of the round "
-                f"(aggregation, server-side evaluation, 3 s polling loops) {results[name]['sign']['steady_round_seconds'] - phases['receive_to_reply_sent']:.2f}s"
+                f"(aggregation, server-side evaluation, 3 s polling loops) "
+                f"{results[name]['sign']['steady_round_seconds'] - phases['receive_to_reply_sent']:.2f}s"
             )
     if "anchor" in results:
         lines += [""] + anchor_report(results["anchor"], rounds, local_steps)
@@ -719,29 +725,35 @@ def report(results: dict[str, Any], rounds: int, local_steps: int) -> str:
         c = results["cold_start"]
         lines.append("")
         lines.append(
-            f"cold start of one ClientApp process (fresh interpreter, median of {c['repeats']}, OMP_NUM_THREADS={c['node_threads'] or 'unset'}):"
+            f"cold start of one ClientApp process (fresh interpreter, median of {c['repeats']}, "
+            f"OMP_NUM_THREADS={c['node_threads'] or 'unset'}):"
         )
         for app in ("pollen", "anchor"):
             a = c[app]
             lines.append(
-                f"  {app:<7} import flwr clientapp {a['import_flwr_clientapp']:.2f}s + import torch/{app} {a['import_torch_app']:.2f}s "
-                f"+ data/model set-up {a['data_and_model']:.2f}s; training {a['train']:.2f}s; process total {a['process_total']:.2f}s"
+                f"  {app:<7} import flwr clientapp {a['import_flwr_clientapp']:.2f}s "
+                f"+ import torch/{app} {a['import_torch_app']:.2f}s "
+                f"+ data/model set-up {a['data_and_model']:.2f}s; training {a['train']:.2f}s; "
+                f"process total {a['process_total']:.2f}s"
                 + ("  (imports pollen.strategies)" if a["imports_pollen_strategies"] else "")
             )
     per_round = results.get("deploy", {}).get("bytes_per_round")
     if per_round:
         lines.append("")
         lines.append(
-            f"one round, {NUM_CLIENTS} clients (SuperLink Fleet API counter: 2-round run minus 1-round run; app: counted from the records)"
+            f"one round, {NUM_CLIENTS} clients (SuperLink Fleet API counter: 2-round run minus 1-round run; "
+            "app: counted from the records)"
         )
         lines.append(
-            f"{'uplink codec':<14} {'Fleet in (uplink)':>18} {'Fleet out (downlink)':>21} {'app uplink':>11} {'app update/reply':>17} {'app downlink':>13}"
+            f"{'uplink codec':<14} {'Fleet in (uplink)':>18} {'Fleet out (downlink)':>21} "
+            f"{'app uplink':>11} {'app update/reply':>17} {'app downlink':>13}"
         )
         for kind, label in (("sign", "scaled sign"), ("none", "fp32")):
             b = per_round[kind]
             lines.append(
                 f"{label:<14} {_fmt_bytes(b['fleet_inbound_bytes']):>18} {_fmt_bytes(b['fleet_outbound_bytes']):>21} "
-                f"{_fmt_bytes(b['app_uplink_bytes']):>11} {_fmt_bytes(b['app_uplink_update_bytes_per_reply']):>17} {_fmt_bytes(b['app_downlink_bytes']):>13}"
+                f"{_fmt_bytes(b['app_uplink_bytes']):>11} {_fmt_bytes(b['app_uplink_update_bytes_per_reply']):>17} "
+                f"{_fmt_bytes(b['app_downlink_bytes']):>13}"
             )
         ratio = per_round["none"]["fleet_inbound_bytes"] / per_round["sign"]["fleet_inbound_bytes"]
         update_ratio = (
@@ -749,7 +761,8 @@ def report(results: dict[str, Any], rounds: int, local_steps: int) -> str:
             / per_round["sign"]["app_uplink_update_bytes_per_reply"]
         )
         lines.append(
-            f"uplink FP32/sign: x{ratio:.1f} on the wire (Fleet inbound), x{update_ratio:.1f} for the model update alone"
+            f"uplink FP32/sign: x{ratio:.1f} on the wire (Fleet inbound), "
+            f"x{update_ratio:.1f} for the model update alone"
         )
     return "\n".join(line for i, line in enumerate(lines) if line or (i and lines[i - 1]))
 
@@ -759,12 +772,15 @@ def anchor_report(res: dict[str, Any], rounds: int, local_steps: int) -> list[st
     warm = all(entry["was_warm"] for entry in res["partition_cache"])
     lines = [
         (
-            f"anchor: Flower itself vs pollen, deployment, {NUM_CLIENTS} SuperNodes, CNN, {local_steps} local steps of batch 32, "
-            f"{rounds} rounds, {res['repeats']} run(s) each, OMP_NUM_THREADS={res['node_threads'] or 'unset'} per SuperNode; "
+            f"anchor: Flower itself vs pollen, deployment, {NUM_CLIENTS} SuperNodes, CNN, "
+            f"{local_steps} local steps of batch 32, "
+            f"{rounds} rounds, {res['repeats']} run(s) each, "
+            f"OMP_NUM_THREADS={res['node_threads'] or 'unset'} per SuperNode; "
             f"pollen partition cache {'already warm' if warm else 'filled before the first run'} (steady state)"
         ),
         (
-            f"{'app':<15} {'s/round':>8} {'x anchor':>9} {'best run':>9} {'x anchor':>9} {'quiet':>11} {'x anchor':>9}   "
+            f"{'app':<15} {'s/round':>8} {'x anchor':>9} {'best run':>9} {'x anchor':>9} "
+            f"{'quiet':>11} {'x anchor':>9}   "
             f"{'per run: s/round @ other jobs (cores)':<42} {'flwr run wall (s)':<19} pollen's own round_seconds"
         ),
     ]
@@ -782,22 +798,27 @@ def anchor_report(res: dict[str, Any], rounds: int, local_steps: int) -> list[st
         )
         lines.append(
             f"{app:<15} {a['seconds_per_round']:>8.2f} {a['seconds_per_round'] / anchor['seconds_per_round']:>8.2f}x "
-            f"{a['seconds_per_round_best_run']:>9.2f} {a['seconds_per_round_best_run'] / anchor['seconds_per_round_best_run']:>8.2f}x "
+            f"{a['seconds_per_round_best_run']:>9.2f} "
+            f"{a['seconds_per_round_best_run'] / anchor['seconds_per_round_best_run']:>8.2f}x "
             f"{quiet_txt} {quiet_ratio}   {per_run:<42} {walls:<19} {own}"
         )
     quiet_counts = ", ".join(f"{app} {apps[app]['quiet_intervals']}" for app in ANCHOR_APPS)
     lines.append(
         f"s/round: interval between a SuperNode's train messages, rounds 2+; median over all runs and nodes "
-        f"({apps['anchor']['intervals_timed']} intervals per app), of the best run (its median), and over the quiet intervals "
+        f"({apps['anchor']['intervals_timed']} intervals per app), of the best run (its median), "
+        "and over the quiet intervals "
         f"(other jobs on the machine kept <= {QUIET_CORES} cores busy during the interval; {quiet_counts})"
     )
     for app in ANCHOR_APPS:
         ph = apps[app]["message_phases_median"]
         if ph:
             lines.append(
-                f"{app:<15} per train message (median of {apps[app]['messages_timed']}): receive->clientapp up {ph['receive_to_clientapp_started']:.2f}s, "
-                f"up->trained {ph['clientapp_started_to_trained']:.2f}s, trained->reply sent {ph['trained_to_reply_sent']:.2f}s, "
-                f"total {ph['receive_to_reply_sent']:.2f}s; rest of the round {apps[app]['seconds_per_round'] - ph['receive_to_reply_sent']:.2f}s"
+                f"{app:<15} per train message (median of {apps[app]['messages_timed']}): "
+                f"receive->clientapp up {ph['receive_to_clientapp_started']:.2f}s, "
+                f"up->trained {ph['clientapp_started_to_trained']:.2f}s, "
+                f"trained->reply sent {ph['trained_to_reply_sent']:.2f}s, "
+                f"total {ph['receive_to_reply_sent']:.2f}s; "
+                f"rest of the round {apps[app]['seconds_per_round'] - ph['receive_to_reply_sent']:.2f}s"
             )
     labels = {
         "seconds_per_round": "all intervals",

@@ -107,8 +107,10 @@ def format_group_table(groups: list[dict]) -> str:
     ]
     for g in groups:
         lines.append(
-            f"| {g['group']} | {len(g['runs'])} | {_mean_sd(g['final_accuracy'])} | {_mean_sd(g['best_accuracy'])} | {g['rounds_text']} | "
-            f"{human_bytes(g['uplink_bytes'])} | {human_bytes(g['downlink_bytes'])} | {human_bytes(g['uplink_bytes'] + g['downlink_bytes'])} | "
+            f"| {g['group']} | {len(g['runs'])} | {_mean_sd(g['final_accuracy'])} | {_mean_sd(g['best_accuracy'])} | "
+            f"{g['rounds_text']} | "
+            f"{human_bytes(g['uplink_bytes'])} | {human_bytes(g['downlink_bytes'])} | "
+            f"{human_bytes(g['uplink_bytes'] + g['downlink_bytes'])} | "
             f"{g['seconds']:.0f} |"
         )
     return "\n".join(lines)
@@ -160,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     write_report({run.name: [run] for run in args.runs}, args.out, target=args.target)
     print(table)
     print(
-        f"\nwritten: {args.out / 'comparison.md'}, report.md and the accuracy plots (vs round, uplink, downlink and total bytes)"
+        f"\nwritten: {args.out / 'comparison.md'}, report.md and the accuracy plots "
+        "(vs round, uplink, downlink and total bytes)"
     )
     return 0
 

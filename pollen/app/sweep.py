@@ -197,7 +197,8 @@ def execute(
             outcome = f"FAILED (exit {code}; see {run.run_dir.name}.log)"
             failures.append(f"{run.run_dir.name}: exit {code}")
         say(
-            f"[{index}/{len(todo)}] {run.group} seed {run.seed}: {outcome} in {spent[-1]:.0f} s; about {left / 60:.0f} min left"
+            f"[{index}/{len(todo)}] {run.group} seed {run.seed}: {outcome} in {spent[-1]:.0f} s; "
+            f"about {left / 60:.0f} min left"
         )
     return failures
 

@@ -14,7 +14,6 @@ the spec ``papers/hafed.md`` §3.2-3.6.
 
 from __future__ import annotations
 
-from . import mixing as _mixing
 from .mixing import (
     TOLERANCE,
     TOPOLOGIES,
@@ -35,4 +34,23 @@ from .mixing import (
     without_absent,
 )
 
-__all__ = list(_mixing.__all__)
+# The same names, in the same order, as ``mixing.__all__``.
+__all__ = [
+    "segment_bounds",
+    "TOLERANCE",
+    "TOPOLOGIES",
+    "check_mixing_matrix",
+    "circulant",
+    "cluster_of",
+    "complete_bipartite",
+    "fully_connected",
+    "gossip_step",
+    "identity",
+    "interpolated",
+    "lambda_for_rho",
+    "mixing_matrix",
+    "without_absent",
+    "ring",
+    "spectral_gap_rho",
+    "validate_clusters",
+]

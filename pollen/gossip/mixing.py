@@ -314,7 +314,8 @@ def check_mixing_matrix(w: np.ndarray, *, tol: float = TOLERANCE) -> np.ndarray:
         k = int(np.argmax(np.abs(sums - 1.0)))
         if abs(sums[k] - 1.0) > tol:
             raise ValueError(
-                f"every {name} of the mixing matrix must sum to 1 (tolerance {tol:g}); {name} {k} sums to {float(sums[k])!r}"
+                f"every {name} of the mixing matrix must sum to 1 (tolerance {tol:g}); "
+                f"{name} {k} sums to {float(sums[k])!r}"
             )
     return arr
 

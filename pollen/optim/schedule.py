@@ -1,7 +1,7 @@
 """The local learning-rate schedule of run-config ``lr-schedule`` (constant, or step decay).
 
-The message's ``local-lr`` is the base rate; ``step`` multiplies ``local-lr`` by ``lr-decay-factor`` at each round listed in
-``lr-decay-rounds``: with ``"30,70"`` and factor 0.1, rounds 1-29 use ``local-lr``, rounds 30-69
+The message's ``local-lr`` is the base rate; ``step`` multiplies ``local-lr`` by ``lr-decay-factor`` at each round
+listed in ``lr-decay-rounds``: with ``"30,70"`` and factor 0.1, rounds 1-29 use ``local-lr``, rounds 30-69
 use a tenth of it and rounds 70 on a hundredth (the Fed-LAMB paper's ResNet-18 runs, spec
 ``papers/fedlamb.md`` §6). Every ClientApp computes the rate of a round from the run-config and
 the round number the message carries, so the schedule needs no extra bytes on the wire and

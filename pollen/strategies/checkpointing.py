@@ -121,7 +121,8 @@ class RunCheckpoint:
                 raise CheckpointError(f"checkpoint {self.path.name} lacks '{key}'")
         if tree["strategy_class"] != strategy_class:
             raise CheckpointError(
-                f"resume refused: the checkpoint was written by {tree['strategy_class']}, this run uses {strategy_class}"
+                f"resume refused: the checkpoint was written by {tree['strategy_class']}, "
+                f"this run uses {strategy_class}"
             )
         difference = describe_difference(tree["fingerprint"], self.fingerprint, ignore=self.ignore)
         if difference is not None:

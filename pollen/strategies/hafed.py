@@ -143,7 +143,8 @@ class HAFed(AdaptiveStrategy):
                 raise ValueError(f"{name}={value!r} is out of range; allowed: an integer >= 1")
         if gossip_every > local_steps:
             raise ValueError(
-                f"gossip_every={gossip_every} is larger than local_steps (tau) = {local_steps}; allowed: gossip_every <= tau"
+                f"gossip_every={gossip_every} is larger than local_steps (tau) = {local_steps}; "
+                "allowed: gossip_every <= tau"
             )
         if not 0.0 < active_prob <= 1.0:
             raise ValueError(f"active_prob={active_prob!r} is out of range; allowed: a number in (0, 1]")
@@ -194,11 +195,13 @@ class HAFed(AdaptiveStrategy):
         n = len(next(iter(groups.values())))
         if n == 1 and self.topology in NEEDS_NEIGHBOURS:
             raise SetupError(
-                f"a cluster of one client has no neighbours for topology {self.topology!r}; allowed: clusters of >= 3 or topology identity/full"
+                f"a cluster of one client has no neighbours for topology {self.topology!r}; "
+                "allowed: clusters of >= 3 or topology identity/full"
             )
         if self.uploaders_per_cluster > n:
             raise SetupError(
-                f"uploaders per cluster m={self.uploaders_per_cluster} exceeds the cluster size n={n}; allowed: 1 <= m <= n"
+                f"uploaders per cluster m={self.uploaders_per_cluster} exceeds the cluster size n={n}; "
+                "allowed: 1 <= m <= n"
             )
         try:
             w = mixing_matrix(self.topology, n, lam=self.lam, offsets=self.offsets)
@@ -328,7 +331,8 @@ class HAFed(AdaptiveStrategy):
         self._uploaders.pop(server_round, None)
         log(
             INFO,
-            "HA-Fed round %d: %d gossip steps, %d gossip messages, relayed %.2f MB (a peer network: %.2f MB), %d gradient evaluations",
+            "HA-Fed round %d: %d gossip steps, %d gossip messages, relayed %.2f MB (a peer network: %.2f MB), "
+            "%d gradient evaluations",
             server_round,
             len(self.segments) - 1 + (self.topology != "identity"),
             stats.exchange_messages,

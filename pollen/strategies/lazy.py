@@ -51,7 +51,8 @@ from pollen.strategies.lazy_book import ClientBook
 from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, payload_to_records
 
-#: Every event of a round the family counts (``RoundStats.method["lazy_events"]``, results column ``method.lazy_events``).
+#: Every event of a round the family counts (``RoundStats.method["lazy_events"]``, results column
+#: ``method.lazy_events``).
 EVENTS = (
     "up-send",
     "up-skip",
@@ -186,7 +187,8 @@ class FedLazy(FedAMS):
         summary["downlink"] = (
             "dense (the full model)"
             if not self.bidirectional
-            else f"{self.down_rule} tau={self.down_tau:g}, {self.down_compressor} (top-k {self.down_topk_ratio:g}), {self.downlink_mode} reading"
+            else f"{self.down_rule} tau={self.down_tau:g}, {self.down_compressor} (top-k {self.down_topk_ratio:g}), "
+            f"{self.downlink_mode} reading"
         )
         summary["bookkeeping"] = "RAM" if self.bookkeeping_dir is None else self.bookkeeping_dir
         return summary

@@ -89,7 +89,8 @@ class ClientBook:
         for kind, table_state in tables.items():
             if int(np.asarray(table_state["dim"])) != self.dim:
                 raise ValueError(
-                    f"state bookkeeping '{kind}' has dim {int(np.asarray(table_state['dim']))}, the model has {self.dim}"
+                    f"state bookkeeping '{kind}' has dim {int(np.asarray(table_state['dim']))}, "
+                    f"the model has {self.dim}"
                 )
             self.tables[kind] = UpdateTable.from_state_dict(table_state, path=self._path(kind))
         self.present = {kind: {str(k) for k in state["present"].get(kind, [])} for kind in self.tables}

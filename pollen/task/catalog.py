@@ -28,5 +28,6 @@ _CUDA_N = re.compile(r"cuda:\d+")
 
 
 def is_device(spec: str) -> bool:
-    """Whether ``spec`` is one of :data:`DEVICES` (``cuda:N`` with a whole number N); not whether this machine has it."""
+    """Whether ``spec`` is one of :data:`DEVICES` (``cuda:N`` with a whole number N);
+    not whether this machine has it."""
     return spec in DEVICES[:3] + DEVICES[4:] or bool(_CUDA_N.fullmatch(spec))

@@ -347,8 +347,8 @@ class CifarUnpickler(pickle.Unpickler):
     Python 2's cPickle wrote those files (protocol 2): a dict of byte-string keys to lists of ints,
     lists of byte strings and ``uint8`` numpy arrays. Arrays need ``numpy.core.multiarray._reconstruct``
     (``numpy._core`` when written by numpy 2), ``numpy.ndarray`` and ``numpy.dtype``; a Python 3
-    protocol-2 pickle of bytes also needs ``_codecs.encode`` (and ``bytes`` for ``b""``). Each of these resolves to a guarded
-    stand-in that accepts only the arguments numpy and pickle themselves write (no object arrays);
+    protocol-2 pickle of bytes also needs ``_codecs.encode`` (and ``bytes`` for ``b""``). Each of these resolves to a
+    guarded stand-in that accepts only the arguments numpy and pickle themselves write (no object arrays);
     every other global raises ``UnpicklingError`` before anything is called. Persistent ids are refused
     by ``pickle.Unpickler`` itself.
     """

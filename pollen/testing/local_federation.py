@@ -377,7 +377,8 @@ def superlink_argv(
     simulation: bool = False,
     database: Path | None = None,
 ) -> list[str]:
-    """``flower-superlink``: Control + Runtime HTTP API on ``host:http_port``, Fleet API (gRPC-rere) on ``host:fleet_port``."""
+    """``flower-superlink``: Control + Runtime HTTP API on ``host:http_port``, Fleet API (gRPC-rere) on
+    ``host:fleet_port``."""
     argv = [exe("flower-superlink")]
     if certs is None:
         argv.append("--insecure")
@@ -414,7 +415,8 @@ def supernode_argv(
     max_wait_time: float | None = None,
     isolation: str = "subprocess",
 ) -> list[str]:
-    """``flower-supernode`` dialling ``superlink`` (the Fleet API address); its own Runtime API on 127.0.0.1:``runtime_port``."""
+    """``flower-supernode`` dialling ``superlink`` (the Fleet API address); its own Runtime API on
+    127.0.0.1:``runtime_port``."""
     argv = [exe("flower-supernode"), "--superlink", superlink, "--grpc-rere"]
     if insecure:
         argv.append("--insecure")

@@ -84,7 +84,8 @@ class TableJournal:
                 return
         raise TableFileError(
             f"table file {self.table_path} holds round {found}{' (half written)' if marker['dirty'] else ''}, "
-            f"the checkpoint round {generation}; allowed: the file of this checkpoint or one round ahead with its undo log"
+            f"the checkpoint round {generation}; "
+            "allowed: the file of this checkpoint or one round ahead with its undo log"
         )
 
     # ------------------------------------------------------------------ files

@@ -1,4 +1,5 @@
-"""``pollen-sweep``: planning, resuming, progress lines and the report, with a stand-in for ``flwr run`` (no torch, no Ray)."""
+"""``pollen-sweep``: planning, resuming, progress lines and the report, with a stand-in for ``flwr run``
+(no torch, no Ray)."""
 
 from __future__ import annotations
 

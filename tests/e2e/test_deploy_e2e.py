@@ -12,8 +12,8 @@ What runs (all on 127.0.0.1, ports picked free at run time, files under ``tmp_pa
 
 Then: the ServerApp process is killed (SIGKILL) mid-run and the run is resumed from its checkpoint,
 ending bit for bit where an uninterrupted run ends; pollen's byte counts agree with the
-SuperLink's own traffic counters (``flwr ls``); a SuperNode whose key is not registered is refused, and a SuperNode without TLS cannot
-connect. Every process is stopped by the fixture (whole process trees), also when a check fails;
+SuperLink's own traffic counters (``flwr ls``); a SuperNode whose key is not registered is refused, and a SuperNode
+without TLS cannot connect. Every process is stopped by the fixture (whole process trees), also when a check fails;
 the logs are printed with the failure.
 """
 
@@ -298,7 +298,8 @@ def test_supernode_without_tls_cannot_connect(federation):
 
 @contextlib.contextmanager
 def supernodes(fed: Federation):
-    """The three registered SuperNodes (node-config: partition, cpu, one HA-Fed cluster), online for the block, stopped (whole trees) after it."""
+    """The three registered SuperNodes (node-config: partition, cpu, one HA-Fed cluster), online for the block,
+    stopped (whole trees) after it."""
     nodes = []
     try:
         for i in range(1, NUM_NODES + 1):
@@ -635,8 +636,10 @@ def check_traffic(fed: Federation, run_id: str, rows: list[dict]) -> None:
         f"pollen + Flower framing predicts {want_in} B (measured/predicted {link_in / want_in:.4f})\n"
         f"downlink: pollen {pollen_down} B, SuperLink outbound {link_out} B = x{link_out / pollen_down:.3f} pollen; "
         f"pollen + Flower framing predicts {want_out} B (measured/predicted {link_out / want_out:.4f})\n"
-        f"one train reply: records {trained['records']} B, objects {trained['objects']} B, push request {trained['push_request']} B; "
-        f"one train message: records {train['records']} B, objects {train['objects']} B, pull response {train['pull_response']} B\n"
+        f"one train reply: records {trained['records']} B, objects {trained['objects']} B, "
+        f"push request {trained['push_request']} B; "
+        f"one train message: records {train['records']} B, objects {train['objects']} B, "
+        f"pull response {train['pull_response']} B\n"
         f"uplink_by_record per round: {[row.get('uplink_by_record') for row in rows[1:]]}\n"
         f"downlink_by_record per round: {[row.get('downlink_by_record') for row in rows[1:]]}"
     )

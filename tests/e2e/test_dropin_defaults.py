@@ -19,13 +19,13 @@ that the run stops before round 1 with one line), never that the run silently "w
 Measurements behind the constructor defaults (final test accuracy after 5 rounds, this project,
 4 clients, ``fraction_train=1.0``, seeds 0 / 1 / 2; FedAvg: 1.000 / 1.000 / 0.995)::
 
-    strategy                      old defaults              acc (seeds 0/1/2)    new defaults                acc (seeds 0/1/2)
-    FedAMS()                      eta=1, eps=1e-3           0.983 0.377 0.733    eta=0.003, eps=1e-8         1.000 0.985 0.960
-    FedAMS(option=2)              eta=1, eps=1e-3           0.142 0.112 0.100    eta=0.003, eps=1e-8         1.000 0.975 0.965
-    FedCAMS() (sign, EF)          eta=1, eps=1e-3           0.988 1.000 0.983    eta=0.003, eps=1e-8         1.000 0.965 0.952
-    FedLAMB(variant="adp-fed")    eta=0.01                  0.985 0.925 0.925    eta=0.003                   1.000 1.000 0.998
+    strategy                      old defaults          acc (seeds 0/1/2)    new defaults            acc (seeds 0/1/2)
+    FedAMS()                      eta=1, eps=1e-3       0.983 0.377 0.733    eta=0.003, eps=1e-8     1.000 0.985 0.960
+    FedAMS(option=2)              eta=1, eps=1e-3       0.142 0.112 0.100    eta=0.003, eps=1e-8     1.000 0.975 0.965
+    FedCAMS() (sign, EF)          eta=1, eps=1e-3       0.988 1.000 0.983    eta=0.003, eps=1e-8     1.000 0.965 0.952
+    FedLAMB(variant="adp-fed")    eta=0.01              0.985 0.925 0.925    eta=0.003               1.000 1.000 0.998
     FedAdaVR() / mifa / fedvarp, FedLAMB(variant="fed-sgd"), HAFed(identity): unchanged, all >= 0.985
-    FedLazy() + lazy_mod          (new; FedAMS's server defaults, NLA at tau 0, nothing compressed)   0.985 (seed 0)
+    FedLazy() + lazy_mod          (new; FedAMS's server defaults, NLA at tau 0, nothing compressed)  0.985 (seed 0)
 
 Grid (mean over seeds 0-2): FedAMS Option 1 with eps=1e-3 is erratic in eta (1: 0.70, 0.3: 0.97, 0.1: 0.70,
 0.03: 0.42, 0.01: 0.14); with eps=1e-8 it fails for eta >= 0.03 (<= 0.60) and holds for eta in

@@ -82,7 +82,8 @@ def test_fedcams_sign_uploads_about_one_32nd_of_fedams(flower: LocalFlower, resu
     sign = _run(flower, results_dir, "sign", strategy="fedcams", compressor="sign")["rows"][-1]
     ratio = dense["uplink_update_bytes"] / sign["uplink_update_bytes"]
     print(
-        f"update bytes per round: fedams {dense['uplink_update_bytes']}, fedcams-sign {sign['uplink_update_bytes']}, ratio {ratio:.1f}"
+        f"update bytes per round: fedams {dense['uplink_update_bytes']}, fedcams-sign {sign['uplink_update_bytes']}, "
+        f"ratio {ratio:.1f}"
     )
     assert 28 < ratio < 33
     assert sign["compression_ratio"] > 28
@@ -129,7 +130,8 @@ def test_fedadavr_int4_with_partial_participation(flower: LocalFlower, results_d
 
 
 def test_relay_demo_runs_its_mid_round_exchange(flower: LocalFlower, results_dir: Path) -> None:
-    """The round-protocol example through a real simulation (the test harness's apps): a relay phase, an extra uplink record."""
+    """The round-protocol example through a real simulation (the test harness's apps):
+    a relay phase, an extra uplink record."""
     metrics = _run(
         flower,
         results_dir,
@@ -175,7 +177,8 @@ def test_resume_in_simulation_equals_the_uninterrupted_run(
 
 
 def test_a_third_of_clients_failing_every_round_does_not_stop_the_run(flower: LocalFlower, results_dir: Path) -> None:
-    """fault-fraction (the test harness's apps): seeded clients raise or send NaN models each round; every round completes."""
+    """fault-fraction (the test harness's apps): seeded clients raise or send NaN models each round;
+    every round completes."""
     metrics = _run(
         flower,
         results_dir,

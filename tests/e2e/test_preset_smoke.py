@@ -2,8 +2,8 @@
 
 The runs go through ``pollen/testing/inprocess.py`` (the in-process grid the quality benchmarks use: every message
 to the real ClientApp of its node, no Ray), with the preset's own clients, data, model and first method; only
-the rounds, the local steps, the clients per round and the evaluation are cut. A preset whose dataset is not on this machine (the
-full-size CIFAR-10 ones here) is skipped with that reason.
+the rounds, the local steps, the clients per round and the evaluation are cut. A preset whose dataset is not on this
+machine (the full-size CIFAR-10 ones here) is skipped with that reason.
 """
 
 from __future__ import annotations

@@ -179,7 +179,7 @@ def test_fedams_three_rounds_match_algorithm1(option):
         flat_trainable(x0), deltas, eta=eta, beta1=beta1, beta2=beta2, eps=eps, option=3 - option
     )
     all_clients = []
-    for t, entries in enumerate(rounds, start=1):
+    for t, _entries in enumerate(rounds, start=1):
         all_clients.append(np.mean([client_delta(n, t).astype(np.float64) for n in nodes], axis=0))
     everyone, _, _ = reference_algorithm1(
         flat_trainable(x0), all_clients, eta=eta, beta1=beta1, beta2=beta2, eps=eps, option=option

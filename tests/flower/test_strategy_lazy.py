@@ -1,4 +1,5 @@
-"""The lazy / bidirectional family end to end on a fake grid with pollen's ``lazy_mod`` (spec ``papers/fedbaca.md`` §5, §10).
+"""The lazy / bidirectional family end to end on a fake grid with pollen's ``lazy_mod``
+(spec ``papers/fedbaca.md`` §5, §10).
 
 Fake clients take one gradient step of a per-client quadratic from the model they were given,
 ``x_local = x_start - 0.3 (x_start - c_node) + noise(node, round)``, so an update depends on the start
@@ -615,7 +616,8 @@ def test_error_feedback_balances_across_a_lost_reply():
 
 
 def test_compressed_error_feedback_keeps_what_the_codec_dropped():
-    """ef_mode='compressed' (proof identities D.1/E.1): e <- Delta + e - cand, so sum(cand) + e = sum(Delta), AA or not."""
+    """ef_mode='compressed' (proof identities D.1/E.1): e <- Delta + e - cand, so sum(cand) + e = sum(Delta),
+    AA or not."""
     lazy, sent = recording_lazy(
         record_sent=True, up_rule="aa", up_tau=2.0, ef_mode="compressed", compressor="topk", topk_ratio=0.25
     )

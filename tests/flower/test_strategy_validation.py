@@ -1,8 +1,8 @@
 """Replies that cannot be trusted are rejected, logged and counted; the round goes on (DESIGN.md).
 
 Four nodes train; one of them sends a bad reply. The round must complete with the
-other three as if the bad reply had never arrived: the model equals ``x_0 + AMSGrad step(mean of the 3 good deltas)``, the failure is
-counted with its reason in ``accounting.rounds[r].failure_reasons`` and a warning is
+other three as if the bad reply had never arrived: the model equals ``x_0 + AMSGrad step(mean of the 3 good deltas)``,
+the failure is counted with its reason in ``accounting.rounds[r].failure_reasons`` and a warning is
 logged. When every reply is bad, the model is unchanged and ``aggregate_train`` returns
 ``(None, None)``. Constructor arguments out of range raise ``ValueError`` naming them.
 """

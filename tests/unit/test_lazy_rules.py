@@ -1,4 +1,5 @@
-"""The NLA / AA rules and the increment-reading downlink as pure functions (spec ``papers/fedbaca.md`` §4, §5.3, §10.3)."""
+"""The NLA / AA rules and the increment-reading downlink as pure functions
+(spec ``papers/fedbaca.md`` §4, §5.3, §10.3)."""
 
 from __future__ import annotations
 

@@ -172,7 +172,7 @@ def test_yogi_first_step_is_sign_step_and_never_nan():
     np.testing.assert_allclose(state.slots["v"], 0.001 * d.astype(np.float64) ** 2, rtol=1e-6)  # v_1 = (1-b2) G^2
     np.testing.assert_allclose(step, 0.01 * np.sign(d), rtol=2e-5)
     rng = np.random.default_rng(0)
-    for t in range(300):
+    for _t in range(300):
         g = (rng.standard_normal(d.size) * 10.0 ** rng.uniform(-6, 1, d.size)).astype(F32)
         g[rng.random(d.size) < 0.3] = 0.0
         step, state = opt.update(state, g)

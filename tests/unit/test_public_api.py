@@ -59,6 +59,15 @@ def test_the_client_side_exports_the_mods_and_local_lamb() -> None:
     assert {"compression_mod", "lazy_mod", "LocalLAMB", "ClientState"} <= set(clientside.__all__)
 
 
+def test_the_gossip_package_exports_what_its_mixing_module_does() -> None:
+    import pollen.gossip as gossip
+    from pollen.gossip import mixing
+
+    assert gossip.__all__ == mixing.__all__
+    for name in gossip.__all__:
+        assert getattr(gossip, name) is getattr(mixing, name), name
+
+
 def test_the_math_imports_without_flower_or_torch() -> None:
     code = (
         "import sys\n"

@@ -7,8 +7,8 @@ and where the per-client copies live (``bookkeeping-dir``). The uplink codec is 
 (:mod:`pollen.app.methods.fedams`).
 
 Recommended values (``papers/fedbaca.md`` section 12, the paper's setting with the FedCAMS lineage's
-gaps filled): 3 local epochs of batch 32 at lr 0.01, server FedAMS (Option A, ``eps-mode`` = ``paper``: eps 1e-3 as a floor) at lr
-0.1 with beta 0.9 / 0.99 and no bias correction, top-k 1/8 with applied error feedback each way. The
+gaps filled): 3 local epochs of batch 32 at lr 0.01, server FedAMS (Option A, ``eps-mode`` = ``paper``: eps 1e-3 as a
+floor) at lr 0.1 with beta 0.9 / 0.99 and no bias correction, top-k 1/8 with applied error feedback each way. The
 paper gives no thresholds (its C, D and alpha do not recover them): they stay 0 until set, and the
 ``fedbaca-*`` presets carry the ones calibrated on the CNN.
 """

@@ -1,4 +1,5 @@
-"""Client side of Fed-LAMB, Mime-LAMB, Fed-AMS and Mime (:class:`pollen.strategies.FedLAMB`): the ``adaptive-local`` local step.
+"""Client side of Fed-LAMB, Mime-LAMB, Fed-AMS and Mime (:class:`pollen.strategies.FedLAMB`): the ``adaptive-local``
+local step.
 
 One train message (:func:`run`): take ``v_hat`` from the message (the server sends it when this client
 does not hold its current version) or from client state; restore this client's momentum ``m`` from
@@ -197,7 +198,8 @@ def _split(v_hat: Any, params: list[torch.Tensor]) -> list[torch.Tensor]:
         flat = torch.as_tensor(v_hat)
         if flat.dim() != 1 or flat.numel() != sum(sizes):
             raise ValueError(
-                f"a flat v_hat must be 1-D with {sum(sizes)} values (all parameters in order); got shape {tuple(flat.shape)}"
+                f"a flat v_hat must be 1-D with {sum(sizes)} values (all parameters in order); "
+                f"got shape {tuple(flat.shape)}"
             )
         chunks = [flat[start:stop].reshape(p.shape) for (start, stop), p in zip(segments_from_sizes(sizes), params)]
     elif isinstance(v_hat, (list, tuple)):
