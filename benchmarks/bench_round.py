@@ -56,7 +56,9 @@ class ReplyBank:
     def __init__(self, arrays: dict[str, np.ndarray], nodes: list[int], codec: str | None) -> None:
         rng = np.random.default_rng(1)
         self.moves = {
-            node: {k: rng.standard_normal(v.shape).astype(v.dtype) * 1e-3 for k, v in arrays.items() if v.dtype.kind == "f"}
+            node: {
+                k: rng.standard_normal(v.shape).astype(v.dtype) * 1e-3 for k, v in arrays.items() if v.dtype.kind == "f"
+            }
             for node in nodes
         }
         self.codec = codec
