@@ -1,7 +1,7 @@
 """Server strategies (Flower Message API) that drop in where ``FedAvg``/``FedAdam`` are used.
 
 Exported: the strategies, Flower's baselines with pollen's metering, and what a user builds a new
-method from or catches (``AdaptiveStrategy``, ``Uplink``, ``ReplySpec``, ``Extra``, ``ClientUpdate``,
+method from or catches (``AdaptiveStrategy``, ``Uplink``, ``Downlink``, ``ReplySpec``, ``Extra``, ``ClientUpdate``,
 ``ReplyRejected``, ``RunCheckpoint``, ``RunInterrupted``). The parts of the engine (model, transport,
 reply collector, sinks, server step, sampler, accounting) are imported from their modules.
 
@@ -13,6 +13,7 @@ reply collector, sinks, server step, sampler, accounting) are imported from thei
 from pollen.strategies.base import AdaptiveStrategy
 from pollen.strategies.baselines import MeteredFedAdagrad, MeteredFedAdam, MeteredFedAvg, MeteredFedYogi
 from pollen.strategies.checkpointing import RunCheckpoint
+from pollen.strategies.downlink import Downlink
 from pollen.strategies.fedadavr import FedAdaVR
 from pollen.strategies.fedams import FedAMS
 from pollen.strategies.fedcams import FedCAMS
@@ -27,6 +28,7 @@ from pollen.strategies.uplink import Uplink
 __all__ = [
     "AdaptiveStrategy",
     "ClientUpdate",
+    "Downlink",
     "Extra",
     "FedAMS",
     "FedAdaVR",

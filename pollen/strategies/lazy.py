@@ -40,12 +40,12 @@ from pollen.lazy.rules import (
     check_choice,
     check_tau,
     checksum,
-    downlink_step,
     norm64,
     replay,
 )
 from pollen.strategies.base import ReplyRejected, ReplySpec
 from pollen.strategies.declared import COUNTS, PART
+from pollen.strategies.downlink import Downlink
 from pollen.strategies.fedams import FedAMS
 from pollen.strategies.lazy_book import ClientBook
 from pollen.wire import protocol
@@ -110,6 +110,9 @@ class FedLazy(FedAMS):
         the client's last participation.
     bookkeeping_dir : str | None (default: None)
         Keep the per-client vectors memory-mapped in this directory instead of RAM.
+    downlink : Downlink | None (default: None)
+        The compressed downlink as one part (:class:`~pollen.strategies.downlink.Downlink`); the
+        ``down_*`` arguments build it when it is not given (``down_compressor`` set).
     **kwargs
         Everything :class:`FedAMS` takes (``eta``, ``eps``, ``option``, sampling, ...). The paper's
         server settings are Option A with ``eps=1e-3``; the app's run-config passes them.
@@ -136,23 +139,23 @@ class FedLazy(FedAMS):
         ef_mode: str = "applied",
         ref_mode: str = "last-transmitted",
         bookkeeping_dir: str | None = None,
+        downlink: Downlink | None = None,
         **kwargs: Any,
     ) -> None:
         check_choice("up_rule", up_rule, RULES)
-        check_choice("down_rule", down_rule, RULES)
         check_choice("compressor", compressor, CODECS)
-        if down_compressor is not None:
-            check_choice("down_compressor", down_compressor, CODECS)
         check_choice("granularity", granularity, GRANULARITIES)
-        check_choice("downlink_mode", downlink_mode, DOWNLINK_MODES)
         check_choice("ef_mode", ef_mode, EF_MODES)
         check_choice("ref_mode", ref_mode, REF_MODES)
-        for name, ratio in (("topk_ratio", topk_ratio), ("down_topk_ratio", down_topk_ratio)):
-            if not 0.0 < ratio <= 1.0:
-                raise ValueError(f"{name}={ratio!r} is out of range; allowed: a number in (0, 1]")
-        if downlink_mode == "model-keep" and down_rule == "aa":
-            raise ValueError("downlink_mode='model-keep' (Variant B) has no AA reading; allowed down_rule: nla or none")
-        if down_compressor is None and down_rule != "none":
+        if not 0.0 < topk_ratio <= 1.0:
+            raise ValueError(f"topk_ratio={topk_ratio!r} is out of range; allowed: a number in (0, 1]")
+        if downlink is None and down_compressor is not None:
+            downlink = Downlink(down_compressor, down_topk_ratio, down_rule, down_tau, downlink_mode, granularity)
+        elif downlink is None:
+            check_choice("down_rule", down_rule, RULES)
+            check_choice("downlink_mode", downlink_mode, DOWNLINK_MODES)
+            check_tau("down_tau", down_tau)
+        if downlink is None and down_rule != "none":
             raise ValueError(
                 f"down_rule={down_rule!r} needs a compressed downlink (down_compressor); allowed without one: none"
             )
@@ -161,12 +164,7 @@ class FedLazy(FedAMS):
         self.up_rule, self.up_tau = up_rule, check_tau("up_tau", up_tau)
         self.compressor, self.topk_ratio, self.granularity = compressor, float(topk_ratio), granularity
         self.error_feedback = bool(error_feedback) and compressor != "none"
-        self.down_compressor, self.down_rule, self.down_tau = (
-            down_compressor,
-            down_rule,
-            check_tau("down_tau", down_tau),
-        )
-        self.down_topk_ratio, self.downlink_mode = float(down_topk_ratio), downlink_mode
+        self.downlink = downlink
         self.ef_mode, self.ref_mode = ef_mode, ref_mode
         self.bookkeeping_dir = bookkeeping_dir
         self.book: ClientBook | None = None
@@ -176,7 +174,7 @@ class FedLazy(FedAMS):
 
     @property
     def bidirectional(self) -> bool:
-        return self.down_compressor is not None
+        return self.downlink is not None
 
     def extra_summary(self) -> dict[str, Any]:
         summary = super().extra_summary()
@@ -184,19 +182,14 @@ class FedLazy(FedAMS):
             f"{self.up_rule} tau={self.up_tau:g}, {self.compressor} (top-k {self.topk_ratio:g}), "
             f"error feedback {'on (' + self.ef_mode + ')' if self.error_feedback else 'off'}, reference {self.ref_mode}"
         )
-        summary["downlink"] = (
-            "dense (the full model)"
-            if not self.bidirectional
-            else f"{self.down_rule} tau={self.down_tau:g}, {self.down_compressor} (top-k {self.down_topk_ratio:g}), "
-            f"{self.downlink_mode} reading"
-        )
+        summary["downlink"] = "dense (the full model)" if self.downlink is None else self.downlink.describe()
         summary["bookkeeping"] = "RAM" if self.bookkeeping_dir is None else self.bookkeeping_dir
         return summary
 
     # ------------------------------------------------------------------ state per client
     def on_layout(self, layout: Any) -> None:
         if self.book is None:
-            kinds = ("up-ref",) + (("x", "c-prev", "error") if self.bidirectional else ())
+            kinds = ("up-ref",) + (Downlink.MIRRORS if self.bidirectional else ())
             self.book = ClientBook(layout.dim, directory=self.bookkeeping_dir, kinds=kinds)
 
     def _codec(self, name: str, ratio: float) -> Any:
@@ -246,16 +239,13 @@ class FedLazy(FedAMS):
             self._count(server_round, "down-full")
         else:
             if self._down_codec is None:
-                self._down_codec = self._codec(self.down_compressor, self.down_topk_ratio)
-            step, payload = downlink_step(
+                self._down_codec = self.downlink.make_codec(self.layout.segments)
+            step, payload = self.downlink.step(
+                self._down_codec,
                 self.params,
                 self.book.get("x", key),
                 self.book.get("c-prev", key),
                 self.book.get("error", key),
-                self._down_codec,
-                rule=self.down_rule,
-                tau=self.down_tau,
-                mode=self.downlink_mode,
             )
             config[protocol.CFG_LAZY_DOWN] = step.kind
             config[protocol.CFG_LAZY_APPLY] = step.apply

@@ -666,3 +666,21 @@ def test_a_memory_mapped_book_resumes_bit_for_bit(tmp_path):
             assert (a is None) == (b is None)
             if a is not None:
                 np.testing.assert_array_equal(a, b)
+
+
+def test_the_downlink_is_a_part_the_strategy_receives_and_equals_the_flat_arguments() -> None:
+    """FedLazy(downlink=Downlink(...)) is FedBNLACA built from the down_* arguments, bit for bit."""
+    from pollen.strategies.downlink import Downlink
+
+    settings = dict(up_rule="nla", up_tau=0.5, compressor="topk", topk_ratio=0.25, **SERVER)
+    flat = FedLazy(down_compressor="topk", down_rule="nla", down_tau=0.3, down_topk_ratio=0.5, **settings)
+    part = FedLazy(downlink=Downlink("topk", topk_ratio=0.5, rule="nla", tau=0.3), **settings)
+    assert flat.downlink == part.downlink
+    run(flat, lazy_mod, 4)
+    run(part, lazy_mod, 4)
+    assert flat.params.tobytes() == part.params.tobytes()
+    assert events(flat) == events(part)
+    with pytest.raises(ValueError, match="down_tau=-1.0 is out of range"):
+        Downlink("topk", tau=-1.0)
+    with pytest.raises(ValueError, match="down_compressor='gzip' is unknown"):
+        Downlink("gzip")
