@@ -30,6 +30,7 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedYogi
 from pollen.core.layout import ModelLayout
 from pollen.strategies.accounting import Accounting
 from pollen.strategies.collector import EVALUATE_PHASE, TRAIN_PHASE, ReplyCollector, positive_weight, reason_of
+from pollen.strategies.declared import ARRAYS, load_declared, save_declared
 from pollen.strategies.replies import ReplyRejected, count_records, read_reply
 from pollen.strategies.rounds import RoundLoop
 from pollen.strategies.sampling import ClientSampler
@@ -37,8 +38,6 @@ from pollen.strategies.screening import UpdateScreen
 from pollen.strategies.transport import count_sent
 from pollen.wire import protocol
 from pollen.wire.records import record_to_arrays
-
-_FLOWER_STATE = ("current_arrays", "m_t", "v_t")
 
 
 class Metered(RoundLoop):
@@ -49,6 +48,10 @@ class Metered(RoundLoop):
     and the same :class:`~pollen.strategies.screening.UpdateScreen`; an outlier is rejected (Flower's
     aggregation cannot take a clipped reply).
     """
+
+    #: Flower's own state of the FedOpt family (FedAvg keeps none of it), written and checked by
+    #: :mod:`pollen.strategies.declared`.
+    state_fields = {"current_arrays": ARRAYS, "m_t": ARRAYS, "v_t": ARRAYS}
 
     def __init__(self, *args, outlier_rule: str = "reject", outlier_factor: float = 10.0, **kwargs) -> None:  # noqa: D107
         super().__init__(*args, **kwargs)
@@ -214,27 +217,26 @@ class Metered(RoundLoop):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Flower's moments and current model (FedOpt family), the global ``random`` state, the accounting."""
+        """Flower's moments and current model (declared in ``state_fields``), the global ``random`` state
+        Flower samples with, the accounting, the screen and the model's layout."""
         version, internal, gauss = random.getstate()
         state: dict[str, Any] = {
             "strategy": type(self).__name__,
             "random": [version, list(internal), gauss],
             "accounting": self.accounting.to_dict(),
             "screen": self.screen.state_dict(),
+            **save_declared(self),
         }
         if self._layout is not None:
             specs = self._layout.trainable + self._layout.buffers
             state["model"] = [[spec.name, list(spec.shape), spec.dtype.str] for spec in specs]
-        for name in _FLOWER_STATE:
-            value = getattr(self, name, None)
-            if value is not None:
-                state[name] = [[key, np.array(array)] for key, array in value.items()]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` wrote (same strategy class)."""
+        """Restore what :meth:`state_dict` wrote (same strategy class); moments must be finite."""
         if state.get("strategy") != type(self).__name__:
             raise ValueError(f"state was written by {state.get('strategy')!r}, not {type(self).__name__}")
+        load_declared(self, state)
         version, internal, gauss = state["random"]
         random.setstate((int(version), tuple(int(v) for v in internal), gauss))
         self.accounting = Accounting.from_dict(state["accounting"])
@@ -243,9 +245,6 @@ class Metered(RoundLoop):
             self._layout = ModelLayout.from_arrays(
                 {name: np.zeros(shape, np.dtype(dtype)) for name, shape, dtype in state["model"]}
             )
-        for name in _FLOWER_STATE:
-            if name in state:
-                setattr(self, name, {key: np.array(array) for key, array in state[name]})
 
 
 class MeteredFedAvg(Metered, FedAvg):

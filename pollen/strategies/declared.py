@@ -25,9 +25,11 @@ VECTOR = "vector"
 COUNT = "count"
 #: Client id -> a whole number >= 0 (per-client bookkeeping).
 COUNTS = "counts"
+#: Named numeric arrays of any shapes, finite (a model or its moments as Flower's strategies keep them).
+ARRAYS = "arrays"
 #: A collaborator with its own ``state_dict()`` / ``load_state_dict()``.
 PART = "part"
-KINDS = (VECTOR, COUNT, COUNTS, PART)
+KINDS = (VECTOR, COUNT, COUNTS, ARRAYS, PART)
 
 
 def save_field(kind: str, value: Any) -> Any:
@@ -38,6 +40,8 @@ def save_field(kind: str, value: Any) -> Any:
         return int(value)
     if kind == COUNTS:
         return {str(k): int(v) for k, v in value.items()}
+    if kind == ARRAYS:
+        return [[str(key), np.array(array)] for key, array in value.items()]
     if kind == PART:
         return value.state_dict()
     raise ValueError(f"state kind {kind!r} is unknown; allowed: {', '.join(KINDS)}")
@@ -63,7 +67,36 @@ def load_field(kind: str, name: str, plain: Any, *, dim: int | None) -> Any:
         if not isinstance(plain, Mapping):
             raise ValueError(f"state '{name}' must map client ids to whole numbers")
         return {str(k): _whole(f"{name}[{k}]", v) for k, v in plain.items()}
-    raise ValueError(f"state kind {kind!r} cannot be loaded as a value; allowed: {', '.join(KINDS[:3])}")
+    if kind == ARRAYS:
+        try:
+            named = {str(key): np.array(array) for key, array in plain}
+        except (TypeError, ValueError):
+            raise ValueError(f"state '{name}' must be a list of [name, array] pairs") from None
+        for key, array in named.items():
+            if array.dtype.kind not in "fiub" or (array.dtype.kind == "f" and not np.isfinite(array).all()):
+                raise ValueError(f"state '{name}[{key}]' must hold finite numbers (integer or floating point)")
+        return named
+    raise ValueError(f"state kind {kind!r} cannot be loaded as a value; allowed: {', '.join(KINDS[:4])}")
+
+
+def save_declared(owner: Any) -> dict[str, Any]:
+    """The plain form of every field ``owner.state_fields`` declares (fields that are ``None`` are left out)."""
+    return {
+        name: save_field(kind, getattr(owner, name))
+        for name, kind in owner.state_fields.items()
+        if getattr(owner, name, None) is not None
+    }
+
+
+def load_declared(owner: Any, state: Mapping[str, Any], *, dim: int | None = None) -> None:
+    """Check every declared value field of ``state`` first, then set them all on ``owner`` (parts excluded)."""
+    values = {
+        name: load_field(kind, name, state[name], dim=dim)
+        for name, kind in owner.state_fields.items()
+        if kind != PART and name in state
+    }
+    for name, value in values.items():
+        setattr(owner, name, value)
 
 
 def strategy_state(strategy: Any) -> dict[str, Any]:

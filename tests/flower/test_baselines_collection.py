@@ -91,3 +91,24 @@ def test_a_reply_left_out_for_its_metric_names_leaves_no_norm_in_the_screen() ->
     assert stats.replies == len(NODES) - 1
     assert any("metric names differ" in reason for reason in stats.failure_reasons)
     assert len(strategy.screen.history[-1]) == len(NODES) - 1
+
+
+def test_flowers_moments_are_declared_state_and_a_non_finite_one_is_refused_on_load() -> None:
+    grid = FakeGrid(NODES, moving_client)
+    strategy = MeteredFedAdam(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=2)
+    _, replies = start_round(strategy, grid, 1)
+    strategy.aggregate_train(1, replies)
+    state = strategy.state_dict()
+    assert {"current_arrays", "m_t", "v_t"} <= set(state)
+    fresh = MeteredFedAdam(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=2)
+    fresh.load_state_dict(state)
+    for name in ("m_t", "v_t"):
+        for key, value in getattr(strategy, name).items():
+            np.testing.assert_array_equal(getattr(fresh, name)[key], value)
+    poisoned = dict(state)
+    name, array = poisoned["v_t"][0]
+    poisoned["v_t"] = [[name, np.full_like(array, np.nan)], *poisoned["v_t"][1:]]
+    untouched = MeteredFedAdam(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=2)
+    with pytest.raises(ValueError, match=r"state 'v_t\[.*\]' must hold finite numbers"):
+        untouched.load_state_dict(poisoned)
+    assert getattr(untouched, "v_t", None) is None  # nothing was loaded
