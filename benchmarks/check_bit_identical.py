@@ -4,7 +4,7 @@ Every preset and every ``[methods]`` row of it (the preset's own strategy where 
 version in-process (pollen's real ServerApp and ClientApps on the fake grid of ``run_inprocess``, one torch
 thread, the preset's seed) and leaves a *fingerprint*: per run, every round's metrics row with exact floats,
 the SHA-256 of the final global model (every parameter and buffer of ``final_model.npz``: name, dtype, shape,
-bytes) and the SHA-256 of the server state in the last checkpoint (optimiser moments, VR tables, lazy copies).
+bytes) and the SHA-256 of the arrays of the last checkpoint (the server's optimiser moments, VR tables, lazy copies).
 Two fingerprints are then compared run by run.
 
 Each checkout runs in a subprocess of its own with ``PYTHONPATH=<checkout>``, so ``import pollen`` is that
@@ -112,7 +112,7 @@ def model_sha256(path: Path) -> tuple[str, int]:
 
 
 def state_sha256(path: Path) -> str | None:
-    """Hash of the arrays of the run's last checkpoint (the server's whole state), ``None`` if there is none.
+    """Hash of the arrays of the run's last checkpoint (the server's array state), ``None`` if there is none.
 
     Arrays only: the JSON part holds the run-config (results-dir differs) and the elapsed time. Each array is
     hashed with its dtype and shape; the digests are sorted, so a renumbering of the members does not count.
