@@ -122,17 +122,13 @@ def state_sha256(path: Path) -> str | None:
     if not path.is_file():
         return None
     with np.load(path, allow_pickle=False) as npz:
-        digests = sorted(
-            array_digest("", npz[name]) for name in npz.files if name != "__meta__"
-        )
+        digests = sorted(array_digest("", npz[name]) for name in npz.files if name != "__meta__")
     return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
 def clean_row(row: dict[str, Any]) -> dict[str, Any]:
     """A metrics row without its wall-clock columns and without the columns a round did not report ("")."""
-    return {
-        k: v for k, v in row.items() if not k.endswith(TIME_COLUMNS_SUFFIX) and v != ""
-    }
+    return {k: v for k, v in row.items() if not k.endswith(TIME_COLUMNS_SUFFIX) and v != ""}
 
 
 def write_fashion_mnist_cut(root: Path, source: Path) -> str:
@@ -151,19 +147,12 @@ def write_fashion_mnist_cut(root: Path, source: Path) -> str:
             data = gzip.decompress((source / f"{stem}.gz").read_bytes())
             ndim = data[3]
             header = 4 + 4 * ndim
-            dims = [
-                int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)
-            ]
+            dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
             count = min(spec[split], dims[0])
             item = 1
             for d in dims[1:]:
                 item *= d
-            cut = (
-                data[:4]
-                + count.to_bytes(4, "big")
-                + data[8:header]
-                + data[header : header + count * item]
-            )
+            cut = data[:4] + count.to_bytes(4, "big") + data[8:header] + data[header : header + count * item]
             (root / stem).write_bytes(cut)
             h.update(cut)
     return h.hexdigest()
@@ -214,12 +203,15 @@ def child_main(checkout: Path, out: Path, only: list[str]) -> int:
         from pollen.app.preset import load_preset, preset_names
         from pollen.testing.inprocess import run_inprocess
     elif (checkout / "benchmarks" / "inprocess.py").is_file():
-        # before (f6969c5 and earlier): benchmarks/inprocess.py, imported as a top-level module from the
-        # checkout's benchmarks/ folder (it puts the checkout root on sys.path itself, for
-        # tests.flower_fakes), and pollen/preset.py (presets in pollen/presets)
+        # before (f6969c5 and earlier): benchmarks/inprocess.py, loaded from its file (it puts the checkout
+        # root on sys.path itself, for tests.flower_fakes), and pollen/preset.py (presets in pollen/presets)
         layout = "benchmarks/inprocess.py + pollen.preset"
-        sys.path.insert(0, str(checkout / "benchmarks"))
-        from inprocess import run_inprocess  # type: ignore[import-not-found]
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("inprocess", checkout / "benchmarks" / "inprocess.py")
+        old_runner = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old_runner)
+        run_inprocess = old_runner.run_inprocess
         from pollen.preset import load_preset, preset_names  # type: ignore[import-not-found,no-redef]
     else:
         print(
@@ -253,9 +245,7 @@ def child_main(checkout: Path, out: Path, only: list[str]) -> int:
             "cifar10": Path(scratch) / "synthetic-cifar10",
         }
         data_sha = {
-            "fashion-mnist": write_fashion_mnist_cut(
-                data_dirs["fashion-mnist"], Path(DATA["fashion-mnist"]["source"])
-            ),
+            "fashion-mnist": write_fashion_mnist_cut(data_dirs["fashion-mnist"], Path(DATA["fashion-mnist"]["source"])),
             "cifar10": write_synthetic_cifar10(data_dirs["cifar10"]),
         }
         results = Path(scratch) / "results"
@@ -266,9 +256,7 @@ def child_main(checkout: Path, out: Path, only: list[str]) -> int:
                     continue
                 overrides = {"preset": name, **values, **SMOKE}
                 if preset.needs not in data_dirs:
-                    raise SystemExit(
-                        f"preset {name} needs {preset.needs}: this script has no data for it (DATA)"
-                    )
+                    raise SystemExit(f"preset {name} needs {preset.needs}: this script has no data for it (DATA)")
                 if preset.needs == "cifar10":
                     overrides.update(CIFAR_EXTRA)
                 overrides["data-dir"] = str(data_dirs[preset.needs])
@@ -292,14 +280,13 @@ def child_main(checkout: Path, out: Path, only: list[str]) -> int:
                 record["rows"] = [clean_row(row) for row in rows]
                 run_dir = results / run_name
                 model = run_dir / "final_model.npz"
-                record["model_sha256"], record["model_tensors"] = (
-                    model_sha256(model) if model.is_file() else (None, 0)
-                )
+                record["model_sha256"], record["model_tensors"] = model_sha256(model) if model.is_file() else (None, 0)
                 record["state_sha256"] = state_sha256(run_dir / "checkpoint.npz")
                 runs.append(record)
+                error = "  ERROR " + record["error"] if "error" in record else ""
                 print(
                     f"[bitcheck] {name} / {method}: {len(rows)} rows, model {str(record['model_sha256'])[:12]}, "
-                    f"{record['seconds']:.1f} s ({record['cpu_seconds']:.1f} s CPU){'  ERROR ' + record['error'] if 'error' in record else ''}",
+                    f"{record['seconds']:.1f} s ({record['cpu_seconds']:.1f} s CPU){error}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -370,9 +357,7 @@ def write_fingerprint(fingerprint: dict[str, Any], out: Path) -> None:
         meta = {k: v for k, v in run.items() if k != "rows"}
         rows = ",\n    ".join(json.dumps(row, sort_keys=True) for row in run["rows"])
         comma = "," if i < len(fingerprint["runs"]) - 1 else ""
-        lines.append(
-            f'  {json.dumps(meta, sort_keys=True)[:-1]}, "rows": [\n    {rows}]}}{comma}'
-        )
+        lines.append(f'  {json.dumps(meta, sort_keys=True)[:-1]}, "rows": [\n    {rows}]}}{comma}')
     lines.append("]}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
@@ -380,9 +365,7 @@ def write_fingerprint(fingerprint: dict[str, Any], out: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ parent side
-def fingerprint_checkout(
-    checkout: Path, out: Path, only: list[str], python: str
-) -> float:
+def fingerprint_checkout(checkout: Path, out: Path, only: list[str], python: str) -> float:
     """Fingerprint ``checkout`` in a subprocess of its own; the seconds it took."""
     env = dict(os.environ)
     env.update(
@@ -448,9 +431,7 @@ def first_difference(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> st
 
 
 def selected(run: dict[str, Any], only: list[str]) -> bool:
-    return (
-        not only or run["preset"] in only or f"{run['preset']}:{run['method']}" in only
-    )
+    return not only or run["preset"] in only or f"{run['preset']}:{run['method']}" in only
 
 
 def compare(old_path: Path, new_path: Path, only: list[str] = ()) -> int:
@@ -464,9 +445,7 @@ def compare(old_path: Path, new_path: Path, only: list[str] = ()) -> int:
             raise SystemExit(f"{side} file is not a {FORMAT} fingerprint")
         data["runs"] = [run for run in data["runs"] if selected(run, list(only))]
     if (old["overrides"], old["data"]) != (new["overrides"], new["data"]):
-        print(
-            "the two fingerprints were made with different overrides or data; the runs are not comparable"
-        )
+        print("the two fingerprints were made with different overrides or data; the runs are not comparable")
         return 1
     print(
         f"old: {old_path}  commit {old['checkout']['commit'][:10]}{' (dirty)' if old['checkout']['dirty'] else ''}  "
@@ -481,7 +460,10 @@ def compare(old_path: Path, new_path: Path, only: list[str] = ()) -> int:
             f"note: other software or CPU (old {old.get('versions')}, new {new.get('versions')}): "
             "a difference in the last bits need not be the code's; fingerprint both sides here (--baseline)"
         )
-    key = lambda run: (run["preset"], run["method"])
+
+    def key(run: dict[str, Any]) -> tuple[str, str]:
+        return (run["preset"], run["method"])
+
     old_runs, new_runs = (
         {key(r): r for r in old["runs"]},
         {key(r): r for r in new["runs"]},
@@ -500,34 +482,24 @@ def compare(old_path: Path, new_path: Path, only: list[str] = ()) -> int:
     differ = errors = 0
     for k in order:
         a, b = old_runs.get(k), new_runs.get(k)
-        if a is None or b is None:
-            table.append(
-                (
-                    *k,
-                    "-",
-                    "NO",
-                    f"run only in {'new' if a is None else 'old'}",
-                    "-",
-                    "-",
-                )
-            )
+        if a is None:  # a preset row added since the baseline: nothing to compare it with
+            table.append((*k, "-", "new", "run only in new (no baseline)", "-", "-"))
+            continue
+        if b is None:  # a run the baseline had is gone: that is a difference
+            table.append((*k, "-", "NO", "run only in old", "-", "-"))
             differ += 1
             continue
         diff = first_difference(a["rows"], b["rows"])
         if not diff and a.get("error") != b.get("error"):
             diff = f"error: {a.get('error')} -> {b.get('error')}"
-        model_eq = (
-            a["model_sha256"] == b["model_sha256"] and a["model_sha256"] is not None
-        )
+        model_eq = a["model_sha256"] == b["model_sha256"] and a["model_sha256"] is not None
         state_eq = a["state_sha256"] == b["state_sha256"]
         same = not diff and model_eq and state_eq
         if a.get("error") and a.get("error") == b.get("error"):
             errors += 1
             diff = f"same error on both: {a['error'][:60]}"
         differ += not same
-        last = [
-            str(r["rows"][-1].get("round", "?")) if r["rows"] else "-" for r in (a, b)
-        ]
+        last = [str(r["rows"][-1].get("round", "?")) if r["rows"] else "-" for r in (a, b)]
         rounds = last[0] if last[0] == last[1] else "/".join(last)
         table.append(
             (
@@ -539,18 +511,12 @@ def compare(old_path: Path, new_path: Path, only: list[str] = ()) -> int:
                 "yes" if state_eq else "NO",
             )
         )
-    widths = [
-        max(len(str(row[i])) for row in [header, *table]) for i in range(len(header))
-    ]
+    widths = [max(len(str(row[i])) for row in [header, *table]) for i in range(len(header))]
     for row in [header, tuple("-" * w for w in widths), *table]:
         print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip())
     print(
         f"{len(table)} runs: {len(table) - differ} identical, {differ} different"
-        + (
-            f", {errors} that failed the same way on both (not covered)"
-            if errors
-            else ""
-        )
+        + (f", {errors} that failed the same way on both (not covered)" if errors else "")
     )
     return 1 if differ else 0
 
@@ -595,17 +561,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="fingerprint --old / --old-ref and --checkout, and compare",
     )
-    parser.add_argument(
-        "--old", type=Path, help="(--baseline) an existing tree of the old commit"
-    )
+    parser.add_argument("--old", type=Path, help="(--baseline) an existing tree of the old commit")
     parser.add_argument(
         "--old-ref",
         default="f6969c5",
         help="(--baseline) else a temporary worktree of this ref (default f6969c5)",
     )
-    parser.add_argument(
-        "--save-old", type=Path, help="(--baseline) keep the old fingerprint here"
-    )
+    parser.add_argument("--save-old", type=Path, help="(--baseline) keep the old fingerprint here")
     parser.add_argument(
         "--only",
         action="append",
@@ -613,9 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PRESET[:METHOD]",
         help="fingerprint only these (repeatable)",
     )
-    parser.add_argument(
-        "--python", default=sys.executable, help="interpreter of the child processes"
-    )
+    parser.add_argument("--python", default=sys.executable, help="interpreter of the child processes")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
