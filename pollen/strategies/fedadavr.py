@@ -177,7 +177,7 @@ class FedAdaVR(AdaptiveStrategy):
         self._round = VRRound(self.table, self.layout.dim, weighting=self.vr_weighting)
         return self._round
 
-    def _take(self, vr_round: VRRound, server_round: int, update: ClientUpdate) -> None:
+    def add_to_round(self, vr_round: VRRound, server_round: int, update: ClientUpdate) -> None:
         """Add ``update`` as ``y = delta / eta_c`` (formed in place in the reply's buffer)."""
         y = np.divide(update.delta, np.float32(self.client_lr_at(server_round)), out=update.delta)
         vr_round.add(update.client_key, y, float(update.num_examples) if not self.variant.equal_weights else 1.0)
@@ -190,10 +190,10 @@ class FedAdaVR(AdaptiveStrategy):
         vr_round = self._new_round()
         for update in updates:
             if update.delta is not None:
-                self._take(vr_round, server_round, update)
-        return self._round_delta(server_round, vr_round)
+                self.add_to_round(vr_round, server_round, update)
+        return self.round_delta(server_round, vr_round)
 
-    def _round_delta(self, server_round: int, vr_round: VRRound) -> np.ndarray:
+    def round_delta(self, server_round: int, vr_round: VRRound) -> np.ndarray:
         known = self.store.known_clients if self.store is not None else 0
         num_clients = max(self.num_clients or 0, len(self.sampler.known_clients), known, len(vr_round))
         return vr_round.delta(num_clients=num_clients, client_lr=self.client_lr_at(server_round))
@@ -218,10 +218,10 @@ class _VRSink(ScreenedSink):
         self.vr_round = vr_round
 
     def take(self, update: ClientUpdate) -> None:
-        self.strategy._take(self.vr_round, self.server_round, update)
+        self.strategy.add_to_round(self.vr_round, self.server_round, update)
 
     def mean(self) -> np.ndarray:
-        return self.strategy._round_delta(self.server_round, self.vr_round)
+        return self.strategy.round_delta(self.server_round, self.vr_round)
 
 
 __all__ = ["FedAdaVR", "OPTIMIZERS", "VARIANTS"]

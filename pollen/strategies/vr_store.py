@@ -79,7 +79,7 @@ class StoredUpdates:
             raise ValueError("the state's table lives in a file; pass table_path= (run-config table-path) to resume it")
         if on_disk:  # the file must be this state's, at this state's round (or one ahead with its undo log)
             self.journal = TableJournal(self.path, table_id=str(state.get("table_id", "")))
-            self.journal._read()  # refuse a file without a journal before attaching it
+            self.journal.check()  # refuse a file without a journal before attaching it
         self.table = UpdateTable.from_state_dict(state["table"], path=self.path)
         if on_disk:
             self.journal.recover(self.table, self.generation)

@@ -109,6 +109,10 @@ class TableJournal:
             raise TableFileError(f"table file {self.table_path} has an undo log whose rows do not fit the table")
         return undo
 
+    def check(self) -> None:
+        """``TableFileError`` unless the table file has a usable journal (before a file is attached)."""
+        self._read()
+
     def _read(self) -> dict:
         try:
             marker = json.loads(self.journal_path.read_text())
