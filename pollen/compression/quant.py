@@ -35,6 +35,7 @@ int4 ``|W_hat - W| <= max|W|/14`` (plus float32 output rounding, at most 2**-24 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,35 +140,75 @@ def encode_into(x: np.ndarray, precision: str, out: np.ndarray) -> float:
     exactly ``clip(rint(x * (qmax / absmax)))`` without a tensor-sized temporary.
     """
     x = np.asarray(x).reshape(-1)
-    if precision == "fp32":
-        out[...] = x
-        return 0.0
-    if precision == "fp16":
-        np.clip(x, -FP16_MAX, FP16_MAX, out=out, casting="unsafe")
-        return 0.0
-    qmax = QMAX[check_precision(precision)]
-    absmax = absmax_of(x)
-    if absmax == 0.0:
-        out[...] = 0 if precision == "int8" else 0x88  # int4: two zero codes (8, 8) per byte
-        return absmax
-    factor = qmax / absmax  # alpha = absmax / qmax in float64: the max element lands exactly on +-qmax
-    work = np.empty(min(CHUNK, x.size), dtype=np.float64)
+    absmax = absmax_of(x) if precision in QMAX else 0.0
+    work = BlockWork(min(CHUNK, x.size))
     for lo in range(0, x.size, CHUNK):
         hi = min(x.size, lo + CHUNK)
-        codes = work[: hi - lo]
-        np.multiply(x[lo:hi], factor, out=codes, dtype=np.float64)
-        np.rint(codes, out=codes)
-        np.clip(codes, -qmax, qmax, out=codes)
-        if precision == "int8":
-            out[lo:hi] = codes
-            continue
-        codes += 8  # int4 nibbles 1..15, even index in the high nibble
-        pairs = (hi - lo) // 2
-        first = lo // 2
-        out[first : first + pairs] = codes[0 : 2 * pairs : 2] * 16 + codes[1 : 2 * pairs : 2]
-        if (hi - lo) % 2:  # only the last chunk of an odd-length tensor: pad with a zero code
-            out[first + pairs] = codes[-1] * 16 + 8
+        encode_block(x[lo:hi], precision, absmax, out, lo, work)
     return absmax
+
+
+class BlockWork:
+    """Reusable scratch of one block (``CHUNK`` elements at most) for :func:`encode_block`."""
+
+    def __init__(self, size: int) -> None:
+        self.codes = np.empty(size, dtype=np.float64)
+        self.small = np.empty(size + size % 2, dtype=np.int8)
+        self.wide = np.empty(size // 2 + 1, dtype=np.uint16)
+
+
+_LITTLE = sys.byteorder == "little"
+
+
+def encode_block(x: np.ndarray, precision: str, absmax: float, out: np.ndarray, lo: int, work: BlockWork) -> None:
+    """Quantise ``x``, the elements ``lo:lo + x.size`` of one tensor whose float32 ``max|.|`` is ``absmax``, into
+    the tensor's stored ``out`` (``lo`` even for int4; the tensor's last block pads an odd length).
+
+    Element for element what :func:`encode_into` writes: ``clip(rint(x * (qmax / absmax)))`` in float64.
+    For a finite float32 ``x`` with ``max|x| = absmax`` the clip is a no-op (``|x * factor| <= qmax (1 +
+    2**-53)**2`` rounds to at most ``qmax``), so it is only applied to other input dtypes.
+    """
+    hi = lo + x.size
+    if precision == "fp32":
+        out[lo:hi] = x
+        return
+    if precision == "fp16":
+        np.clip(x, -FP16_MAX, FP16_MAX, out=out[lo:hi], casting="unsafe")
+        return
+    qmax = QMAX[precision]
+    first, pairs = lo // 2, x.size // 2
+    if absmax == 0.0:
+        if precision == "int8":
+            out[lo:hi] = 0
+        else:  # int4: two zero codes (8, 8) per byte
+            out[first : first + (x.size + 1) // 2] = 0x88
+        return
+    factor = qmax / absmax  # alpha = absmax / qmax in float64: the max element lands exactly on +-qmax
+    codes = work.codes[: x.size]
+    np.copyto(codes, x)  # exact; a float64 multiply in place is cheaper than a mixed-type one
+    np.multiply(codes, factor, out=codes)
+    np.rint(codes, out=codes)
+    if x.dtype != np.float32:
+        np.clip(codes, -qmax, qmax, out=codes)
+    if precision == "int8":
+        out[lo:hi] = codes
+        return
+    small = work.small[: x.size]
+    np.copyto(small, codes, casting="unsafe")  # exact: integers in [-7, 7]
+    nibbles = small.view(np.uint8)
+    nibbles += 8  # int4 nibbles 1..15 (-7 wraps to 249, + 8 to 1), even index in the high nibble
+    packed = out[first : first + pairs]
+    if _LITTLE:  # a pair as one uint16 (low byte = even element): (even << 4) | odd in its low byte
+        both = nibbles[: 2 * pairs].view(np.uint16)
+        wide = work.wide[:pairs]
+        np.left_shift(both, 4, out=wide)
+        np.bitwise_or(wide, both >> 8, out=wide)
+        np.copyto(packed, wide, casting="unsafe")  # keeps the low byte
+    else:
+        np.left_shift(nibbles[0 : 2 * pairs : 2], 4, out=packed)
+        np.bitwise_or(packed, nibbles[1 : 2 * pairs : 2], out=packed)
+    if x.size % 2:  # only the last block of an odd-length tensor: pad with a zero code
+        out[first + pairs] = (int(nibbles[-1]) << 4) | 8
 
 
 def _code_values(precision: str, absmax: float) -> np.ndarray:
@@ -176,14 +217,56 @@ def _code_values(precision: str, absmax: float) -> np.ndarray:
     Each value is ``code * absmax / qmax`` in float64, rounded once to float32, exactly as an element-wise
     decode computes it; a decode is then one table look-up per stored byte.
     """
+    return code_tables(precision, np.array([absmax], dtype=np.float32))[0]
+
+
+_HIGH = np.arange(256) >> 4
+_LOW = np.arange(256) & 0x0F
+
+
+def code_tables(precision: str, absmax: np.ndarray) -> np.ndarray:
+    """:func:`_code_values` of many tensors at once: ``(T, 256)`` (int8) or ``(T, 256, 2)`` (int4) float32.
+
+    ``absmax`` holds the tensors' float32 ``max|W|``; a tensor with ``absmax == 0`` decodes to exact (+) zeros.
+    """
     qmax = QMAX[precision]
-    scale = float(np.float32(absmax))
+    scale = np.asarray(absmax, dtype=np.float32).astype(np.float64).reshape(-1, 1)
     if precision == "int8":
         codes = np.arange(256, dtype=np.uint8).view(np.int8).astype(np.float64)
-        return (codes * scale / qmax).astype(np.float32)
-    nibble = ((np.arange(16, dtype=np.float64) - 8) * scale / qmax).astype(np.float32)
-    byte = np.arange(256)
-    return np.stack([nibble[byte >> 4], nibble[byte & 0x0F]], axis=1)
+        table = (codes * scale / qmax).astype(np.float32)
+    else:
+        nibble = ((np.arange(16, dtype=np.float64) - 8) * scale / qmax).astype(np.float32)
+        table = np.stack([nibble[:, _HIGH], nibble[:, _LOW]], axis=-1)
+    table[scale[:, 0] == 0.0] = 0.0
+    return table
+
+
+_WIDE = {4: np.dtype(np.uint64), 8: np.dtype(np.complex128)}  # two float32 / two float64 as one item
+
+
+def lookup(table: np.ndarray, data: np.ndarray, n: int, out: np.ndarray) -> np.ndarray:
+    """``out[:n]`` = the values of ``n`` elements stored in ``data`` (uint8 bytes), by a table look-up.
+
+    ``table`` is ``(256,)`` (one value per byte: int8) or ``(256, 2)`` (a high / low nibble pair per byte:
+    int4), of ``out``'s dtype (float32, or float64 for a table with a weight folded in). Int4 bytes are
+    looked up as one 8- or 16-byte item each, so a byte yields both its values in one copy. The data is
+    read in blocks of ``CHUNK`` elements (the look-up casts its indices to intp). Returns ``out[:n]``.
+    """
+    if table.ndim == 1:
+        for lo in range(0, n, CHUNK):
+            hi = min(n, lo + CHUNK)
+            np.take(table, data[lo:hi], out=out[lo:hi], mode="clip")
+        return out[:n]
+    wide = _WIDE[table.dtype.itemsize]
+    items = table.view(wide).reshape(256)
+    pairs = n // 2
+    flat = out[: 2 * pairs].view(wide)
+    for lo in range(0, pairs, CHUNK // 2):
+        hi = min(pairs, lo + CHUNK // 2)
+        np.take(items, data[lo:hi], out=flat[lo:hi], mode="clip")
+    if n % 2:
+        out[n - 1] = table[data[pairs], 0]
+    return out[:n]
 
 
 def decode_into(data: np.ndarray, precision: str, absmax: float, n: int, out: np.ndarray) -> np.ndarray:
@@ -198,14 +281,7 @@ def decode_into(data: np.ndarray, precision: str, absmax: float, n: int, out: np
     if absmax == 0.0:
         out[...] = 0.0
         return out
-    table = _code_values(precision, absmax)
-    if precision == "int8":
-        np.take(table, data.view(np.uint8), out=out, mode="clip")
-        return out
-    pairs = n // 2
-    np.take(table, data[:pairs], axis=0, out=out[: 2 * pairs].reshape(pairs, 2), mode="clip")
-    if n % 2:
-        out[n - 1] = table[data[pairs], 0]
+    lookup(_code_values(precision, absmax), data.view(np.uint8), n, out)
     return out
 
 

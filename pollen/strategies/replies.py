@@ -155,10 +155,13 @@ def read_reply(
         raise ReplyRejected(f"client error: {reply.error.reason}")
     record_bytes = count_records(reply)
     content = reply.content
-    delta, buffers = _read_update(content, layout, params, spec, arrayrecord_key, scratch)
+    delta, buffers, squares = _read_update(content, layout, params, spec, arrayrecord_key, scratch)
     norm = 0.0
     if delta is not None:
-        norm, peak = vector_stats(delta, max_abs)
+        if squares is not None and math.isfinite(squares) and math.sqrt(squares) <= max_abs:
+            norm = peak = math.sqrt(squares)  # summed while the difference was made (see _difference)
+        else:
+            norm, peak = vector_stats(delta, max_abs)
         if not np.isfinite(norm):
             raise ReplyRejected("update contains NaN or Inf")
         if peak > max_abs:
@@ -196,7 +199,9 @@ def _read_update(
     spec: ReplySpec,
     arrayrecord_key: str,
     scratch: np.ndarray | None,  # noqa: ANN001
-) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
+) -> tuple[np.ndarray | None, dict[str, np.ndarray], float | None]:
+    """The update, the buffers and, for a full-model reply, the update's sum of squares (else None)."""
+    squares = None
     compressed = _array_record(content, protocol.UPDATE_RECORD)
     full = _array_record(content, arrayrecord_key)
     if compressed is not None and full is not None:
@@ -217,35 +222,47 @@ def _read_update(
                 raise ReplyRejected(
                     f"array '{spec_.name}' has dtype {arrays[spec_.name].dtype}; allowed: floating point"
                 )
-        delta = _difference(arrays, layout, params, scratch)
+        delta, squares = _difference(arrays, layout, params, scratch)
         buffers = _buffers_from(arrays, layout)
     else:
         if spec.update == "required":
             raise ReplyRejected(f"reply carries neither '{arrayrecord_key}' nor '{protocol.UPDATE_RECORD}' arrays")
-        return None, {}
+        return None, {}, None
     delta = np.asarray(delta, dtype=np.float32)
     if delta.shape != (layout.dim,):
         raise ReplyRejected(f"decoded update has shape {delta.shape}, the model has ({layout.dim},)")
-    return delta, buffers
+    return delta, buffers, squares
+
+
+_BLOCK = 1 << 16  # elements of a tensor subtracted and squared while in cache
 
 
 def _difference(
     arrays: dict[str, np.ndarray], layout: ModelLayout, params: np.ndarray, out: np.ndarray | None
-) -> np.ndarray:
-    """``flatten(arrays) - params`` in one pass per tensor (values cast to float32 first, as flatten does).
+) -> tuple[np.ndarray, float]:
+    """``flatten(arrays) - params`` and its sum of squares, in one pass per tensor, a block at a time.
 
-    A value that is not finite after the cast (a float64 1e300) gives a non-finite difference,
-    which the norm check of :func:`read_reply` rejects.
+    Values are cast to float32 first, as flatten does. The sum of squares is the float64 sum of each
+    block's float32 ``dot``, taken while the block is in cache (so the norm needs no second read of the
+    update; its last bits may differ from one ``dot`` over the whole vector). A value that is not finite
+    after the cast (a float64 1e300) gives a non-finite difference and sum, which :func:`read_reply`
+    rejects.
     """
     if out is None:
         out = np.empty(layout.dim, dtype=np.float32)
+    squares = 0.0
     with np.errstate(over="ignore", invalid="ignore"):
         for spec, (start, stop) in zip(layout.trainable, layout.segments):
             value = np.reshape(arrays[spec.name], -1)
-            if value.dtype != np.float32:
-                value = value.astype(np.float32)
-            np.subtract(value, params[start:stop], out=out[start:stop])
-    return out
+            for lo in range(0, stop - start, _BLOCK):
+                hi = min(stop - start, lo + _BLOCK)
+                part = value[lo:hi]
+                if part.dtype != np.float32:
+                    part = part.astype(np.float32)
+                block = out[start + lo : start + hi]
+                np.subtract(part, params[start + lo : start + hi], out=block)
+                squares += float(np.dot(block, block))
+    return out, squares
 
 
 def _read_buffers(content, layout: ModelLayout) -> dict[str, np.ndarray]:  # noqa: ANN001

@@ -133,14 +133,15 @@ class VRRound:
 
     :meth:`add` takes ``y_i`` as soon as a reply is read and keeps no float vector of it: it adds
     ``n_i (y_i - D(y_i_old))`` (``n_i y_i`` for a client without a row, or with ``weighting="none"``) to the
-    round's sum, reading the old row one tensor at a time, and, with ``stage=True``, encodes ``y_i`` into the
-    table's storage format, to be written by :meth:`commit` after the server step. :meth:`delta` applies the
+    round's sum and, with ``stage=True``, encodes ``y_i`` into the table's storage format, to be written by
+    :meth:`commit` after the server step; both happen block by block (:meth:`UpdateTable.blocks`), so each block
+    of ``y_i`` and of the decoded old row is read while it is in cache. :meth:`delta` applies the
     weighting's coefficient, which needs every ``n_i`` of the round, once at the end:
 
         r = running_sum_old / W  +  k * sum_i n_i (y_i - D(y_i_old)),   k = 1 / sum_S n  |  N / (M W)  |  1 / W
 
     Memory beyond the table: the sum (one float32 vector, like FedAMS's running mean; the last step is in
-    float64), one tensor's buffer and the staged rows in the table's precision (an int4 row is 1/8 of a
+    float64), one block's buffers and the staged rows in the table's precision (an int4 row is 1/8 of a
     float32 vector). The table is not touched before :meth:`commit`.
     """
 
@@ -152,7 +153,6 @@ class VRRound:
         self.weighting = check_weighting(weighting)
         self.stage = stage and table is not None
         self.total = np.zeros(self.dim, dtype=np.float32)
-        self.buffer = table.tensor_buffer() if table is not None else None
         self.weights: dict[str, float] = {}
         self.staged: dict[str, EncodedRow] = {}
         self._delta: np.ndarray | None = None
@@ -172,35 +172,25 @@ class VRRound:
             raise ValueError(f"client weight must be finite and >= 0, got {weight!r}")
         if np.shape(y) != (self.dim,):
             raise ValueError(f"update has shape {np.shape(y)}, expected ({self.dim},)")
-        staged = self.table.encode(y, check_finite=False) if self.stage else None
         old = self.table.row_of(k) if self.weighting != "none" and self.table is not None else None
         work = np.empty(min(quant.CHUNK, self.dim), dtype=np.float32)
-        if old is None:
-            self._accumulate(y, None, 0, n, work)
+        reader = self.table.row_reader(old.data, old.absmax) if old is not None else None
+
+        def visit(t: int, a: int, lo: int, hi: int, block: np.ndarray) -> None:
+            old_values = reader.values(t, lo, hi, work) if reader is not None else None
+            accumulate(self.total[a + lo : a + hi], block, old_values, n, work)
+
+        staged = None
+        if self.stage:  # each block of y is encoded and added to the sum while it is in cache
+            staged = self.table.encode(y, check_finite=False, visit=visit)
+        elif reader is None:
+            accumulate(self.total, y, None, n, work)
         else:
-            for a, b, values in self.table.decoded_tensors(old.data, old.absmax, self.buffer):
-                self._accumulate(y[a:b], values, a, n, work)
+            for t, a, lo, hi in self.table.blocks():
+                visit(t, a, lo, hi, y[a + lo : a + hi])
         self.weights[k] = n
         if staged is not None:
             self.staged[k] = staged
-
-    def _accumulate(self, y: np.ndarray, old: np.ndarray | None, start: int, n: float, work: np.ndarray) -> None:
-        """``total[start:...] += n * (y - old)`` a chunk at a time (``old`` None: ``n * y``)."""
-        scale = np.float32(n)
-        for lo in range(0, y.size, quant.CHUNK):
-            hi = min(y.size, lo + quant.CHUNK)
-            target = self.total[start + lo : start + hi]
-            if old is None and n == 1.0:
-                target += y[lo:hi]
-                continue
-            part = work[: hi - lo]
-            if old is None:
-                np.multiply(y[lo:hi], scale, out=part)
-            else:
-                np.subtract(y[lo:hi], old[lo:hi], out=part)
-                if n != 1.0:
-                    part *= scale
-            target += part
 
     def __len__(self) -> int:
         return len(self.weights)
@@ -248,9 +238,29 @@ class VRRound:
         """Write the staged rows into the table (after the server step), with their weights."""
         if self.table is None:
             return
-        for key, row in self.staged.items():
-            self.table.store(key, row, self.weights[key], buffer=self.buffer)
+        self.table.store_many([(key, row, self.weights[key]) for key, row in self.staged.items()])
         self.staged.clear()
+
+
+def accumulate(total: np.ndarray, y: np.ndarray, old: np.ndarray | None, n: float, work: np.ndarray) -> None:
+    """``total += float32(n) * (y - old)`` in place, ``CHUNK`` elements at a time (``old`` None: ``n * y``;
+    ``n == 1``: no product). ``work`` is a float32 scratch of ``min(CHUNK, total.size)`` elements at least,
+    and may be ``old`` itself."""
+    scale = np.float32(n)
+    for lo in range(0, y.size, quant.CHUNK):
+        hi = min(y.size, lo + quant.CHUNK)
+        target = total[lo:hi]
+        if old is None and n == 1.0:
+            target += y[lo:hi]
+            continue
+        part = work[: hi - lo]
+        if old is None:
+            np.multiply(y[lo:hi], scale, out=part)
+        else:
+            np.subtract(y[lo:hi], old[lo:hi], out=part)
+            if n != 1.0:
+                part *= scale
+        target += part
 
 
 def _as_vector(v: Any, dim: int) -> np.ndarray:

@@ -28,7 +28,7 @@ is simply not replaced and keeps its row.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,17 +202,24 @@ class UpdateTable:
         self._decode_row(self._data[row], self._absmax[row], out)
         return True
 
-    def encode(self, y: np.ndarray, *, check_finite: bool = True) -> EncodedRow:
+    def encode(
+        self,
+        y: np.ndarray,
+        *,
+        check_finite: bool = True,
+        visit: Callable[[int, int, int, int, np.ndarray], None] | None = None,
+    ) -> EncodedRow:
         """``y`` validated and quantised per tensor, ready for :meth:`store` (the table is not touched).
 
         Raises ``ValueError`` on a wrong shape or dtype, or on NaN / Inf unless ``check_finite=False`` (for
         callers that have checked already: a reply's norm is its finiteness check). For fp32 the row is a
-        copy of ``y``.
+        copy of ``y``. ``visit(t, a, lo, hi, block)`` is called with every block of :meth:`blocks` (``block``
+        is ``y[a + lo : a + hi]`` as float32) right after it is encoded, while it is still in cache.
         """
         vec = _as_update(y, self._dim, check_finite=check_finite)
         data = np.empty(self._width, dtype=self._dtype)
         absmax = np.zeros(self._n_scales, dtype=np.float32)
-        self._encode_row(vec, data, absmax)
+        self._encode_row(vec, data, absmax, visit)
         return EncodedRow(data, absmax)
 
     def replace(self, key: ClientKey, y: np.ndarray, weight: float = 1.0) -> None:
@@ -234,10 +241,7 @@ class UpdateTable:
         """
         k = client_key(key)
         w = _check_weight(weight)
-        if row.data.shape != (self._width,) or row.data.dtype != self._dtype or row.absmax.shape != (self._n_scales,):
-            raise ValueError(
-                f"an encoded row must be ({self._width},) {self._dtype}; got {row.data.shape} {row.data.dtype}"
-            )
+        self._check_row(row)
         slot = self._index.get(k)
         old_w = 0.0 if slot is None else float(self._weights[slot])
         buffer = self.tensor_buffer() if buffer is None else buffer
@@ -257,6 +261,70 @@ class UpdateTable:
         self._data[slot] = row.data
         self._absmax[slot] = row.absmax
         self._weights[slot] = w
+
+    def store_many(
+        self, rows: Sequence[tuple[ClientKey, EncodedRow, float]], *, buffer: np.ndarray | None = None
+    ) -> None:
+        """:meth:`store` for each ``(key, row, weight)`` in order, the running sum updated block by block.
+
+        The sum's block stays in cache while every row's ``- w_old D(old) + w D(new)`` is added to it, in
+        the same order per coordinate as one :meth:`store` after another, so the result is the same to the
+        bit (an int4 row is decoded and weighted by one look-up of a float64 table per byte). Rows are
+        checked before the sum changes. Repeated keys fall back to one :meth:`store` after another.
+        """
+        items = [(client_key(k), row, _check_weight(w)) for k, row, w in rows]
+        if len({k for k, _, _ in items}) != len(items):
+            for k, row, w in items:
+                self.store(k, row, w, buffer=buffer)
+            return
+        for _, row, _ in items:
+            self._check_row(row)
+        terms = []  # (row data, weighted reader) in the order store() adds them
+        for k, row, w in items:
+            slot = self._index.get(k)
+            old_w = 0.0 if slot is None else float(self._weights[slot])
+            if old_w:
+                terms.append(self.row_reader(self._data[slot], self._absmax[slot], -old_w))
+            if w:
+                terms.append(self.row_reader(row.data, row.absmax, w))
+        if terms:
+            work = np.empty(min(quant.CHUNK, self._dim), dtype=np.float64)
+            spare = np.empty(min(quant.CHUNK, self._dim), dtype=np.float32)
+            for t, a, lo, hi in self.blocks():
+                total = self._sum[a + lo : a + hi]
+                for reader in terms:
+                    total += reader.weighted(t, lo, hi, work, spare)
+        for k, row, w in items:
+            slot = self._index.get(k)
+            old_w = 0.0 if slot is None else float(self._weights[slot])
+            if slot is None:
+                if len(self._keys) == self.capacity:
+                    self._grow(2 * self.capacity)
+                slot = len(self._keys)
+                self._index[k] = slot
+                self._keys.append(k)
+            self._total_weight += w - old_w
+            self._data[slot] = row.data
+            self._absmax[slot] = row.absmax
+            self._weights[slot] = w
+
+    def blocks(self) -> Iterator[tuple[int, int, int, int]]:
+        """``(tensor, tensor start, lo, hi)`` for every block of at most ``CHUNK`` elements of a row, in order;
+        ``lo:hi`` is inside the tensor and ``lo`` is even (an int4 block starts on a byte)."""
+        for t, size in enumerate(self._sizes):
+            a = int(self._starts[t])
+            for lo in range(0, size, quant.CHUNK):
+                yield t, a, lo, min(size, lo + quant.CHUNK)
+
+    def row_reader(self, data: np.ndarray, absmax: np.ndarray, weight: float | None = None) -> RowReader:
+        """A :class:`RowReader` of one encoded row (``weight`` for :meth:`RowReader.weighted`)."""
+        return RowReader(self, data, absmax, weight)
+
+    def _check_row(self, row: EncodedRow) -> None:
+        if row.data.shape != (self._width,) or row.data.dtype != self._dtype or row.absmax.shape != (self._n_scales,):
+            raise ValueError(
+                f"an encoded row must be ({self._width},) {self._dtype}; got {row.data.shape} {row.data.dtype}"
+            )
 
     def tensor_buffer(self) -> np.ndarray:
         """A float32 buffer the size of the largest tensor: what :meth:`decoded_tensors` decodes into."""
@@ -565,16 +633,26 @@ class UpdateTable:
         weights[:old] = self._weights
         self._weights = weights
 
-    def _encode_row(self, vec: np.ndarray, row: np.ndarray, absmax: np.ndarray) -> None:
-        if self._precision == "fp32":
-            row[...] = vec
-            return
-        for t in range(len(self._sizes)):
-            a, b = self._starts[t], self._starts[t + 1]
-            c, e = self._cols[t], self._cols[t + 1]
-            m = quant.encode_into(vec[a:b], self._precision, row[c:e])
-            if self._n_scales:
-                absmax[t] = m
+    def _encode_row(
+        self,
+        vec: np.ndarray,
+        row: np.ndarray,
+        absmax: np.ndarray,
+        visit: Callable[[int, int, int, int, np.ndarray], None] | None = None,
+    ) -> None:
+        """Encode ``vec`` block by block (what :func:`quant.encode_into` writes for each tensor)."""
+        work = quant.BlockWork(min(quant.CHUNK, self._dim))
+        scale = 0.0
+        for t, a, lo, hi in self.blocks():
+            if lo == 0 and self._n_scales:
+                scale = _absmax(vec[a : a + self._sizes[t]])
+                absmax[t] = scale
+            c = int(self._cols[t])
+            out = row[c : int(self._cols[t + 1])]
+            block = vec[a + lo : a + hi]
+            quant.encode_block(block, self._precision, scale, out, lo, work)
+            if visit is not None:
+                visit(t, a, lo, hi, block)
 
     def _decode_row(self, row: np.ndarray, absmax: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         if out is None:
@@ -582,6 +660,57 @@ class UpdateTable:
         for a, b, values in self.decoded_tensors(row, absmax, self.tensor_buffer()):
             out[a:b] = values
         return out
+
+
+class RowReader:
+    """Blocks of one encoded row, dequantised: ``D(row)`` as float32, or ``float64(D(row)) * weight``.
+
+    Both are exactly what :meth:`UpdateTable.decoded_tensors` and :func:`add_scaled` compute element by
+    element; an int4 or int8 row is read through per-tensor tables of its 256 byte values, built once
+    for the row (with the weight folded in for :meth:`weighted`: the product of a float32 value and the
+    weight is one float64 rounding either way).
+    """
+
+    def __init__(self, table: UpdateTable, data: np.ndarray, absmax: np.ndarray, weight: float | None) -> None:
+        self.precision = table.precision
+        self.data = data
+        self.starts = table._cols
+        self.sizes = table.segments
+        self.weight = weight
+        self.values32 = None
+        self.values64 = None
+        if quant.is_integer(self.precision):
+            self.values32 = quant.code_tables(self.precision, absmax)
+            if weight is not None:
+                self.values64 = self.values32.astype(np.float64) * weight
+            if self.precision == "int8":
+                self.data = data.view(np.uint8)
+
+    def _stored(self, t: int, lo: int, hi: int) -> np.ndarray:
+        c = int(self.starts[t])
+        if self.precision == "int4":
+            return self.data[c + lo // 2 : c + (hi + 1) // 2]
+        return self.data[c + lo : c + hi]
+
+    def values(self, t: int, lo: int, hi: int, out: np.ndarray) -> np.ndarray:
+        """float32 ``D`` of elements ``lo:hi`` of tensor ``t`` (into ``out``, or a view of an fp32 row)."""
+        stored = self._stored(t, lo, hi)
+        if self.precision == "fp32":
+            return stored
+        out = out[: hi - lo]
+        if self.precision == "fp16":
+            np.copyto(out, stored)
+            return out
+        return quant.lookup(self.values32[t], stored, hi - lo, out)
+
+    def weighted(self, t: int, lo: int, hi: int, out: np.ndarray, spare: np.ndarray) -> np.ndarray:
+        """``float64(D) * weight`` of elements ``lo:hi`` of tensor ``t``, into ``out`` (float64)."""
+        stored = self._stored(t, lo, hi)
+        out = out[: hi - lo]
+        if self.values64 is not None:
+            return quant.lookup(self.values64[t], stored, hi - lo, out)
+        values = self.values(t, lo, hi, spare)
+        return np.multiply(values, self.weight, out=out, dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -611,6 +740,18 @@ def add_scaled(total: np.ndarray, x: np.ndarray, weight: float = 1.0) -> None:
         total[lo:hi] += part
 
 
+def _absmax(x: np.ndarray) -> float:
+    """:func:`quant.absmax_of` with the tensor read once: both extremes of each block while it is in cache."""
+    if x.size <= quant.CHUNK:
+        return quant.absmax_of(x)
+    count = -(-x.size // quant.CHUNK)
+    highs, lows = np.empty(count, dtype=x.dtype), np.empty(count, dtype=x.dtype)
+    for i in range(count):
+        block = x[i * quant.CHUNK : (i + 1) * quant.CHUNK]
+        highs[i], lows[i] = block.max(), block.min()
+    return float(np.float32(max(float(highs.max()), -float(lows.min()))))
+
+
 def _check_weight(weight: float) -> float:
     w = float(weight)
     if not np.isfinite(w) or w < 0:
@@ -630,4 +771,4 @@ def _as_update(y: Any, dim: int, *, check_finite: bool = True) -> np.ndarray:
     return vec
 
 
-__all__ = ["UpdateTable", "EncodedRow", "add_scaled", "client_key", "ClientKey"]
+__all__ = ["UpdateTable", "EncodedRow", "RowReader", "add_scaled", "client_key", "ClientKey"]
