@@ -414,12 +414,30 @@ def fingerprint_checkout(checkout: Path, out: Path, only: list[str], python: str
     return seconds
 
 
+#: Result columns that were renamed, not changed: the method counters HA-Fed and the lazy family wrote into
+#: fixed columns became ``method.<name>`` columns (``RoundStats.method``, issue 23), which a run only has once
+#: its method wrote them. An old column with nothing in it equals an absent new one.
+RENAMED = {name: f"method.{name}" for name in ("relayed_bytes", "peer_bytes", "lazy_events", "lazy_rel")}
+
+
+def _renamed(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with the old counter columns under their new names; empty ones dropped."""
+    out = {}
+    for key, value in row.items():
+        if key in RENAMED:
+            if value in (0, {}, [], None, ""):
+                continue
+            key = RENAMED[key]
+        out[key] = value
+    return out
+
+
 def first_difference(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:
-    """``""`` when the rows are equal bit for bit, else where they first differ."""
+    """``""`` when the rows are equal bit for bit (counters under their new names), else where they first differ."""
     for i in range(max(len(old), len(new))):
         if i >= len(old) or i >= len(new):
             return f"row {i}: only in {'new' if i >= len(old) else 'old'}"
-        a, b = old[i], new[i]
+        a, b = _renamed(old[i]), _renamed(new[i])
         for key in sorted(set(a) | set(b)):
             ja, jb = (
                 json.dumps(a.get(key, "<absent>"), sort_keys=True),
