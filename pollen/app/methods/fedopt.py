@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pollen.app.methods.common import adaptive_kwargs
+from pollen.app.methods.fedams import uplink_kwargs
 
 KEYS: dict[str, Any] = {}  # every key it reads belongs to another family
 
@@ -44,12 +45,8 @@ def uplink_of(cfg: Mapping[str, Any]) -> Any:
 
     if cfg["compressor"] == "none":
         return None
-    return Uplink(
-        codec=cfg["compressor"],
-        topk_ratio=cfg["topk-ratio"],
-        error_feedback=cfg["error-feedback"],
-        granularity=cfg["compression-granularity"],
-    )
+    settings = uplink_kwargs(cfg)
+    return Uplink(codec=settings.pop("compressor"), **settings)
 
 
 def uplink_codec(cfg: Mapping[str, Any]) -> str:
