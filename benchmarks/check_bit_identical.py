@@ -416,7 +416,7 @@ def fingerprint_checkout(checkout: Path, out: Path, only: list[str], python: str
 
 #: Result columns that were renamed, not changed: the method counters HA-Fed and the lazy family wrote into
 #: fixed columns became ``method.<name>`` columns (``RoundStats.method``, issue 23), which a run only has once
-#: its method wrote them. An old column with nothing in it equals an absent new one.
+#: its method wrote them. A counter column with nothing in it (0, empty) equals an absent one.
 RENAMED = {name: f"method.{name}" for name in ("relayed_bytes", "peer_bytes", "lazy_events", "lazy_rel")}
 
 
@@ -424,10 +424,9 @@ def _renamed(row: dict[str, Any]) -> dict[str, Any]:
     """``row`` with the old counter columns under their new names; empty ones dropped."""
     out = {}
     for key, value in row.items():
-        if key in RENAMED:
-            if value in (0, {}, [], None, ""):
-                continue
-            key = RENAMED[key]
+        key = RENAMED.get(key, key)
+        if key.startswith("method.") and value in (0, {}, [], None, ""):
+            continue  # a counter with nothing in it: written as 0 by one version, not at all by the other
         out[key] = value
     return out
 
@@ -532,8 +531,10 @@ def compare(old_path: Path, new_path: Path, only: list[str] = ()) -> int:
     widths = [max(len(str(row[i])) for row in [header, *table]) for i in range(len(header))]
     for row in [header, tuple("-" * w for w in widths), *table]:
         print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip())
+    new_only = sum(1 for row in table if row[3] == "new")
     print(
-        f"{len(table)} runs: {len(table) - differ} identical, {differ} different"
+        f"{len(table)} runs: {len(table) - differ - new_only} identical, {differ} different"
+        + (f", {new_only} new (no baseline)" if new_only else "")
         + (f", {errors} that failed the same way on both (not covered)" if errors else "")
     )
     return 1 if differ else 0
