@@ -9,8 +9,8 @@ from flwr.app import ArrayRecord
 from torch.utils.data import DataLoader, TensorDataset
 
 from pollen.app.config import AppConfig, defaults_from_pyproject
+from pollen.app.reporter import RoundReporter
 from pollen.app.results import RunRecorder
-from pollen.server_app import RoundReporter
 from pollen.strategies.accounting import Accounting
 from pollen.testing.flwr_cli import REPO
 
@@ -49,7 +49,7 @@ def test_eval_every_evaluates_on_schedule_and_after_the_last_round(tmp_path):
 
 
 def test_the_round_log_names_each_record_kind_only_when_there_is_more_than_the_model():
-    from pollen.server_app import _records_in_words
+    from pollen.app.reporter import _records_in_words
 
     plain = {"arrays": 1000, "metrics": 50, "pollen.client-info": 40}
     assert _records_in_words(plain, {"arrays": 1000, "config": 80}) == ""
@@ -59,7 +59,7 @@ def test_the_round_log_names_each_record_kind_only_when_there_is_more_than_the_m
 
 
 def test_round_log_names_each_methods_counters_without_knowing_them():
-    from pollen.server_app import _method_in_words
+    from pollen.app.reporter import _method_in_words
 
     events = {
         "up-send": 3,
