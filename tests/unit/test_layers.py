@@ -116,3 +116,20 @@ def test_the_walk_sees_upward_and_flower_imports(tmp_path: Path) -> None:
     fine = tmp_path / "optim" / "fine.py"
     fine.write_text("from pollen.core.layout import ModelLayout\nfrom . import base\nimport numpy\n")
     assert _violations(fine, tmp_path) == []
+
+
+def test_the_unit_tests_need_no_flower() -> None:
+    """``tests/unit`` is the Flower-free layer of the suite: no test there imports Flower or the glue above it."""
+    unit = Path(__file__).resolve().parent
+    wrong = []
+    for path in sorted(unit.glob("test_*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "flwr" or (parts[0] == "pollen" and len(parts) > 1 and parts[1] not in FLOWER_FREE):
+                    wrong.append(f"{path.name}:{node.lineno}: {name}")
+    assert not wrong, f"unit tests that import Flower or the glue: {wrong}"
