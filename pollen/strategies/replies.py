@@ -148,8 +148,9 @@ def read_reply(
 
     ``params`` is the global model the reply's full model (if any) is compared with. The update's
     norm is computed in the same pass that checks it is finite and that no coordinate exceeds
-    ``max_abs``. ``scratch`` (a float32 vector of the model's size) is filled with a full-model
-    reply's update instead of allocating one; the returned ``delta`` is then that buffer.
+    ``max_abs``; the buffers and every extra are held to the same hard limit. ``scratch`` (a float32
+    vector of the model's size) is filled with a full-model reply's update instead of allocating one;
+    the returned ``delta`` is then that buffer.
     """
     if reply.has_error():
         raise ReplyRejected(f"client error: {reply.error.reason}")
@@ -166,7 +167,13 @@ def read_reply(
             raise ReplyRejected("update contains NaN or Inf")
         if peak > max_abs:
             raise ReplyRejected(f"update has a coordinate of magnitude {peak:.3g} > {max_abs:.3g} (hard limit)")
-    extras = {extra.name: value for extra in spec.extras if (value := _read_extra(content, extra, layout)) is not None}
+    for name, value in buffers.items():
+        _check_magnitude(value, f"buffer '{name}'", max_abs)
+    extras = {
+        extra.name: value
+        for extra in spec.extras
+        if (value := _read_extra(content, extra, layout, max_abs)) is not None
+    }
     flags = _read_flags(content, spec)
     metrics = _first_metrics(content)
     num_examples = _read_weight(metrics, weighted_by_key, weight_required)
@@ -309,7 +316,7 @@ def _buffers_from(arrays: dict[str, np.ndarray], layout: ModelLayout) -> dict[st
     return out
 
 
-def _read_extra(content, extra: Extra, layout: ModelLayout) -> np.ndarray | None:  # noqa: ANN001
+def _read_extra(content, extra: Extra, layout: ModelLayout, max_abs: float) -> np.ndarray | None:  # noqa: ANN001
     record = _array_record(content, extra.record_name)
     if record is None:
         if extra.required:
@@ -326,6 +333,7 @@ def _read_extra(content, extra: Extra, layout: ModelLayout) -> np.ndarray | None
     with np.errstate(over="ignore", invalid="ignore"):
         vector = value.astype(np.float32)
     _check_finite(vector, f"extra '{extra.name}'")
+    _check_magnitude(vector, f"extra '{extra.name}'", max_abs)
     if extra.nonnegative and vector.size and vector.min() < 0:
         raise ReplyRejected(f"extra '{extra.name}' holds negative values; it must be >= 0")
     return vector
@@ -384,6 +392,19 @@ def _check_shape(value: np.ndarray, shape: tuple[int, ...], name: str) -> None:
     # A 0-d tensor may come back as shape (1,) from some converters: same value, accept.
     if tuple(value.shape) != shape and not (value.size == size == 1):
         raise ReplyRejected(f"array '{name}' has shape {tuple(value.shape)}, the model has {shape}")
+
+
+def _check_magnitude(values: np.ndarray, what: str, max_abs: float) -> None:
+    """``ReplyRejected`` when any value's magnitude exceeds ``max_abs`` (the hard limit updates have too).
+
+    A second moment of 1e30 or a gradient entry of 1e20 is finite, but squared or kept in a running max
+    it would pin the server's state at a huge value (or overflow float32) for the rest of the run.
+    """
+    if values.size == 0 or not math.isfinite(max_abs):
+        return
+    peak = float(np.max(np.abs(values.astype(np.float64, copy=False))))
+    if peak > max_abs:
+        raise ReplyRejected(f"{what} has a value of magnitude {peak:.3g} > {max_abs:.3g} (hard limit)")
 
 
 def _check_finite(vector: np.ndarray, what: str) -> None:
