@@ -99,10 +99,16 @@ class ReplyCollector:
         log(WARNING, "\t> rejected reply from %s (node %d): %s", client, node, reason)
 
     def from_asked(self, server_round: int, phase: str, replies: Iterable[Message]) -> list[Message]:
-        """Replies from nodes asked in this phase, one each; the rest are failures with a reason."""
+        """Replies from nodes asked in this phase, one each, in a fixed order; the rest are failures with a reason.
+
+        The kept replies come back ordered by stable client id (then node id), not in the order they
+        arrived: everything downstream (the float32 running sum, a method's per-client loop, the
+        metrics' average) then gives the same bits whatever order the clients finished in and however
+        many workers ran them.
+        """
         asked = set(self._asked.get((server_round, phase), []))
         kept, seen = [], set()
-        for reply in replies:
+        for reply in self.in_fixed_order(replies):
             node = reply.metadata.src_node_id
             if node not in asked:
                 self.reject(server_round, node, f"reply from a node not asked in {phase} of round {server_round}")
@@ -112,6 +118,10 @@ class ReplyCollector:
                 seen.add(node)
                 kept.append(reply)
         return kept
+
+    def in_fixed_order(self, replies: Iterable[Message]) -> list[Message]:
+        """``replies`` ordered by (stable client id, node id): an order that does not depend on arrival."""
+        return sorted(replies, key=lambda reply: (self.sampler.key(node := reply.metadata.src_node_id), node))
 
     def missing(self, server_round: int, phase: str, replies: Iterable[Message]) -> None:
         """Count every node asked in ``phase`` that is not among ``replies`` as a failure."""

@@ -71,8 +71,15 @@ class LocalFlower:
         return self._apps[variant]
 
     def run(
-        self, run_config: dict, num_supernodes: int = 4, timeout: float = 400, variant: str = "product"
+        self,
+        run_config: dict,
+        num_supernodes: int = 4,
+        timeout: float = 400,
+        variant: str = "product",
+        client_cpus: float | None = None,
     ) -> subprocess.CompletedProcess:
+        """``flwr run`` of the app with ``run_config``; ``client_cpus`` sets the simulation's
+        ``client-resources-num-cpus`` (1 on a two-core machine: two clients train at once)."""
         overrides = " ".join(
             f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
             for k, v in run_config.items()
@@ -84,7 +91,8 @@ class LocalFlower:
             str(self.app(variant)),
             "--stream",
             "--federation-config",
-            f"num-supernodes={num_supernodes}",
+            f"num-supernodes={num_supernodes}"
+            + ("" if client_cpus is None else f" client-resources-num-cpus={client_cpus:g}"),
             "--run-config",
             overrides,
         ]

@@ -30,6 +30,7 @@ def run_inprocess(
     *,
     server_main: Any = None,
     client_app: Any = None,
+    shuffle_seed: int | None = None,
 ) -> list[dict[str, Any]]:
     """Run one experiment; return its metrics rows (also written under results-dir/run-name).
 
@@ -37,7 +38,8 @@ def run_inprocess(
     on a small shared machine one thread per benchmark process is the fastest setting
     (two threads were 2.2x slower per LeNet step under load). ``server_main`` (a ServerApp's main
     function, ``main(grid, context)``) and ``client_app`` (a ``ClientApp``) replace pollen's own,
-    e.g. a user's apps with a method of their own.
+    e.g. a user's apps with a method of their own. ``shuffle_seed`` hands each round's replies back in a
+    seeded random order (:class:`FakeGrid`), as clients finishing in another order would.
     """
     import torch
 
@@ -66,6 +68,7 @@ def run_inprocess(
         cluster_ids={node: str((node - 1) // size) for node in contexts}
         if (size := int(effective.get("cluster-size", 0)))
         else None,
+        shuffle_seed=shuffle_seed,
     )
     grid.set_run(SimpleNamespace(override_config=dict(overrides)))  # what Flower's run record says was given
     server_context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)

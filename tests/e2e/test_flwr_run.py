@@ -43,13 +43,20 @@ def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("results")
 
 
-def _run(
-    flower: LocalFlower, results_dir: Path, name: str, num_supernodes: int = 4, variant: str = "product", **config
+def _run(  # noqa: PLR0913 - the run's settings, passed through
+    flower: LocalFlower,
+    results_dir: Path,
+    name: str,
+    num_supernodes: int = 4,
+    variant: str = "product",
+    client_cpus: float | None = None,
+    **config,
 ) -> dict:
     proc = flower.run(
         {**TINY, **config, "results-dir": str(results_dir), "run-name": name},
         num_supernodes=num_supernodes,
         variant=variant,
+        client_cpus=client_cpus,
     )
     out_dir = Path(config["resume"]) if config.get("resume") else results_dir / name
     assert proc.returncode == 0 and (out_dir / "final_model.npz").is_file(), proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -146,6 +153,28 @@ def test_relay_demo_runs_its_mid_round_exchange(flower: LocalFlower, results_dir
     assert last["downlink_by_record"]["relay-mix/pollen.x.relay"] >= 3 * 4 * 29_034
     assert last["uplink_by_record"]["relay-mix/pollen.x.layer-sq-norms"] > 0
     assert metrics["rows"][-1]["accuracy"] > metrics["rows"][0]["accuracy"]
+
+
+def _same_models(first: Path, second: Path) -> None:
+    want, got = np.load(first / "final_model.npz"), np.load(second / "final_model.npz")
+    assert sorted(want.files) == sorted(got.files)
+    for name in want.files:
+        assert want[name].tobytes() == got[name].tobytes(), name
+
+
+def test_parallel_workers_end_bit_identical_to_one_client_at_a_time(
+    flower: LocalFlower, results_dir: Path, tmp_path: Path
+) -> None:
+    """Two clients train at once (one CPU each) and finish in whatever order: the run is bit-identical to
+    another such run and to pollen's in-process runner training one client at a time with one thread."""
+    from pollen.testing.inprocess import run_inprocess
+
+    config = {"strategy": "fedcams", "compressor": "sign", "num-server-rounds": 3, "fraction-train": 1.0}
+    for name in ("parallel-a", "parallel-b"):
+        _run(flower, results_dir, name, client_cpus=1, **config)
+    _same_models(results_dir / "parallel-a", results_dir / "parallel-b")
+    run_inprocess({**TINY, **config, "results-dir": str(tmp_path), "run-name": "sequential"}, 4, threads=1)
+    _same_models(results_dir / "parallel-a", tmp_path / "sequential")
 
 
 def test_resume_in_simulation_equals_the_uninterrupted_run(
