@@ -27,14 +27,44 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
+from pollen.clientside.feedback import settle
 from pollen.clientside.state import ClientState
-from pollen.compression import make_codec
+from pollen.compression import decode_payload, make_codec
 from pollen.compression.error_feedback import ErrorFeedback, compress_with_feedback
+from pollen.compression.payload import Payload
 from pollen.core.layout import ModelLayout
 from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, payload_to_records, record_to_arrays
 
 RESIDUAL = "ef-residual"
+# The last error-fed upload, as sent (its payload: a few bytes per value, not a dense vector) and its round.
+PENDING_PREFIX = "ef-pending/"
+PENDING_CODEC = "ef-pending.codec"
+PENDING_ROUND = "ef-pending.round"
+
+
+def _keep_pending(state: ClientState, payload: Payload, server_round: int) -> None:
+    for name in [n for n in state.names() if n.startswith(PENDING_PREFIX)]:
+        state.pop(name)
+    for name, value in payload.arrays.items():
+        state.set(PENDING_PREFIX + name, np.asarray(value))
+    state.set(PENDING_CODEC, np.frombuffer(payload.codec.encode(), dtype=np.uint8))
+    state.set(PENDING_ROUND, np.array(server_round, dtype=np.int64))
+
+
+def _pending_upload(
+    state: ClientState, dim: int, segments: Sequence[tuple[int, int]] | None
+) -> tuple[np.ndarray | None, int | None]:
+    """The last upload as the server would decode it, and its round; ``(None, None)`` when there is none."""
+    codec, server_round = state.get(PENDING_CODEC), state.get(PENDING_ROUND)
+    if codec is None or server_round is None:
+        return None, None
+    arrays = {n[len(PENDING_PREFIX) :]: state.get(n) for n in state.names() if n.startswith(PENDING_PREFIX)}
+    payload = Payload(codec=bytes(np.asarray(codec, dtype=np.uint8)).decode(), dim=dim, arrays=arrays)
+    try:
+        return decode_payload(payload, dim, segments=segments), int(server_round)
+    except ValueError:  # the model changed size: nothing can be owed on it
+        return None, None
 
 
 def wants_compression(config: ConfigRecord | None) -> bool:
@@ -72,8 +102,10 @@ def compress_update(
 ) -> dict[str, ArrayRecord | ConfigRecord]:
     """The records of a compressed upload of ``delta`` (flat float32), as ``config`` asks.
 
-    ``state`` holds the error-feedback residual between rounds (updated here, committed by the
-    caller); ``buffers`` (non-trainable arrays) travel uncompressed in ``pollen.buffers``.
+    ``state`` holds the error-feedback residual and the last upload between rounds (updated here,
+    committed by the caller; the part of the last upload the server says it did not apply goes back into
+    the residual first, :mod:`pollen.clientside.feedback`); ``buffers`` (non-trainable arrays) travel
+    uncompressed in ``pollen.buffers``.
     """
     granularity = str(config.get(protocol.CFG_GRANULARITY, "model"))
     codec = make_codec(
@@ -86,9 +118,13 @@ def compress_update(
     residual = state.get(RESIDUAL) if use_feedback else None
     if residual is not None and residual.shape != delta.shape:
         residual = None  # the model changed size: start again from e = 0
+    server_round = int(config.get(protocol.CFG_SERVER_ROUND, 0))
+    if use_feedback:  # what the server did not apply of the last upload is owed, not lost
+        residual = settle(residual, *_pending_upload(state, delta.shape[0], segments), config, server_round)
     payload, feedback = compress_with_feedback(codec, delta, ErrorFeedback(residual=residual, enabled=use_feedback))
     if use_feedback:
         state.set(RESIDUAL, feedback.residual)
+        _keep_pending(state, payload, server_round)
     update, meta = payload_to_records(payload, granularity)
     records: dict[str, ArrayRecord | ConfigRecord] = {protocol.UPDATE_RECORD: update, protocol.UPDATE_META_RECORD: meta}
     if buffers:

@@ -20,7 +20,8 @@ family (its config has ``pollen.lazy.up-rule``) the mod:
    counts too) and replaced by a one-bit
    ``lazy-skip`` flag (NLA), sent with ``lazy-aa`` (AA) or sent as is. The error-feedback residual
    ``e`` keeps what the server did not apply (``applied`` EF, the default) or what the codec dropped
-   (``compressed``).
+   (``compressed``); what the server says it did not apply of the last upload goes back into ``e``
+   (:func:`pollen.clientside.feedback.settle`).
 
 Everything the client keeps (its model copy, the last increment, the last upload, the residual) lives in
 :class:`~pollen.clientside.state.ClientState`; nothing is written unless the reply is built.
@@ -33,6 +34,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
 from pollen.clientside.compression_mod import RESIDUAL, client_state_for
+from pollen.clientside.feedback import settle
 from pollen.clientside.state import ClientState
 from pollen.compression import decode_payload, make_codec
 from pollen.core.layout import ModelLayout
@@ -206,16 +208,9 @@ def _judged_upload(
         residual = None
     last_used, last_round = state.get(UP_USED), state.get(UP_ROUND)
     server_round = int(config.get(protocol.CFG_SERVER_ROUND, 0))
-    if (
-        residual is not None
-        and last_used is not None
-        and last_used.shape == delta.shape
-        and last_round is not None
-        and int(config.get(protocol.CFG_LAZY_LAST_ROUND, last_round)) < int(last_round) < server_round
-    ):
-        residual = np.add(
-            residual, last_used, dtype=np.float32
-        )  # the server never applied our last reply: not lost, owed
+    if feedback and last_used is not None and last_used.shape == delta.shape:
+        # what the server did not apply of our last upload (rejected, skipped, rolled back, clipped) is owed
+        residual = settle(residual, last_used, None if last_round is None else int(last_round), config, server_round)
     compensated = delta if residual is None else np.add(delta, residual, dtype=np.float32)
     payload = codec.encode(compensated)
     cand = codec.decode(payload, layout.dim)

@@ -43,6 +43,7 @@ from pollen.optim import OptState, Transform
 from pollen.strategies.accounting import Accounting
 from pollen.strategies.collector import TRAIN_PHASE, ReplyCollector, reason_of
 from pollen.strategies.declared import restore_strategy_state, strategy_state
+from pollen.strategies.ledger import AppliedLedger
 from pollen.strategies.model import GlobalModel
 from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec
 from pollen.strategies.rounds import RoundLoop
@@ -224,6 +225,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         )
         self.accounting = Accounting()
         self.replies = ReplyCollector(self.sampler, lambda: self.accounting)
+        self.ledger = AppliedLedger()
         self.transport = Transport(self.replies, lambda: self.accounting, configrecord_key)
         self._train_started: dict[int, float] = {}
 
@@ -321,6 +323,30 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         """
         return shared
 
+    def reports_applied(self) -> bool:
+        """Whether each client is told what the server applied of its last upload (:mod:`~pollen.strategies.ledger`).
+
+        On for error-fed uploads: the client puts whatever was not applied (a rejected, lost, skipped,
+        rolled-back or clipped upload) back into its residual, so error feedback loses nothing.
+        """
+        return self.uplink is not None and self.uplink.error_feedback and self.uplink.codec != "none"
+
+    def keeps_ledger(self) -> bool:
+        """Whether the ledger records committed uploads (whenever clients are told; a method may need it anyway)."""
+        return self.reports_applied()
+
+    def content_for(self, server_round: int, node: int, shared: RecordDict) -> RecordDict:
+        """What ``node`` receives: :meth:`node_content`, with the ledger's word on its last upload if kept."""
+        content = self.node_content(server_round, node, shared)
+        if not self.reports_applied():
+            return content
+        if content is shared:
+            content = RecordDict(dict(shared.items()))
+        config = ConfigRecord(dict(content.config_records[self.configrecord_key]))
+        config.update(self.ledger.config_for(self.sampler.key(node)))
+        content[self.configrecord_key] = config
+        return content
+
     def reply_spec_for(self, server_round: int) -> ReplySpec:
         """Hook: what a final reply of ``server_round`` carries (default: :attr:`reply_spec`)."""
         return self.reply_spec
@@ -377,7 +403,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             config[key] = value
         shared = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         messages = self.transport.train_messages(
-            server_round, nodes, lambda node: self.node_content(server_round, node, shared)
+            server_round, nodes, lambda node: self.content_for(server_round, node, shared)
         )
         log(INFO, "configure_train: sampled %d nodes (out of %d)", len(nodes), len(self.sampler.known_clients))
         return messages
@@ -475,6 +501,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
                     err,
                 )
         if applied:
+            if self.keeps_ledger():
+                self.ledger.record(server_round, applied)
             self.screen.observe([u.norm for u in applied])
             weights = [u.num_examples for u in applied]
             metrics = aggregate_metrics([u.metrics for u in applied if u.metrics is not None], weights)

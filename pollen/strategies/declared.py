@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from pollen.strategies.accounting import Accounting
+from pollen.strategies.ledger import AppliedLedger
 from pollen.strategies.model import GlobalModel
 from pollen.strategies.screening import all_finite
 from pollen.strategies.step import ServerStep
@@ -107,6 +108,7 @@ def strategy_state(strategy: Any) -> dict[str, Any]:
         "seed": strategy.seed,
         "sampler": strategy.sampler.state_dict(),
         "screen": strategy.screen.state_dict(),
+        "ledger": strategy.ledger.state_dict(),
         "accounting": strategy.accounting.to_dict(),
         **strategy.model.state_dict(),
     }
@@ -139,11 +141,13 @@ def restore_strategy_state(strategy: Any, state: Mapping[str, Any]) -> None:
         for name, kind in strategy.state_fields.items()
         if kind != PART and name in state
     }
+    ledger = AppliedLedger()
+    ledger.load_state_dict(state.get("ledger", {}))
     strategy.seed = state["seed"]
     strategy.sampler.load_state_dict(state["sampler"])
     strategy.screen.load_state_dict(state.get("screen", {}))
     strategy.accounting = Accounting.from_dict(state["accounting"])
-    strategy.model, strategy.server_step = model, step
+    strategy.model, strategy.server_step, strategy.ledger = model, step, ledger
     for name, value in values.items():
         setattr(strategy, name, value)
     for name, kind in strategy.state_fields.items():

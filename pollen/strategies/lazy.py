@@ -44,7 +44,7 @@ from pollen.lazy.rules import (
     replay,
 )
 from pollen.strategies.base import ReplyRejected, ReplySpec
-from pollen.strategies.declared import COUNTS, PART
+from pollen.strategies.declared import PART
 from pollen.strategies.downlink import Downlink
 from pollen.strategies.fedams import FedAMS
 from pollen.strategies.lazy_book import ClientBook
@@ -119,7 +119,7 @@ class FedLazy(FedAMS):
     """
 
     streaming = False  # each reply is resolved against its client's stored copies before the mean
-    state_fields = {"book": PART, "last_round": COUNTS}
+    state_fields = {"book": PART}
     reply_spec = ReplySpec(flags=(protocol.FLAG_SKIP, protocol.FLAG_AA, protocol.FLAG_RESYNC), update="optional")
 
     def __init__(
@@ -168,9 +168,9 @@ class FedLazy(FedAMS):
         self.ef_mode, self.ref_mode = ef_mode, ref_mode
         self.bookkeeping_dir = bookkeeping_dir
         self.book: ClientBook | None = None
-        self.last_round: dict[str, int] = {}  # each client's last participation (consecutive-only)
         self._down_codec = None
         self._pending: dict[str, dict[str, Any]] = {}  # this round: what each sampled client will hold
+        self._commits: dict[str, tuple[str, Any, dict[str, Any]]] = {}  # kept replies: what to keep if applied
 
     @property
     def bidirectional(self) -> bool:
@@ -221,11 +221,10 @@ class FedLazy(FedAMS):
         key = self.sampler.key(node)
         config = ConfigRecord(dict(shared.config_records[self.configrecord_key]))
         ref = self.book.get("up-ref", key)
-        if ref is not None and self.ref_mode == "consecutive-only" and self.last_round.get(key) != server_round - 1:
+        if ref is not None and self.ref_mode == "consecutive-only" and self.ledger.round_of(key) != server_round - 1:
             ref = None
         if ref is not None:
             config[protocol.CFG_LAZY_REF_SUM] = checksum(ref)
-        config[protocol.CFG_LAZY_LAST_ROUND] = self.last_round.get(key, 0)  # a lost reply's error goes back into e
         pending: dict[str, Any] = {"ref": ref}
         content = RecordDict({self.configrecord_key: config})
         if not self.bidirectional:
@@ -295,9 +294,24 @@ class FedLazy(FedAMS):
             usable.append(update)
         self._pending = {}
         kept = self.screened(server_round, usable)
-        for update in kept:
-            self._commit(server_round, update.client_key, *commits[id(update)])
+        self._commits = {update.client_key: commits[id(update)] for update in kept}
         return self.apply_updates(server_round, kept, None)
+
+    def reports_applied(self) -> bool:
+        return self.error_feedback  # the client owes its residual what was not applied
+
+    def keeps_ledger(self) -> bool:
+        return True  # ``ref_mode="consecutive-only"`` asks it who took part in the last round
+
+    def after_round(self, server_round: int, updates: list[Any]) -> None:
+        """The server step committed ``updates``: both sides now hold the same copies of those clients.
+
+        A skipped, failed or rolled-back round commits nothing: every client keeps the copies the server
+        holds of a round back, and the ledger tells it that its upload was not applied.
+        """
+        commits, self._commits = self._commits, {}
+        for update in updates:
+            self._commit(update.client_key, *commits[update.client_key])
 
     def _resolve(self, server_round: int, update: Any) -> tuple[str, Any, dict[str, Any]]:
         """Turn a reply into the vector the server applies; return what :meth:`_commit` keeps if it is used.
@@ -345,14 +359,13 @@ class FedLazy(FedAMS):
         update.norm = norm64(used)
         return kind, new_ref, pending
 
-    def _commit(self, server_round: int, key: str, kind: str, new_ref: Any, pending: dict[str, Any]) -> None:
+    def _commit(self, key: str, kind: str, new_ref: Any, pending: dict[str, Any]) -> None:
         """Both sides now hold the same copies of ``key``: its last upload and, if bidirectional, its model."""
         if kind != "skip":
             self.book.put("up-ref", key, new_ref)
         if self.bidirectional:
             for kind_, name in (("x", "x"), ("c-prev", "c_prev"), ("error", "error")):
                 self.book.put(kind_, key, pending[name])
-        self.last_round[key] = server_round
 
 
 __all__ = ["EVENTS", "FedLazy"]

@@ -105,7 +105,9 @@ class ClientUpdate:
     """One client's validated contribution to a round.
 
     ``delta`` is ``x_local - x_global`` as float32 (``None`` when the method allows a reply without
-    an update); ``record_bytes`` the bytes of each record of the reply, by record name.
+    an update); ``record_bytes`` the bytes of each record of the reply, by record name;
+    ``applied_scale`` the fraction of the update the server applies (below 1 when the outlier screen
+    clipped it; the client is told, :mod:`pollen.strategies.ledger`).
     """
 
     client_key: str
@@ -118,6 +120,7 @@ class ClientUpdate:
     flags: dict[str, bool] = field(default_factory=dict)
     record_bytes: dict[str, int] = field(default_factory=dict)
     norm: float = 0.0
+    applied_scale: float = 1.0
 
 
 def count_records(reply: Message) -> dict[str, int]:

@@ -113,6 +113,7 @@ class UpdateScreen:
             elif verdict == "clip":
                 update.delta = update.delta * np.float32(scale)
                 update.norm *= scale
+                update.applied_scale *= scale
         return [u for u in updates if id(u) not in rejected]
 
     def reason(self, norm: float, bound: float) -> str:

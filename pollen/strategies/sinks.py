@@ -39,6 +39,7 @@ class ScreenedSink:
         if verdict == "clip":
             update.delta *= np.float32(scale)
             update.norm *= scale
+            update.applied_scale *= scale
         self.take(update)
         update.delta = None
 

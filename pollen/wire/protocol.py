@@ -44,6 +44,10 @@ CFG_SERVER_ROUND = "server-round"
 CFG_CODEC = "pollen.codec"
 CFG_TOPK_RATIO = "pollen.topk-ratio"
 CFG_ERROR_FEEDBACK = "pollen.error-feedback"
+# What the server applied of this client's last upload (error-fed uploads): the round (0: none yet) and
+# the fraction of it (1.0 unless the outlier screen clipped it). The client owes the rest to its residual.
+CFG_APPLIED_ROUND = "pollen.applied-round"
+CFG_APPLIED_SCALE = "pollen.applied-scale"
 CFG_GRANULARITY = "pollen.granularity"
 CFG_BUFFER_KEYS = "pollen.buffer-keys"
 CFG_PHASE = "pollen.phase"
@@ -77,7 +81,6 @@ CFG_LAZY_REF_SUM = "pollen.lazy.ref-sum"  # checksum of the server's copy of the
 CFG_LAZY_DOWN = "pollen.lazy.down"  # dense | full | send | skip | aa | keep
 CFG_LAZY_APPLY = "pollen.lazy.apply"  # add | set
 CFG_LAZY_X_SUM = "pollen.lazy.x-sum"  # checksum of the client's model after applying the downlink
-CFG_LAZY_LAST_ROUND = "pollen.lazy.last-round"  # the round of the client's last reply the server applied (0: none)
 DOWN_RECORD = "pollen.down"
 DOWN_META_RECORD = "pollen.down-meta"
 DOWN_BUFFERS_RECORD = "pollen.down-buffers"

@@ -287,7 +287,7 @@ def test_downlink_mirror_equals_the_client_copy_after_every_round_and_absent_cli
     before: dict[int, dict] = {}
 
     def check(r, strategy, contexts):  # noqa: ANN001
-        asked = {strategy.sampler.key(n) for n in NODES if strategy.last_round.get(strategy.sampler.key(n)) == r}
+        asked = {strategy.sampler.key(n) for n in NODES if strategy.ledger.round_of(strategy.sampler.key(n)) == r}
         for node in NODES:
             key = strategy.sampler.key(node)
             if strategy.book.has("x", key):

@@ -1,0 +1,243 @@
+"""Error feedback loses nothing at any seam, for every error-fed method the registry builds (issue 24).
+
+Per client and per side, "what the server applied + the client's residual + what it is still owed =
+the sum of the client's true updates" holds after rounds with a skipped round (``min-replies``), a
+rolled-back server step, a reply lost after the client trained (drop-out), an update clipped by the
+outlier screen, and a resume of the server from its state dict in the middle of the run. The methods are
+every registered strategy that, with an error-fed compressed uplink, keeps the ledger
+(:mod:`pollen.strategies.ledger`); the client runs pollen's two train mods (``lazy_mod`` around
+``compression_mod``) on a fake trainer. The bidirectional methods' downlink side is checked by its own
+invariant: the server's mirror of each client is bit for bit the model the client holds (or, after a
+round the server did not commit, the copy it kept of a round back), so ``theta - mirror`` is exactly
+what the downlink still owes.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord
+
+from pollen.app.config import AppConfig, defaults_from_pyproject
+from pollen.app.experiment import build_strategy
+from pollen.app.methods import METHODS
+from pollen.clientside.compression_mod import RESIDUAL, _pending_upload, compression_mod
+from pollen.clientside.feedback import owed
+from pollen.clientside.lazy_mod import COPY_PREFIX, PREV_X, UP_ROUND, UP_USED, lazy_mod
+from pollen.clientside.state import STATE_KEY, ClientState
+from pollen.lazy import checksum
+from pollen.strategies import base as base_module
+from pollen.strategies.fedadavr import _VRSink
+from pollen.strategies.lazy import FedLazy
+from pollen.strategies.sinks import RunningMean
+from pollen.testing.fakes import (
+    TRAINABLE,
+    FakeGrid,
+    config_of,
+    flat_trainable,
+    full_model_reply,
+    global_arrays_of,
+    make_context,
+    model_record,
+    split_trainable,
+    tiny_model,
+)
+from pollen.wire import protocol
+
+pytestmark = pytest.mark.flower_compat
+
+NODES = [1, 2, 3, 4]
+D = 19
+ROUNDS = 8
+PYPROJECT = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "pyproject.toml")
+
+
+def _build(name: str, **extra: Any) -> Any:
+    run_config = {
+        **defaults_from_pyproject(PYPROJECT),
+        "strategy": name,
+        "compressor": "topk",
+        "topk-ratio": 0.25,
+        "error-feedback": True,
+        "fraction-train": 1.0,
+        "fraction-evaluate": 0.0,
+        "min-train-nodes": 3,
+        **extra,
+    }
+    given = {"strategy", "compressor", "topk-ratio", "error-feedback", *extra}
+    return build_strategy(AppConfig.from_run_config(run_config, given=given))
+
+
+def _error_fed_methods() -> list[str]:
+    names = []
+    for name in METHODS:
+        try:
+            strategy = _build(name)
+        except Exception:  # noqa: BLE001 - a method that takes no compressed uplink is not error-fed
+            continue
+        if getattr(strategy, "reports_applied", lambda: False)():
+            names.append(name)
+    return names
+
+
+ERROR_FED = _error_fed_methods()
+
+
+def test_the_registry_yields_every_error_fed_family() -> None:
+    assert {"fedcams", "fedopt", "fednlaca", "fedaca", "fedbnlaca", "fedbaca"} <= set(ERROR_FED), ERROR_FED
+
+
+class Harness:
+    """Pollen's two train mods on a fake trainer; records true updates and what the server took."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.contexts = {n: make_context(n) for n in NODES}
+        self.true: dict[str, list[np.ndarray]] = {f"c{n}": [] for n in NODES}
+        self.taken: list[tuple[str, np.ndarray]] = []
+        self.applied: dict[str, list[np.ndarray]] = {f"c{n}": [] for n in NODES}
+        self.lose: set[int] = set()
+        self.inflate: set[int] = set()
+        self.grid = FakeGrid(NODES, self.client, client_ids={n: f"c{n}" for n in NODES})
+        for sink in (RunningMean, _VRSink):
+            monkeypatch.setattr(sink, "take", self._spy_take(sink.take))
+        original = base_module.AdaptiveStrategy.apply_updates
+
+        def apply_updates(strategy, server_round, updates, running=None):  # noqa: ANN001, ANN202
+            self.taken += [(u.client_key, u.delta.astype(np.float64)) for u in updates if u.delta is not None]
+            return original(strategy, server_round, updates, running)
+
+        monkeypatch.setattr(base_module.AdaptiveStrategy, "apply_updates", apply_updates)
+
+    def _spy_take(self, take):  # noqa: ANN001, ANN202
+        def spied(sink, update):  # noqa: ANN001, ANN202
+            self.taken.append((update.client_key, update.delta.astype(np.float64)))
+            return take(sink, update)
+
+        return spied
+
+    def train(self, msg, context):  # noqa: ANN001, ANN201
+        node = msg.metadata.dst_node_id
+        r = int(config_of(msg)[protocol.CFG_SERVER_ROUND])
+        start = global_arrays_of(msg)
+        step = np.random.default_rng([node, r]).standard_normal(D).astype(np.float32) * np.float32(0.1)
+        if node in self.inflate:
+            step *= np.float32(40.0)  # far beyond 10x the others: the clip rule scales it down
+        local = dict(start)
+        for name, part in split_trainable(step, start).items():
+            local[name] = (start[name] + part).astype(np.float32)
+        self.true[f"c{node}"].append(
+            flat_trainable(local).astype(np.float32).astype(np.float64)
+            - flat_trainable(start).astype(np.float32).astype(np.float64)
+        )
+        return full_model_reply(msg, local, num_examples=10)
+
+    def client(self, msg):  # noqa: ANN001, ANN201
+        node = msg.metadata.dst_node_id
+        context = self.contexts[node]
+        reply = lazy_mod(copy.deepcopy(msg), context, lambda m, c: compression_mod(m, c, self.train))
+        return None if node in self.lose else reply
+
+    def round(self, strategy, r: int, arrays):  # noqa: ANN001, ANN201
+        self.taken = []
+        messages = strategy.configure_train(r, arrays, ConfigRecord(), self.grid)
+        new, _ = strategy.aggregate_train(r, list(self.grid.send_and_receive(messages, timeout=5.0)))
+        if new is not None:  # the step committed: what was taken was applied
+            for key, delta in self.taken:
+                self.applied[key].append(delta)
+        return arrays if new is None else new
+
+    def owed_now(self, strategy, node: int, next_round: int) -> np.ndarray:  # noqa: ANN001
+        """What the client would put back into its residual at its next message."""
+        state = ClientState(self.contexts[node], server_round=next_round)
+        config = {protocol.CFG_SERVER_ROUND: next_round, **strategy.ledger.config_for(f"c{node}")}
+        if isinstance(strategy, FedLazy):
+            used, pending_round = state.get(UP_USED), state.get(UP_ROUND)
+            pending_round = None if pending_round is None else int(pending_round)
+        else:
+            used, pending_round = _pending_upload(state, D, None)
+        if used is None:
+            return np.zeros(D)
+        return owed(config, pending_round, next_round) * np.asarray(used, dtype=np.float64)
+
+    def residual(self, node: int) -> np.ndarray:
+        record = self.contexts[node].state.array_records.get(STATE_KEY)
+        if record is None or RESIDUAL not in record:
+            return np.zeros(D)
+        return record[RESIDUAL].numpy().astype(np.float64)
+
+
+class StepFails(Exception):
+    pass
+
+
+def _failing_step(*args: Any, **kwargs: Any) -> Any:
+    raise StepFails("the optimiser failed")
+
+
+def _run_scenario(name: str, monkeypatch: pytest.MonkeyPatch, **settings: Any) -> tuple[Any, Harness]:
+    harness = Harness(monkeypatch)
+    strategy = _build(name, **settings)
+    arrays = model_record(tiny_model(2))
+    for r in range(1, ROUNDS + 1):
+        harness.lose = {2} if r == 3 else set()  # drop-out: trained, reply lost
+        harness.inflate = {4} if r in (4, 7) else set()  # an outlier, clipped or rejected
+        if r == 5:  # a skipped round: fewer usable replies than min-replies
+            strategy.min_replies = 99
+        if r == 6:  # a server step that fails and is rolled back
+            strategy.server_step.apply = _failing_step
+        arrays = harness.round(strategy, r, arrays)
+        strategy.min_replies = 1
+        if r == 6:
+            del strategy.server_step.apply  # the instance attribute goes, the class's method is back
+        if r == 4:  # resume: a new strategy from the state dict goes on
+            state = strategy.state_dict()
+            strategy = _build(name, **settings)
+            strategy.load_state_dict(state)
+    return strategy, harness
+
+
+@pytest.mark.parametrize("outlier_rule", ["clip", "reject"])
+@pytest.mark.parametrize("name", ERROR_FED)
+def test_applied_plus_residual_plus_owed_equals_the_true_updates(name: str, outlier_rule: str, monkeypatch) -> None:  # noqa: ANN001
+    strategy, harness = _run_scenario(name, monkeypatch, **{"outlier-rule": outlier_rule})
+    stats = strategy.accounting.rounds
+    assert any("skipped" in reason for reason in stats[5].failure_reasons), stats[5].failure_reasons
+    assert any("rolled back" in reason for reason in stats[6].failure_reasons), stats[6].failure_reasons
+    if outlier_rule == "clip":
+        assert strategy.ledger.scales["c4"] < 0.5, "the outlier of round 7 was clipped and the client told so"
+    for node in NODES:
+        key = f"c{node}"
+        applied = np.sum(harness.applied[key], axis=0) if harness.applied[key] else np.zeros(D)
+        balance = applied + harness.residual(node) + harness.owed_now(strategy, node, ROUNDS + 1)
+        np.testing.assert_allclose(balance, np.sum(harness.true[key], axis=0), atol=2e-5, err_msg=key)
+
+
+def test_without_the_ledger_a_skipped_round_loses_mass(monkeypatch) -> None:  # noqa: ANN001
+    """The negative control: a strategy that does not tell clients what it applied breaks the balance."""
+    monkeypatch.setattr(base_module.AdaptiveStrategy, "reports_applied", lambda self: False)
+    strategy, harness = _run_scenario("fedcams", monkeypatch)
+    gaps = []
+    for node in NODES:
+        key = f"c{node}"
+        applied = np.sum(harness.applied[key], axis=0) if harness.applied[key] else np.zeros(D)
+        gaps.append(np.abs(applied + harness.residual(node) - np.sum(harness.true[key], axis=0)).max())
+    assert max(gaps) > 1e-2, gaps
+
+
+@pytest.mark.parametrize("name", [n for n in ERROR_FED if isinstance(_build(n), FedLazy) and _build(n).bidirectional])
+def test_downlink_mirror_is_what_the_client_holds_after_every_seam(name: str, monkeypatch) -> None:  # noqa: ANN001
+    strategy, harness = _run_scenario(name, monkeypatch)
+    for node in NODES:
+        key = f"c{node}"
+        if not strategy.book.has("x", key):
+            continue
+        record = harness.contexts[node].state.array_records[STATE_KEY]
+        copy_now = flat_trainable({n: record[COPY_PREFIX + n].numpy() for n in TRAINABLE}).astype(np.float32)
+        held = {checksum(copy_now)}
+        if PREV_X in record:
+            held.add(checksum(record[PREV_X].numpy()))
+        assert checksum(strategy.book.get("x", key)) in held, key
+    assert not any(s.method.get("lazy_events", {}).get("resync") for s in strategy.accounting.rounds.values())
