@@ -318,6 +318,7 @@ class HAFed(AdaptiveStrategy):
         (or its history). A rejected reply is absent from this step's mix.
         """
         kept, movers = [], []
+        params_norm = float(np.linalg.norm(self.params))
         for update, bounds in zip(updates, self.screen.round_record_bounds([u.record_norms for u in updates])):
             start = current.get(update.node_id)
             why = self.screen.screen_records(update, bounds)
@@ -325,7 +326,7 @@ class HAFed(AdaptiveStrategy):
                 why = "a reply from a node that does not train this round"
             if why is None:
                 move = float(np.linalg.norm(update.delta - start.delta))
-                if move <= self._round_off(start):
+                if move <= self._round_off(start, params_norm):
                     kept.append(update)  # idle: nothing moved, nothing to judge
                     continue
                 if _reported_steps(update.metrics) == 0:
@@ -350,15 +351,16 @@ class HAFed(AdaptiveStrategy):
         accepted = {id(u) for u in kept}
         return [u for u in updates if id(u) in accepted]  # in the order they were read
 
-    def _round_off(self, start: ClientUpdate) -> float:
-        """The largest move that is only float round-off of sending a client ``start`` and reading it back.
+    def _round_off(self, start: ClientUpdate, params_norm: float) -> float:
+        """The largest move that is only float round-off of sending a client ``start`` and reading it back
+        (``params_norm``: ``||x||`` of the round's global model).
 
         The server sends ``x + d`` (rounded in float32, then in the model's dtype) and reads the reply as
         ``(x + d) - x``: each coordinate is off by at most about ``eps (|x_j| + 2 |d_j|)``, so the move of
         an idle client is below ``eps (||x|| + 2 ||d||)``; twice that is the tolerance.
         """
         eps = max([float(np.finfo(np.float32).eps)] + [float(np.finfo(t.dtype).eps) for t in self.layout.trainable])
-        return 2.0 * eps * (float(np.linalg.norm(self.params)) + 2.0 * float(np.linalg.norm(start.delta)))
+        return 2.0 * eps * (params_norm + 2.0 * float(np.linalg.norm(start.delta)))
 
     def _start_of_round(self, node: int) -> ClientUpdate:
         """A client's model before its first reply: ``x_t`` and the global buffers."""
