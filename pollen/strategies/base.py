@@ -45,11 +45,19 @@ from pollen.strategies.collector import TRAIN_PHASE, ReplyCollector, reason_of
 from pollen.strategies.declared import restore_strategy_state, strategy_state
 from pollen.strategies.ledger import AppliedLedger
 from pollen.strategies.model import GlobalModel
-from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec
+from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec, screened_kinds
 from pollen.strategies.rounds import RoundLoop
 from pollen.strategies.sampling import ClientSampler
 from pollen.strategies.screening import DEFAULT_MAX_ABS, UpdateScreen, all_finite
-from pollen.strategies.sinks import AGGREGATIONS, RunningMean, ScreenedSink, aggregate_metrics, mean_of, weights_of
+from pollen.strategies.sinks import (
+    AGGREGATIONS,
+    RunningMean,
+    ScreenedSink,
+    aggregate_metrics,
+    mean_of,
+    records_first,
+    weights_of,
+)
 from pollen.strategies.step import ServerStep
 from pollen.strategies.transport import Transport
 from pollen.strategies.uplink import Uplink
@@ -458,9 +466,13 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         """
         phase = self.replies.phase_of(server_round)
         bound = self.screen.bound() if self.streaming else None
-        if bound is not None:
+        kinds = screened_kinds(self.reply_spec_for(server_round), self.layout) if bound is not None else []
+        record_bounds = self.screen.record_bounds(kinds) if bound is not None else None
+        if bound is not None and record_bounds is not None:  # every screened kind has a history: stream
             running = self.round_sink(server_round, bound)
-            updates = self.collect(server_round, replies, phase=phase, sink=running)
+            updates = self.collect(
+                server_round, replies, phase=phase, sink=records_first(self.screen, record_bounds, running)
+            )
         else:
             running = None
             updates = self.screened(server_round, self.collect(server_round, replies, phase=phase))
@@ -503,7 +515,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         if applied:
             if self.keeps_ledger():
                 self.ledger.record(server_round, applied)
-            self.screen.observe([u.norm for u in applied])
+            self.screen.observe([u.norm for u in applied], [u.record_norms for u in applied])
             weights = [u.num_examples for u in applied]
             metrics = aggregate_metrics([u.metrics for u in applied if u.metrics is not None], weights)
             stats.train_metrics = dict(metrics or {})

@@ -6,8 +6,13 @@ reports the same per-round numbers (sampled, replies, failures, bytes each way) 
 every method. It holds back replies that cannot be trusted before Flower aggregates
 them, with the same reader pollen's strategies use (:func:`pollen.strategies.replies.read_reply`:
 names, shapes, dtypes, finite values after the cast, a positive bounded ``num-examples``),
-plus what Flower's own consistency check would raise on (exactly one ArrayRecord and one
-MetricRecord, the same metric names in every reply). They count as failures, with a reason.
+plus whatever Flower's own checks or aggregation would raise on, so that no reply can fail the
+round for the others: exactly one ArrayRecord and one MetricRecord, every array of exactly the
+model's shape (a 0-d buffer sent as shape (1,) would broadcast into Flower's sum), the same metrics
+record name and metric names in every reply, each metric a number in all of them or a list of one
+length in all of them (Flower adds them up key by key), a positive weight under the strategy's
+``weighted_by_key``. They count as failures, with a reason. If Flower's step still leaves NaN or Inf
+in its model or moments, they are put back and the round fails (the model is unchanged).
 It also runs pollen's round loop (resume from a checkpoint) and has ``state_dict`` /
 ``load_state_dict`` (Flower's moments, the global ``random`` state Flower samples with).
 """
@@ -31,7 +36,7 @@ from pollen.core.layout import ModelLayout
 from pollen.strategies.accounting import Accounting
 from pollen.strategies.collector import EVALUATE_PHASE, TRAIN_PHASE, ReplyCollector, positive_weight, reason_of
 from pollen.strategies.declared import ARRAYS, load_declared, save_declared
-from pollen.strategies.replies import ReplyRejected, count_records, read_reply
+from pollen.strategies.replies import ClientUpdate, ReplyRejected, count_records, read_reply
 from pollen.strategies.rounds import RoundLoop
 from pollen.strategies.sampling import ClientSampler
 from pollen.strategies.screening import UpdateScreen
@@ -82,7 +87,7 @@ class Metered(RoundLoop):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         stats = self.accounting.round(server_round)
         received = self.replies.from_asked(server_round, TRAIN_PHASE, replies)
-        judged: list[tuple[Message, float]] = []
+        judged: list[tuple[Message, ClientUpdate | None]] = []
         for reply in received:
             try:
                 if not reply.has_error():
@@ -91,7 +96,7 @@ class Metered(RoundLoop):
             except Exception as err:  # noqa: BLE001 - a bad reply is a failure, never a crash
                 self.replies.reject(server_round, reply.metadata.src_node_id, reason_of(err))
         judged = self._without_outliers(server_round, judged)
-        judged = self._same_metric_names(server_round, judged, "")
+        judged = self._same_metric_form(server_round, judged, "")
         usable = [reply for reply, _ in judged]
         for reply in usable:
             update_bytes = reply.content.array_records[protocol.ARRAYS_RECORD].count_bytes()
@@ -100,11 +105,17 @@ class Metered(RoundLoop):
         stats.replies = len(usable)
         self.replies.missing(server_round, TRAIN_PHASE, received)
         self.replies.forget(server_round)
+        before = {name: getattr(self, name, None) for name in self.state_fields}
         try:
             result = super().aggregate_train(server_round, usable)
+            _check_finite_result(result[0], {name: getattr(self, name, None) for name in ("m_t", "v_t")})
+            accepted = [update for _, update in judged if update is not None]
             if usable:
-                self.screen.observe([norm for _, norm in judged])
+                self.screen.observe([u.norm for u in accepted], [u.record_norms for u in accepted])
         except Exception as err:  # noqa: BLE001 - Flower's own checks raise; the round fails, the run goes on
+            for name, value in before.items():  # Flower replaces its moments' dicts: the old ones are intact
+                if hasattr(self, name):
+                    setattr(self, name, value)
             stats.fail(f"aggregation failed: {type(err).__name__}: {err}")
             log(WARNING, "aggregate_train: Flower's aggregation failed (%s); the model is unchanged", err)
             result = (None, None)
@@ -114,21 +125,34 @@ class Metered(RoundLoop):
         stats.train_seconds = time.perf_counter() - self._started.pop(server_round, time.perf_counter())
         return result
 
-    def _without_outliers(self, server_round: int, judged: list[tuple[Message, float]]) -> list[tuple[Message, float]]:
-        """pollen's outlier screen (history bound, else each against the others' median); outliers rejected."""
+    def _without_outliers(
+        self, server_round: int, judged: list[tuple[Message, ClientUpdate | None]]
+    ) -> list[tuple[Message, ClientUpdate | None]]:
+        """pollen's outlier screen (history bound, else each against the others' median) on the updates and
+        each floating-point buffer; outliers are rejected (Flower's aggregation cannot take a clipped reply)."""
+        read = [(reply, update) for reply, update in judged if update is not None]
         bound = self.screen.bound()
-        norms = [norm for _, norm in judged]
+        norms = [update.norm for _, update in read]
         bounds = [bound] * len(norms) if bound is not None else self.screen.within_round_bounds(norms)
-        kept = []
-        for (reply, norm), limit in zip(judged, bounds):
-            if self.screen.judge(norm, limit)[0] == "accept":
-                kept.append((reply, norm))
-            else:  # Flower's aggregation cannot take a clipped reply; an outlier is rejected
-                self.replies.reject(server_round, reply.metadata.src_node_id, self.screen.reason(norm, limit))
-        return kept
+        record_bounds = self.screen.round_record_bounds([update.record_norms for _, update in read])
+        rejected = set()
+        for (reply, update), limit, limits in zip(read, bounds, record_bounds):
+            why = None
+            for kind in sorted(update.record_norms):
+                norm, record_limit = update.record_norms[kind], limits.get(kind, float("inf"))
+                if self.screen.judge(norm, record_limit)[0] != "accept":
+                    why = self.screen.record_reason(kind, norm, record_limit)
+                    break
+            if why is None and self.screen.judge(update.norm, limit)[0] != "accept":
+                why = self.screen.reason(update.norm, limit)
+            if why is not None:
+                rejected.add(id(reply))
+                self.replies.reject(server_round, reply.metadata.src_node_id, why)
+        return [(reply, update) for reply, update in judged if id(reply) not in rejected]
 
-    def _judge(self, reply: Message) -> float:
-        """The update's norm; ``ReplyRejected`` when Flower's aggregation must not see this reply."""
+    def _judge(self, reply: Message) -> ClientUpdate | None:
+        """The reply read by pollen's reader (``None`` before the model is known); ``ReplyRejected`` when
+        Flower's checks or aggregation would refuse it."""
         content = reply.content
         if reply.has_error():
             raise ReplyRejected(f"client error: {reply.error.reason}")
@@ -137,44 +161,52 @@ class Metered(RoundLoop):
         if len(content.metric_records) != 1:
             raise ReplyRejected("reply must carry exactly one MetricRecord")
         metrics = next(iter(content.metric_records.values()))
-        if positive_weight(metrics, protocol.NUM_EXAMPLES) is None:
+        if positive_weight(metrics, self.weighted_by_key) is None:
             raise ReplyRejected(
-                f"metrics lack a positive '{protocol.NUM_EXAMPLES}' (got {metrics.get(protocol.NUM_EXAMPLES)!r})"
+                f"metrics lack a positive '{self.weighted_by_key}' (got {metrics.get(self.weighted_by_key)!r})"
             )
         if self._layout is None or self._params is None:
-            return 0.0
+            return None
         update = read_reply(
             reply,
             client_key="",
             layout=self._layout,
             params=self._params,
+            weighted_by_key=self.weighted_by_key,
             weight_required=True,
             max_abs=self.screen.max_abs,
         )
-        return update.norm
+        arrays = record_to_arrays(content.array_records[protocol.ARRAYS_RECORD])
+        for spec in (*self._layout.trainable, *self._layout.buffers):
+            if arrays[spec.name].shape != spec.shape:
+                raise ReplyRejected(
+                    f"array '{spec.name}' has shape {arrays[spec.name].shape}, the model has {spec.shape} "
+                    "(Flower's aggregation needs the exact shape)"
+                )
+        return update
 
-    def _same_metric_names(
-        self, server_round: int, judged: list[tuple[Message, float]], phase: str
-    ) -> list[tuple[Message, float]]:
-        """Keep the replies whose metric names agree with most others (Flower raises on a mix)."""
+    def _same_metric_form(
+        self, server_round: int, judged: list[tuple[Message, Any]], phase: str
+    ) -> list[tuple[Message, Any]]:
+        """Keep the replies whose metrics have the form most others have: the record's name, the metric
+        names, and for each metric a number or a list of one length (Flower raises on a mix)."""
         if not judged:
             return judged
-        names = [frozenset(next(iter(reply.content.metric_records.values())).keys()) for reply, _ in judged]
-        common = Counter(names).most_common(1)[0][0]
+        forms = [_metric_form(reply) for reply, _ in judged]
+        common = Counter(forms).most_common(1)[0][0]
         kept = []
-        for item, keys in zip(judged, names):
-            if keys == common:
+        for item, form in zip(judged, forms):
+            if form == common:
                 kept.append(item)
             elif phase == EVALUATE_PHASE:
                 log(
                     WARNING,
-                    "\t> evaluation reply from node %d skipped: metric names differ from the round's other replies",
+                    "\t> evaluation reply from node %d skipped: %s",
                     item[0].metadata.src_node_id,
+                    _form_difference(form, common),
                 )
             else:
-                self.replies.reject(
-                    server_round, item[0].metadata.src_node_id, "metric names differ from the round's other replies"
-                )
+                self.replies.reject(server_round, item[0].metadata.src_node_id, _form_difference(form, common))
         return kept
 
     def configure_evaluate(
@@ -193,8 +225,8 @@ class Metered(RoundLoop):
                     continue
                 stats.eval_uplink_bytes += sum(count_records(reply).values())
                 metrics = list(reply.content.metric_records.values())
-                if len(metrics) != 1 or positive_weight(metrics[0], protocol.NUM_EXAMPLES) is None:
-                    raise ReplyRejected(f"evaluation metrics lack a positive '{protocol.NUM_EXAMPLES}'")
+                if len(metrics) != 1 or positive_weight(metrics[0], self.weighted_by_key) is None:
+                    raise ReplyRejected(f"evaluation metrics lack a positive '{self.weighted_by_key}'")
                 if not all(
                     isinstance(v, (int, float)) and np.isfinite(v)
                     for v in metrics[0].values()
@@ -205,7 +237,7 @@ class Metered(RoundLoop):
                 log(WARNING, "\t> evaluation reply from node %d skipped: %s", reply.metadata.src_node_id, err)
                 continue
             usable.append((reply, 0.0))
-        usable = self._same_metric_names(server_round, usable, EVALUATE_PHASE)
+        usable = self._same_metric_form(server_round, usable, EVALUATE_PHASE)
         self.replies.forget(server_round)
         try:
             aggregated = super().aggregate_evaluate(server_round, [reply for reply, _ in usable])
@@ -245,6 +277,37 @@ class Metered(RoundLoop):
             self._layout = ModelLayout.from_arrays(
                 {name: np.zeros(shape, np.dtype(dtype)) for name, shape, dtype in state["model"]}
             )
+
+
+def _metric_form(reply: Message) -> tuple[str, frozenset]:
+    """A reply's metrics record name and, per metric, ``None`` for a number or the length of a list."""
+    name, record = next(iter(reply.content.metric_records.items()))
+    return name, frozenset((key, len(value) if isinstance(value, list) else None) for key, value in record.items())
+
+
+def _form_difference(form: tuple[str, frozenset], common: tuple[str, frozenset]) -> str:
+    """One line saying how a reply's metrics differ from the form most replies of the round have."""
+    if form[0] != common[0]:
+        return f"metrics record '{form[0]}' is named differently from the round's other replies ('{common[0]}')"
+    mine, theirs = dict(form[1]), dict(common[1])
+    if set(mine) != set(theirs):
+        return "metric names differ from the round's other replies"
+    key = sorted(k for k in mine if mine[k] != theirs[k])[0]
+
+    def shape(length: int | None) -> str:
+        return "a number" if length is None else f"a list of {length}"
+
+    return f"metric '{key}' is {shape(mine[key])} where the round's other replies have {shape(theirs[key])}"
+
+
+def _check_finite_result(arrays: ArrayRecord | None, moments: dict[str, Any]) -> None:
+    """``FloatingPointError`` when Flower's new model or moments hold NaN or Inf."""
+    named = [(f"model '{k}'", v) for k, v in (record_to_arrays(arrays).items() if arrays is not None else ())]
+    for moment, values in moments.items():
+        named += [(f"{moment} '{k}'", v) for k, v in (values or {}).items()]
+    for what, value in named:
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            raise FloatingPointError(f"Flower's step produced NaN or Inf in {what}")
 
 
 class MeteredFedAvg(Metered, FedAvg):

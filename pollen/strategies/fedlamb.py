@@ -51,6 +51,15 @@ from pollen.wire.protocol import (
 from pollen.wire.records import arrays_to_record
 
 SYNC_PHASES = ("first", "last")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _as_float32(values: np.ndarray, what: str) -> np.ndarray:
+    """``values`` (float64) as float32; ``FloatingPointError`` when any is not finite there."""
+    peak = float(np.max(np.abs(values))) if values.size else 0.0
+    if not peak <= _FLOAT32_MAX:  # NaN fails too
+        raise FloatingPointError(f"{what} would be {peak:.3g}, outside float32's range; the round is rolled back")
+    return values.astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -161,6 +170,7 @@ class FedLAMB(AdaptiveStrategy):
         self.v: np.ndarray | None = None  # Mime's server EMA of the squared mean gradient
         self.v_hat_version = 0
         self.client_versions: dict[str, int] = {}
+        self._next_moments: tuple[np.ndarray, np.ndarray] | None = None  # this round's, until its step commits
 
     # ------------------------------------------------------------------ rounds
     def is_sync_round(self, server_round: int) -> bool:
@@ -210,8 +220,17 @@ class FedLAMB(AdaptiveStrategy):
             self._v_hat_cache = (self.v_hat_version, arrays_to_record({protocol.EXTRA_ARRAY: self.v_hat}))
         return self._v_hat_cache[1]
 
+    def aggregate_deltas(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
+        """The mean delta; on sync rounds first the new ``v`` / ``v_hat``, formed and checked inside the
+        server step's transaction (a round whose moments would leave float32 fails and is rolled back)."""
+        stats = [u.extras[self.variant.stat] for u in updates if self.variant.stat in u.extras]
+        if self.variant.stat is not None and self.is_sync_round(server_round) and stats:
+            self._next_moments = self._moments_after(stats)
+        return super().aggregate_deltas(server_round, updates)
+
     def after_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        """Record who holds ``v_hat`` now; on sync rounds update it from the uploaded statistics."""
+        """Record who holds ``v_hat`` now; on sync rounds whose step committed, take the new moments."""
+        moments, self._next_moments = getattr(self, "_next_moments", None), None
         if self.variant.stat is None:
             return
         replied = {u.client_key for u in updates}
@@ -221,23 +240,30 @@ class FedLAMB(AdaptiveStrategy):
                 self.client_versions[key] = self.v_hat_version
             else:  # a failed client may have lost its state: send v_hat again next time
                 self.client_versions.pop(key, None)
-        stats = [u.extras[self.variant.stat] for u in updates if self.variant.stat in u.extras]
-        if self.is_sync_round(server_round) and stats:
-            self._update_v_hat(stats)
+        if updates and moments is not None:
+            v, new_v_hat = moments
+            self.v = v
+            if not np.array_equal(new_v_hat, self.v_hat):
+                self.v_hat = new_v_hat
+                self.v_hat_version += 1
         self.accounting.round(server_round).train_metrics["v-hat-version"] = float(self.v_hat_version)
 
-    def _update_v_hat(self, stats: list[np.ndarray]) -> None:
-        """Fed-*: ``v_hat <- max(v_hat, mean v_i)``; Mime*: EMA of ``mean(G)^2``, then the running max."""
-        mean = np.mean(np.stack(stats), axis=0, dtype=np.float64).astype(np.float32)
-        if self.variant.stat == "v":  # Fed-LAMB line 20
-            candidate = mean
-        else:  # Mime-LAMB lines 22-23
-            self.v = (self.beta_2 * self.v + (1.0 - self.beta_2) * np.square(mean)).astype(np.float32)
-            candidate = self.v
-        new_v_hat = np.maximum(self.v_hat, candidate)
-        if not np.array_equal(new_v_hat, self.v_hat):
-            self.v_hat = new_v_hat
-            self.v_hat_version += 1
+    def _moments_after(self, stats: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """``(v, v_hat)`` after this round's statistics, in float64 and checked before they may reach state.
+
+        Fed-*: ``v_hat <- max(v_hat, mean v_i)`` (line 20); Mime*: ``v <- beta2 v + (1 - beta2) mean(G)^2``,
+        then the running max (lines 22-23). The mean and its square are formed in float64, where a square
+        of a float32 value cannot overflow; ``FloatingPointError`` when the result is not finite in float32.
+        """
+        mean = np.mean(np.stack(stats), axis=0, dtype=np.float64)
+        if self.variant.stat == "v":
+            v, candidate = self.v, _as_float32(mean, "the mean uploaded second moment")
+        else:
+            v = candidate = _as_float32(
+                self.beta_2 * self.v.astype(np.float64) + (1.0 - self.beta_2) * np.square(mean),
+                "Mime's server second moment v",
+            )
+        return v, np.maximum(self.v_hat, candidate)
 
     def _asked_train_nodes(self, server_round: int) -> list[int]:
         return self.replies.asked(server_round, TRAIN_PHASE)

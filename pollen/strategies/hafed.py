@@ -18,7 +18,8 @@ Round t (Algorithms 1 and 2, §3.2-3.4):
    (eps inside the sqrt, no bias correction: eq. 3.2; ``eps_mode`` switches the placement).
 
 **A client that misses a gossip step** (an error reply, a rejected reply: malformed, non-finite, or
-a move more than ``outlier-factor`` times the median of the step's other moves) does not stop the
+a move more than ``outlier-factor`` times the median of the step's other moves; clients idle for
+the whole segment, whose move is float round-off, are left out of that median) does not stop the
 round: for that step its cluster mixes with :func:`pollen.gossip.without_absent` (the weight the
 others gave it moves onto their own diagonal, so ``W`` stays doubly stochastic and the cluster mean is
 kept); the server keeps its last model for it and sends it that model again with the next step, so a
@@ -40,6 +41,7 @@ intra-cluster relay of ``x_t`` to non-uploaders, §3.4), gossip messages and gra
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from logging import INFO
 from typing import Any
@@ -61,12 +63,20 @@ from pollen.gossip import (
 from pollen.optim import amsgrad
 from pollen.strategies.accounting import grad_evals_of
 from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
-from pollen.strategies.replies import ClientUpdate, ReplySpec
+from pollen.strategies.replies import ClientUpdate, ReplySpec, record_norms
 from pollen.strategies.rounds import SetupError
 from pollen.wire import protocol
 
 #: Topologies that need at least three clients per cluster to mean anything.
 NEEDS_NEIGHBOURS = ("ring", "bipartite", "circulant", "interpolated")
+
+
+def _reported_steps(metrics: Any) -> int | None:
+    """The local steps a reply says it took in its segment (pollen's client reports ``num-steps``), if any."""
+    value = metrics.get("num-steps") if metrics is not None else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return int(value)
 
 
 @dataclass
@@ -263,7 +273,7 @@ class HAFed(AdaptiveStrategy):
         current = {node: self._start_of_round(node) for node in trained}  # the server's copy of each model
         clusters = self._round_clusters()
         step_timeout = timeout / len(self.segments)  # the round's budget, shared by its gossip steps
-        grad_evals, present, gone = 0, set(), set()
+        grad_evals, present, gone, moves = 0, set(), set(), []
         for index in range(len(self.segments)):
             if index > 0:
                 contents = self._gossip_contents(
@@ -274,7 +284,7 @@ class HAFed(AdaptiveStrategy):
             asked = set(self.replies.asked(server_round, phase))
             gone |= asked - {reply.metadata.src_node_id for reply in replies}  # silent: not asked again this round
             updates = self._screen_step(
-                server_round, self.collect(server_round, replies, phase=phase, spec=ReplySpec()), current
+                server_round, self.collect(server_round, replies, phase=phase, spec=ReplySpec()), current, moves
             )
             grad_evals += sum(grad_evals_of(u.metrics) for u in updates)
             present = {u.node_id for u in updates}
@@ -290,26 +300,67 @@ class HAFed(AdaptiveStrategy):
         return []
 
     def _screen_step(
-        self, server_round: int, updates: list[ClientUpdate], current: dict[int, ClientUpdate]
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[int, ClientUpdate],
+        earlier_moves: list[float],
     ) -> list[ClientUpdate]:
         """The outlier screen on one gossip step's moves, before they are mixed into anyone's model.
 
         Each reply's move (its model minus the one the server sent it) is judged against the median
-        of the other replies' moves in the same step; a rejected reply is absent from this step's mix.
+        of the other *movers'* moves in the same step (with no other mover: the moves accepted in
+        this round's earlier steps, ``earlier_moves``, which grows by this step's). A client that
+        was idle for the whole segment (``active-prob`` < 1) returns the model it got: its move is
+        float round-off, and it is left out of the reference, so a step where most clients idle does
+        not make every active one "10x the median". A reply that says it took no steps but moved is
+        rejected. Each screened buffer is judged against the same buffer of the step's other replies
+        (or its history). A rejected reply is absent from this step's mix.
         """
-        if len(updates) < 2:
-            return updates
-        moves = [
-            float(np.linalg.norm(u.delta - current[u.node_id].delta)) if u.node_id in current else float("inf")
-            for u in updates
-        ]
-        kept = []
-        for update, move, limit in zip(updates, moves, self.screen.within_round_bounds(moves)):
+        kept, movers = [], []
+        params_norm = float(np.linalg.norm(self.params))
+        for update, bounds in zip(updates, self.screen.round_record_bounds([u.record_norms for u in updates])):
+            start = current.get(update.node_id)
+            why = self.screen.screen_records(update, bounds)
+            if why is None and start is None:
+                why = "a reply from a node that does not train this round"
+            if why is None:
+                move = float(np.linalg.norm(update.delta - start.delta))
+                if move <= self._round_off(start, params_norm):
+                    kept.append(update)  # idle: nothing moved, nothing to judge
+                    continue
+                if _reported_steps(update.metrics) == 0:
+                    why = f"reports no local steps but moved {move:.3g} (outlier screen)"
+                else:
+                    movers.append((update, move))
+                    continue
+            self.replies.reject(server_round, update.node_id, why)
+        moves = [move for _, move in movers]
+        if len(moves) >= 2:
+            limits = self.screen.within_round_bounds(moves)
+        else:
+            earlier = [m for m in earlier_moves if m > 0]
+            limits = [self.screen.factor * float(np.median(earlier)) if earlier else float("inf")] * len(moves)
+            limits = limits if self.screen.rule != "off" else [float("inf")] * len(moves)
+        for (update, move), limit in zip(movers, limits):
             if self.screen.judge(move, limit)[0] == "accept":
                 kept.append(update)
+                earlier_moves.append(move)
             else:
                 self.replies.reject(server_round, update.node_id, self.screen.reason(move, limit))
-        return kept
+        accepted = {id(u) for u in kept}
+        return [u for u in updates if id(u) in accepted]  # in the order they were read
+
+    def _round_off(self, start: ClientUpdate, params_norm: float) -> float:
+        """The largest move that is only float round-off of sending a client ``start`` and reading it back
+        (``params_norm``: ``||x||`` of the round's global model).
+
+        The server sends ``x + d`` (rounded in float32, then in the model's dtype) and reads the reply as
+        ``(x + d) - x``: each coordinate is off by at most about ``eps (|x_j| + 2 |d_j|)``, so the move of
+        an idle client is below ``eps (||x|| + 2 ||d||)``; twice that is the tolerance.
+        """
+        eps = max([float(np.finfo(np.float32).eps)] + [float(np.finfo(t.dtype).eps) for t in self.layout.trainable])
+        return 2.0 * eps * (params_norm + 2.0 * float(np.linalg.norm(start.delta)))
 
     def _start_of_round(self, node: int) -> ClientUpdate:
         """A client's model before its first reply: ``x_t`` and the global buffers."""
@@ -375,6 +426,7 @@ class HAFed(AdaptiveStrategy):
                 update.buffers[name] = (np.rint(value) if np.issubdtype(old.dtype, np.integer) else value).astype(
                     old.dtype
                 )
+            update.record_norms = record_norms(update, ReplySpec())  # the mixed buffers are what is judged next
 
     def _gossip_contents(
         self, server_round: int, current: dict[int, ClientUpdate], index: int

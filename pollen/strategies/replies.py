@@ -31,6 +31,10 @@ from pollen.wire.records import record_to_arrays, records_to_payload
 #: Largest weight (``num-examples``) a reply may claim; keeps weighted sums finite in float64.
 MAX_WEIGHT = 1e12
 UPDATE_MODES = ("required", "optional")
+#: How a record is screened against the same record of other replies: by its L2 norm, or not at all.
+SCREEN_MODES = ("norm", "off")
+#: Prefixes of the record kinds the outlier screen keeps a history for (``"extra:v"``, ``"buffer:bn.running_var"``).
+EXTRA_KIND, BUFFER_KIND = "extra:", "buffer:"
 
 
 class ReplyRejected(ValueError):
@@ -52,12 +56,28 @@ class Extra:
         A reply without it is rejected; otherwise it is simply absent from ``ClientUpdate.extras``.
     nonnegative : bool (default: False)
         Reject negative values (second moments, squared norms).
+    screen : str (default: "norm")
+        ``"norm"``: the outlier screen judges its L2 norm against the same extra of the other
+        replies (and its history), with the update screen's rule and factor; ``"off"``: only the
+        hard limit and the checks above (for values whose scale legitimately differs per client).
     """
 
     name: str
     size: int | str = "model"
     required: bool = True
     nonnegative: bool = False
+    screen: str = "norm"
+
+    def __post_init__(self) -> None:
+        if self.screen not in SCREEN_MODES:
+            raise ValueError(
+                f"extra {self.name!r}: screen={self.screen!r} is unknown; allowed: {', '.join(SCREEN_MODES)}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Its record kind in the outlier screen's history."""
+        return EXTRA_KIND + self.name
 
     @property
     def record_name(self) -> str:
@@ -86,15 +106,22 @@ class ReplySpec:
     update : str (default: "required")
         ``"required"``: a model update must be present; ``"optional"``: a reply may carry none (a
         lazy client that sends only a flag), then ``ClientUpdate.delta`` is ``None``.
+    buffers : str (default: "norm")
+        ``"norm"``: each floating-point buffer is screened by its L2 norm against the same buffer
+        of the other replies (one kind per buffer); integer buffers (counters) never are.
+        ``"off"``: buffers get the hard limit only.
     """
 
     extras: tuple[Extra, ...] = ()
     flags: tuple[str, ...] = ()
     update: str = "required"
+    buffers: str = "norm"
 
     def __post_init__(self) -> None:
         if self.update not in UPDATE_MODES:
             raise ValueError(f"update={self.update!r} is unknown; allowed: {', '.join(UPDATE_MODES)}")
+        if self.buffers not in SCREEN_MODES:
+            raise ValueError(f"buffers={self.buffers!r} is unknown; allowed: {', '.join(SCREEN_MODES)}")
         names = [extra.name for extra in self.extras]
         if len(set(names)) != len(names):
             raise ValueError(f"extras {names} are not unique")
@@ -107,7 +134,8 @@ class ClientUpdate:
     ``delta`` is ``x_local - x_global`` as float32 (``None`` when the method allows a reply without
     an update); ``record_bytes`` the bytes of each record of the reply, by record name;
     ``applied_scale`` the fraction of the update the server applies (below 1 when the outlier screen
-    clipped it; the client is told, :mod:`pollen.strategies.ledger`).
+    clipped it; the client is told, :mod:`pollen.strategies.ledger`); ``record_norms`` the L2 norm of
+    each record the outlier screen judges, by kind (``"extra:v"``, ``"buffer:bn.running_var"``).
     """
 
     client_key: str
@@ -121,6 +149,41 @@ class ClientUpdate:
     record_bytes: dict[str, int] = field(default_factory=dict)
     norm: float = 0.0
     applied_scale: float = 1.0
+    record_norms: dict[str, float] = field(default_factory=dict)
+
+
+def screened_kinds(spec: ReplySpec, layout: ModelLayout) -> list[str]:
+    """The record kinds a reply read against ``spec`` may carry for the outlier screen."""
+    kinds = [extra.kind for extra in spec.extras if extra.screen == "norm"]
+    if spec.buffers == "norm":
+        kinds += [BUFFER_KIND + b.name for b in layout.buffers if b.dtype.kind == "f"]
+    return kinds
+
+
+def record_norms(update: ClientUpdate, spec: ReplySpec) -> dict[str, float]:
+    """The L2 norm of each record of ``update`` that ``spec`` screens, by kind (float64, finite values in)."""
+    norms = {}
+    for extra in spec.extras:
+        if extra.screen == "norm" and extra.name in update.extras:
+            norms[extra.kind] = vector_stats(update.extras[extra.name], float("inf"))[0]
+    if spec.buffers == "norm":
+        for name, value in update.buffers.items():
+            if value.dtype.kind == "f":
+                norms[BUFFER_KIND + name] = vector_stats(np.ravel(value), float("inf"))[0]
+    return norms
+
+
+def scale_record(update: ClientUpdate, kind: str, scale: float) -> None:
+    """Scale record ``kind`` of ``update`` by ``scale`` (a new array: the reply's may be read-only)."""
+    if kind.startswith(EXTRA_KIND):
+        name = kind[len(EXTRA_KIND) :]
+        update.extras[name] = update.extras[name] * np.float32(scale)
+    elif kind.startswith(BUFFER_KIND):
+        name = kind[len(BUFFER_KIND) :]
+        value = update.buffers[name]
+        update.buffers[name] = (value * scale).astype(value.dtype)
+    else:
+        raise ValueError(f"record kind {kind!r} is unknown; allowed: '{EXTRA_KIND}<name>' or '{BUFFER_KIND}<name>'")
 
 
 def count_records(reply: Message) -> dict[str, int]:
@@ -180,7 +243,7 @@ def read_reply(
     flags = _read_flags(content, spec)
     metrics = _first_metrics(content)
     num_examples = _read_weight(metrics, weighted_by_key, weight_required)
-    return ClientUpdate(
+    update = ClientUpdate(
         client_key=client_key,
         node_id=reply.metadata.src_node_id,
         delta=delta,
@@ -192,6 +255,8 @@ def read_reply(
         record_bytes=record_bytes,
         norm=norm,
     )
+    update.record_norms = record_norms(update, spec)
+    return update
 
 
 # ---------------------------------------------------------------------------- parts of a reply

@@ -15,12 +15,22 @@ on by default:
 
 The history holds accepted norms only, so a rejected reply leaves no trace in later rounds either.
 It is part of the strategy's saved state (resume stays exact).
+
+**Records screened by kind.** The same rule and factor judge every other record a method declares as
+screened (:class:`~pollen.strategies.replies.Extra` ``screen="norm"``: a second moment ``v_i``, a
+gradient; the model's floating-point buffers, one kind per buffer: a BatchNorm ``running_var``),
+each against its own kind: the L2 norm of a reply's record against the median norm of the same
+record in the accepted replies of the last ``window`` rounds (a history per kind), else against the
+same record of the round's other replies. A reply with an outlying record is rejected as a whole
+(``rule="reject"``) or that record is scaled down to its bound (``rule="clip"``). Integer buffers
+(counters such as ``num_batches_tracked``) are not screened.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -60,6 +70,8 @@ class UpdateScreen:
         self.window = window
         self.max_abs = float(max_abs)
         self.history: deque[list[float]] = deque(maxlen=window)
+        #: Accepted norms of each screened record kind (``"extra:v"``, ``"buffer:bn.running_var"``), per round.
+        self.kinds: dict[str, deque[list[float]]] = {}
 
     def bound(self) -> float | None:
         """The largest norm an update may have this round, from history; ``None`` without history."""
@@ -94,18 +106,26 @@ class UpdateScreen:
         """The updates that pass the screen, for a round that kept every update.
 
         The bound is the history's, else each update is judged against the median of the others'
-        norms. An outlier is handed to ``on_reject`` with the reason and left out; with
-        ``rule="clip"`` it is scaled down to the bound in place instead. Updates without a delta
-        (a flag-only reply) pass. ``updates`` need ``delta``, ``norm`` (and whatever ``on_reject``
-        reads).
+        norms; each screened record (``record_norms``) likewise against its own kind. An outlier is
+        handed to ``on_reject`` with the reason and left out; with ``rule="clip"`` it is scaled down
+        to the bound in place instead. Updates without a delta (a flag-only reply) pass the update
+        screen. ``updates`` need ``delta``, ``norm`` (and whatever ``on_reject`` reads).
         """
+        record_bounds = self.round_record_bounds([getattr(u, "record_norms", {}) for u in updates])
+        rejected = set()
+        for update, bounds in zip(updates, record_bounds):
+            why = self.screen_records(update, bounds)
+            if why is not None:
+                rejected.add(id(update))
+                on_reject(update, why)
         with_delta = [u for u in updates if u.delta is not None]
         bound = self.bound()
         bounds = (
             [bound] * len(with_delta) if bound is not None else self.within_round_bounds([u.norm for u in with_delta])
         )
-        rejected = set()
         for update, limit in zip(with_delta, bounds):
+            if id(update) in rejected:
+                continue
             verdict, scale = self.judge(update.norm, limit)
             if verdict == "reject":
                 rejected.add(id(update))
@@ -116,19 +136,110 @@ class UpdateScreen:
                 update.applied_scale *= scale
         return [u for u in updates if id(u) not in rejected]
 
+    # ------------------------------------------------------------------ records screened by kind
+    def kind_bound(self, kind: str) -> float | None:
+        """The largest norm record ``kind`` may have this round, from its history; ``None`` without history.
+
+        A history whose norms are all zero gives no reference (``inf``), as the others' zeros do within a round.
+        """
+        if self.rule == "off":
+            return float("inf")
+        rounds = self.kinds.get(kind)
+        if not rounds:
+            return None
+        norms = [n for round_norms in rounds for n in round_norms if n > 0]
+        return self.factor * float(np.median(norms)) if norms else float("inf")
+
+    def record_bounds(self, kinds: Iterable[str]) -> dict[str, float] | None:
+        """Each kind's history bound; ``None`` when any of them has no history yet (judge within the round)."""
+        bounds = {}
+        for kind in kinds:
+            bound = self.kind_bound(kind)
+            if bound is None:
+                return None
+            bounds[kind] = bound
+        return bounds
+
+    def round_record_bounds(self, record_norms: list[Mapping[str, float]]) -> list[dict[str, float]]:
+        """Per reply, each of its records' bound: the kind's history bound, else the median of the same
+        record of the round's other replies (``factor`` times it)."""
+        out: list[dict[str, float]] = [{} for _ in record_norms]
+        for kind in sorted({kind for norms in record_norms for kind in norms}):
+            holders = [i for i, norms in enumerate(record_norms) if kind in norms]
+            bound = self.kind_bound(kind)
+            limits = (
+                [bound] * len(holders)
+                if bound is not None
+                else self.within_round_bounds([record_norms[i][kind] for i in holders])
+            )
+            for i, limit in zip(holders, limits):
+                out[i][kind] = limit
+        return out
+
+    def screen_records(self, update: Any, bounds: Mapping[str, float]) -> str | None:
+        """Judge each screened record of ``update`` against its bound: the reason it is rejected, or ``None``.
+
+        With ``rule="clip"`` an outlying record is scaled down to its bound (a new array; see
+        :func:`~pollen.strategies.replies.scale_record`) and its norm updated.
+        """
+        from pollen.strategies.replies import scale_record  # replies imports this module
+
+        norms = getattr(update, "record_norms", {})
+        for kind in sorted(norms):
+            norm, limit = norms[kind], bounds.get(kind, float("inf"))
+            verdict, scale = self.judge(norm, limit)
+            if verdict == "reject":
+                return self.record_reason(kind, norm, limit)
+            if verdict == "clip":
+                scale_record(update, kind, scale)
+                norms[kind] = norm * scale
+        return None
+
+    def record_reason(self, kind: str, norm: float, bound: float) -> str:
+        what = kind.replace(":", " '", 1) + "'"
+        return f"{what} has norm {norm:.3g} > {bound:.3g} ({self.factor:g} x its reference norm; outlier screen)"
+
     def reason(self, norm: float, bound: float) -> str:
         return f"update norm {norm:.3g} exceeds {bound:.3g} ({self.factor:g} x the reference norm; outlier screen)"
 
-    def observe(self, accepted_norms: list[float]) -> None:
-        """Remember this round's accepted norms (a round without any is not remembered)."""
+    def observe(self, accepted_norms: list[float], record_norms: Iterable[Mapping[str, float]] = ()) -> None:
+        """Remember this round's accepted norms, of updates and of each screened record kind (a round or
+        kind without any is not remembered). Call it with the replies the server step applied only."""
         if accepted_norms:
             self.history.append([float(n) for n in accepted_norms])
+        by_kind: dict[str, list[float]] = {}
+        for norms in record_norms:
+            for kind, norm in norms.items():
+                by_kind.setdefault(kind, []).append(float(norm))
+        for kind in sorted(by_kind):
+            self.kinds.setdefault(kind, deque(maxlen=self.window)).append(by_kind[kind])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": [list(r) for r in self.history]}
+        return {
+            "history": [list(r) for r in self.history],
+            "kinds": {kind: [list(r) for r in rounds] for kind, rounds in sorted(self.kinds.items())},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        kinds = _record_history(state.get("kinds", {}), self.window)
         self.history = deque(([float(n) for n in r] for r in state.get("history", [])), maxlen=self.window)
+        self.kinds = kinds
+
+
+def _record_history(plain: Any, window: int) -> dict[str, deque[list[float]]]:
+    """The per-kind history from its saved form; ``ValueError`` unless it maps names to rounds of norms >= 0."""
+    if not isinstance(plain, Mapping):
+        raise ValueError("state 'screen.kinds' must map record kinds to rounds of norms")
+    out = {}
+    for kind, rounds in plain.items():
+        try:
+            history = [[float(n) for n in r] for r in rounds]
+        except (TypeError, ValueError):
+            raise ValueError(f"state 'screen.kinds[{kind}]' must be rounds of numbers") from None
+        if not isinstance(kind, str) or not all(math.isfinite(n) and n >= 0 for r in history for n in r):
+            raise ValueError(f"state 'screen.kinds[{kind}]' must hold finite norms >= 0")
+        out[kind] = deque(history, maxlen=window)
+    return out
 
 
 _BLOCK = 1 << 16

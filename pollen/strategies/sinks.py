@@ -8,7 +8,7 @@ kept its updates, so both paths give the same bits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from flwr.app import MetricRecord
@@ -48,6 +48,22 @@ class ScreenedSink:
 
     def mean(self) -> np.ndarray:
         raise NotImplementedError
+
+
+def records_first(
+    screen: UpdateScreen, bounds: Mapping[str, float], sink: Callable[[ClientUpdate], None]
+) -> Callable[[ClientUpdate], None]:
+    """``sink`` behind the screen of each update's other records (extras, buffers) against ``bounds``,
+    their kinds' history bounds: an outlying record rejects the reply (``ReplyRejected``) before
+    ``sink`` sees any of it."""
+
+    def take(update: ClientUpdate) -> None:
+        why = screen.screen_records(update, bounds)
+        if why is not None:
+            raise ReplyRejected(why)
+        sink(update)
+
+    return take
 
 
 class RunningMean(ScreenedSink):

@@ -49,12 +49,16 @@ class ServerStep:
         """The new parameters ``params + step(delta)``, in the spare vector; the optimiser state advances.
 
         ``params`` and the state before stay untouched (see :meth:`keep`); what they are replaced by
-        becomes the spares after :meth:`commit`.
+        becomes the spares after :meth:`commit`. ``FloatingPointError`` (nothing swapped) when the new
+        optimiser state holds NaN or Inf.
         """
         out = self.scratch(params.shape[0])
         step, new_state = self.optimizer.update(
             self.state, delta, params, into=self._spare_state, out=None if out is delta else out
         )
+        for name, slot in new_state.slots.items():
+            if not all_finite(slot):  # an Inf second moment gives a zero step: finite parameters, a frozen model
+                raise FloatingPointError(f"the server step produced NaN or Inf in the optimiser's '{name}'")
         new_params = self._spare_params
         if new_params is None or new_params.shape != params.shape or new_params is params:
             new_params = np.empty_like(params)

@@ -84,13 +84,13 @@ def array_to_numpy(array: Array) -> np.ndarray:
         raise ValueError("data is not .npy bytes")
     stream = io.BytesIO(data)
     try:
-        major, _minor = np.lib.format.read_magic(stream)
-        if major == 1:
+        major, minor = np.lib.format.read_magic(stream)
+        if (major, minor) == (1, 0):
             shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream, max_header_size=_MAX_HEADER)
-        elif major in (2, 3):
+        elif (major, minor) in ((2, 0), (3, 0)):
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream, max_header_size=_MAX_HEADER)
-        else:
-            raise ValueError(f"unknown .npy version {major}")
+        else:  # np.load (Flower's Array.numpy) knows these three only
+            raise ValueError(f"unknown .npy version {major}.{minor}; allowed: 1.0, 2.0, 3.0")
     except (ValueError, SyntaxError, TypeError, OverflowError) as err:
         raise ValueError(f"malformed .npy header ({err})") from None
     if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in WIRE_KINDS:

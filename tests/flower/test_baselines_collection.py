@@ -112,3 +112,132 @@ def test_flowers_moments_are_declared_state_and_a_non_finite_one_is_refused_on_l
     with pytest.raises(ValueError, match=r"state 'v_t\[.*\]' must hold finite numbers"):
         untouched.load_state_dict(poisoned)
     assert getattr(untouched, "v_t", None) is None  # nothing was loaded
+
+
+# ---------------------------------------------------------------------------- refused up front
+def _as_npy_1_1(value: np.ndarray):  # noqa: ANN202
+    """An ``Array`` whose ``.npy`` stream says format 1.1 (np.load, Flower's reader, knows 1.0, 2.0, 3.0)."""
+    from flwr.app import Array
+
+    from pollen.wire.records import numpy_to_array
+
+    good = numpy_to_array(value)
+    data = bytes(good.data)
+    return Array(dtype=good.dtype, shape=tuple(good.shape), stype=good.stype, data=data[:6] + b"\x01\x01" + data[8:])
+
+
+def _with_loss(msg, loss: float | list[float] = 0.45):  # noqa: ANN001, ANN202
+    """``moving_client`` that also reports a training loss (a number, or a list of per-epoch losses)."""
+    out = moving_client(msg)
+    out.content[protocol.METRICS_RECORD] = MetricRecord({protocol.NUM_EXAMPLES: 10, "loss": loss})
+    return out
+
+
+def _list_metric(msg):  # noqa: ANN001, ANN202
+    return _with_loss(msg, [0.5, 0.4])
+
+
+def _renamed_metrics(msg):  # noqa: ANN001, ANN202
+    out = _with_loss(msg)
+    del out.content[protocol.METRICS_RECORD]
+    out.content["my-metrics"] = MetricRecord({protocol.NUM_EXAMPLES: 10, "loss": 0.45})
+    return out
+
+
+def _counter_as_shape_1(msg):  # noqa: ANN001, ANN202
+    arrays = named_arrays(moving_client(msg).content.array_records[protocol.ARRAYS_RECORD])
+    counter = np.array([3], dtype=np.int64)
+    return full_model_reply(msg, {**arrays, "bn.num_batches_tracked": counter}, num_examples=10, loss=0.45)
+
+
+def _npy_1_1(msg):  # noqa: ANN001, ANN202
+    out = _with_loss(msg)
+    record = out.content.array_records[protocol.ARRAYS_RECORD]
+    record["conv.bias"] = _as_npy_1_1(np.asarray(named_arrays(record)["conv.bias"]))
+    return out
+
+
+def _huge_running_mean(msg):  # noqa: ANN001, ANN202
+    arrays = named_arrays(moving_client(msg).content.array_records[protocol.ARRAYS_RECORD])
+    huge = np.full(4, 1e12, np.float32)
+    return full_model_reply(msg, {**arrays, "bn.running_mean": huge}, num_examples=10, loss=0.45)
+
+
+ODD_REPLIES = {
+    "list-valued-metric": (_list_metric, "metric 'loss' is a list of 2 where the round's other replies have a number"),
+    "renamed-metrics-record": (_renamed_metrics, "metrics record 'my-metrics' is named differently"),
+    "0-d-buffer-as-shape-1": (_counter_as_shape_1, "array 'bn.num_batches_tracked' has shape (1,), the model has ()"),
+    "npy-format-1.1": (_npy_1_1, "unknown .npy version 1.1"),
+    "buffer-1e12": (_huge_running_mean, "buffer 'bn.running_mean' has norm"),
+}
+
+
+@pytest.mark.parametrize("make", [MeteredFedAvg, MeteredFedAdam], ids=["fedavg", "fedadam"])
+@pytest.mark.parametrize("odd", sorted(ODD_REPLIES))
+def test_a_reply_flowers_aggregation_would_refuse_is_refused_up_front_and_the_round_goes_on(make, odd) -> None:  # noqa: ANN001
+    """pollen's reader would take each of these; Flower's aggregation raises on it (or broadcasts a shape
+    into the model), which failed the whole round. Now it is one failure with a reason, the rest aggregate."""
+    odd_client, reason = ODD_REPLIES[odd]
+    victim = NODES[2]
+    grid = FakeGrid(NODES, lambda msg: odd_client(msg) if msg.metadata.dst_node_id == victim else _with_loss(msg))
+    silent_grid = FakeGrid(NODES, lambda msg: None if msg.metadata.dst_node_id == victim else _with_loss(msg))
+    results = []
+    for this_grid in (grid, silent_grid):
+        strategy = make(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=2)
+        _, replies = start_round(strategy, this_grid, 1)
+        results.append((strategy, *strategy.aggregate_train(1, replies)))
+    (strategy, arrays, metrics), (_, silent_arrays, _) = results
+    stats = strategy.accounting.rounds[1]
+    assert stats.replies == len(NODES) - 1, stats.failure_reasons
+    assert len(stats.failure_reasons) == 1 and reason in stats.failure_reasons[0], stats.failure_reasons
+    assert arrays is not None and metrics is not None
+    for name, value in named_arrays(silent_arrays).items():  # Flower samples (and sums) in a random order
+        np.testing.assert_allclose(named_arrays(arrays)[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_list_valued_metrics_that_agree_are_aggregated_by_flower() -> None:
+    grid = FakeGrid(NODES, _list_metric)
+    strategy = MeteredFedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=2)
+    _, replies = start_round(strategy, grid, 1)
+    _, metrics = strategy.aggregate_train(1, replies)
+    assert strategy.accounting.rounds[1].failures == 0
+    np.testing.assert_allclose(metrics["loss"], [0.5, 0.4])
+
+
+def test_the_strategys_own_weight_key_is_the_one_required() -> None:
+    def weighted_by_n(msg):  # noqa: ANN001, ANN202
+        out = moving_client(msg)
+        out.content[protocol.METRICS_RECORD] = MetricRecord({"n": 5 if msg.metadata.dst_node_id != NODES[0] else 0})
+        return out
+
+    grid = FakeGrid(NODES, weighted_by_n)
+    strategy = MeteredFedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=2, weighted_by_key="n")
+    _, replies = start_round(strategy, grid, 1)
+    arrays, _ = strategy.aggregate_train(1, replies)
+    stats = strategy.accounting.rounds[1]
+    assert arrays is not None and stats.replies == len(NODES) - 1
+    assert stats.failure_reasons == [f"node-{NODES[0]}: metrics lack a positive 'n' (got 0)"]
+
+
+def test_flowers_moments_are_put_back_when_its_step_leaves_inf() -> None:
+    """With the hard limit raised and the screen off, a 1e20 coordinate squares to +Inf in FedYogi's v_t."""
+    from pollen.strategies import MeteredFedYogi
+
+    def huge(msg):  # noqa: ANN001, ANN202
+        arrays = named_arrays(moving_client(msg).content.array_records[protocol.ARRAYS_RECORD])
+        if msg.metadata.dst_node_id == NODES[1]:
+            arrays = {**arrays, "conv.bias": arrays["conv.bias"] + np.float32(1e20)}
+        return full_model_reply(msg, arrays, num_examples=10)
+
+    strategy = MeteredFedYogi(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=2, outlier_rule="off")
+    strategy.screen.max_abs = 1e30
+    _, replies = start_round(strategy, FakeGrid(NODES, moving_client), 1)
+    strategy.aggregate_train(1, replies)
+    before = {name: dict(getattr(strategy, name)) for name in ("m_t", "v_t")}
+    _, replies = start_round(strategy, FakeGrid(NODES, huge), 2)
+    arrays, _ = strategy.aggregate_train(2, replies)
+    assert arrays is None
+    assert any("NaN or Inf" in reason for reason in strategy.accounting.rounds[2].failure_reasons)
+    for name, values in before.items():
+        for key, value in values.items():
+            np.testing.assert_array_equal(getattr(strategy, name)[key], value, err_msg=f"{name}[{key}]")

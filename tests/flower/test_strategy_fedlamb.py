@@ -88,8 +88,8 @@ def test_mime_keeps_an_ema_of_the_squared_mean_gradient_and_its_running_max():
     strategy, grid, _ = run("mime-lamb", 3)
     v, v_hat = np.zeros(D, np.float32), np.full(D, 1e-8, np.float32)
     for rnd, nodes in enumerate(sampled(grid), start=1):
-        mean = np.mean([stat(n, rnd, "grad") for n in nodes], axis=0, dtype=np.float64).astype(np.float32)
-        v = (0.999 * v + (1 - 0.999) * np.square(mean)).astype(np.float32)
+        mean = np.mean([stat(n, rnd, "grad") for n in nodes], axis=0, dtype=np.float64)  # squared in float64
+        v = (0.999 * v.astype(np.float64) + (1 - 0.999) * np.square(mean)).astype(np.float32)
         v_hat = np.maximum(v_hat, v)
     np.testing.assert_array_equal(strategy.v_hat, v_hat)
 
