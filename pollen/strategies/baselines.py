@@ -76,7 +76,9 @@ class Metered(RoundLoop):
             self._layout = ModelLayout.from_arrays(named)
         self._params = self._layout.flatten(named)
         messages = list(super().configure_train(server_round, arrays, config, grid))
-        self.replies.ask(server_round, TRAIN_PHASE, [message.metadata.dst_node_id for message in messages])
+        group = self.replies.ask(server_round, TRAIN_PHASE, [message.metadata.dst_node_id for message in messages])
+        for message in messages:  # the collector knows an earlier round's reply by it
+            message.metadata.group_id = group
         stats = self.accounting.round(server_round)
         stats.sampled = len(messages)
         count_sent(stats, messages)
@@ -213,7 +215,9 @@ class Metered(RoundLoop):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         messages = list(super().configure_evaluate(server_round, arrays, config, grid))
-        self.replies.ask(server_round, EVALUATE_PHASE, [message.metadata.dst_node_id for message in messages])
+        group = self.replies.ask(server_round, EVALUATE_PHASE, [message.metadata.dst_node_id for message in messages])
+        for message in messages:
+            message.metadata.group_id = group
         return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:

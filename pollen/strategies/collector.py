@@ -4,7 +4,9 @@ One :class:`ReplyCollector` serves every strategy, pollen's own and Flower's met
 a guarantee about replies is written once:
 
 - a reply counts only if its node was asked in that phase of that round, and only once (a
-  duplicate, an unsampled node's or a previous round's reply is a failure with a reason);
+  duplicate, an unsampled node's or a previous round's reply is a failure with a reason; each
+  phase's messages carry a group id that Flower copies into their replies, so an answer to an
+  earlier message is known as such);
 - every rejection is counted in the round's :class:`~pollen.strategies.accounting.RoundStats` and
   logged with the client's stable id;
 - a node that was asked and did not answer is a failure too ("no reply before the timeout");
@@ -67,14 +69,23 @@ class ReplyCollector:
         self._accounting = accounting
         self._asked: dict[tuple[int, str], list[int]] = {}
         self._phase: dict[int, str] = {}
+        self._groups: dict[tuple[int, str], str] = {}
+        self._sent: dict[tuple[int, str], int] = {}
         self.client_devices: dict[str, str] = {}
 
     # ------------------------------------------------------------------ the book
-    def ask(self, server_round: int, phase: str, nodes: Iterable[int]) -> None:
-        """Record that ``nodes`` were sent a message of ``phase`` in ``server_round``."""
+    def ask(self, server_round: int, phase: str, nodes: Iterable[int]) -> str:
+        """Record that ``nodes`` are sent a message of ``phase`` in ``server_round``; return its group id.
+
+        The messages must carry the returned id as their ``group_id`` (Flower copies it into every
+        reply): a reply with another one answers an earlier round or phase and is refused.
+        """
         self._asked[(server_round, phase)] = list(nodes)
+        self._sent[(server_round, phase)] = sent = self._sent.get((server_round, phase), 0) + 1
+        group = self._groups[(server_round, phase)] = f"pollen/{server_round}/{phase}/{sent}"
         if phase != EVALUATE_PHASE:
             self._phase[server_round] = phase
+        return group
 
     def asked(self, server_round: int, phase: str = TRAIN_PHASE) -> list[int]:
         """The nodes asked in ``phase`` of ``server_round`` (empty when none were)."""
@@ -86,8 +97,9 @@ class ReplyCollector:
 
     def forget(self, server_round: int) -> None:
         """Drop the book of ``server_round`` and every earlier round (a late reply is then unasked)."""
-        for key in [key for key in self._asked if key[0] <= server_round]:
-            del self._asked[key]
+        for book in (self._asked, self._groups, self._sent):
+            for key in [key for key in book if key[0] <= server_round]:
+                del book[key]
         for done in [r for r in self._phase if r <= server_round]:
             del self._phase[done]
 
@@ -107,11 +119,19 @@ class ReplyCollector:
         many workers ran them.
         """
         asked = set(self._asked.get((server_round, phase), []))
+        group = self._groups.get((server_round, phase))
         kept, seen = [], set()
         for reply in self.in_fixed_order(replies):
             node = reply.metadata.src_node_id
             if node not in asked:
                 self.reject(server_round, node, f"reply from a node not asked in {phase} of round {server_round}")
+            elif group is not None and not reply.has_error() and reply.metadata.group_id != group:
+                self.reject(
+                    server_round,
+                    node,
+                    f"reply to another message (group '{reply.metadata.group_id}', this one is '{group}'): "
+                    "an earlier round's or phase's answer",
+                )
             elif node in seen:
                 self.reject(server_round, node, f"second reply in {phase} of round {server_round}")
             else:
@@ -216,7 +236,8 @@ class ReplyCollector:
                     node,
                     reason_of(err),
                 )
-        self._asked.pop((server_round, EVALUATE_PHASE), None)
+        for book in (self._asked, self._groups, self._sent):
+            book.pop((server_round, EVALUATE_PHASE), None)
         return records, weights
 
     # ------------------------------------------------------------------ client info

@@ -31,6 +31,8 @@ from pollen.wire.records import record_to_arrays, records_to_payload
 #: Largest weight (``num-examples``) a reply may claim; keeps weighted sums finite in float64.
 MAX_WEIGHT = 1e12
 UPDATE_MODES = ("required", "optional")
+#: Buffers that are second moments by name (PyTorch's normalisation layers' ``running_var``): never negative.
+NONNEGATIVE_BUFFERS = ("running_var",)
 #: How a record is screened against the same record of other replies: by its L2 norm, or not at all.
 SCREEN_MODES = ("norm", "off")
 #: Prefixes of the record kinds the outlier screen keeps a history for (``"extra:v"``, ``"buffer:bn.running_var"``).
@@ -235,6 +237,8 @@ def read_reply(
             raise ReplyRejected(f"update has a coordinate of magnitude {peak:.3g} > {max_abs:.3g} (hard limit)")
     for name, value in buffers.items():
         _check_magnitude(value, f"buffer '{name}'", max_abs)
+        if name.endswith(NONNEGATIVE_BUFFERS) and value.size and value.min() < 0:
+            raise ReplyRejected(f"buffer '{name}' holds negative values; a variance must be >= 0")
     extras = {
         extra.name: value
         for extra in spec.extras

@@ -53,17 +53,22 @@ class Transport:
         self, server_round: int, nodes: list[int], content_for: Callable[[int], RecordDict]
     ) -> list[Message]:
         """One train message per node with ``content_for(node)``; asked nodes recorded, bytes counted."""
-        self.replies.ask(server_round, "train", nodes)
-        messages = [Message(content=content_for(node), message_type="train", dst_node_id=node) for node in nodes]
+        group = self.replies.ask(server_round, "train", nodes)
+        messages = [
+            Message(content=content_for(node), message_type="train", dst_node_id=node, group_id=group) for node in nodes
+        ]
         count_sent(self._accounting().round(server_round), messages)
         return messages
 
     def evaluate_messages(self, server_round: int, nodes: list[int], content: RecordDict) -> list[Message]:
         """One evaluate message per node, all with ``content``; asked nodes recorded, bytes counted."""
-        self.replies.ask(server_round, EVALUATE_PHASE, nodes)
+        group = self.replies.ask(server_round, EVALUATE_PHASE, nodes)
         stats = self._accounting().round(server_round)
         stats.eval_downlink_bytes += int(sum(record.count_bytes() for record in content.values())) * len(nodes)
-        return [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node) for node in nodes]
+        return [
+            Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node, group_id=group)
+            for node in nodes
+        ]
 
     def exchange(
         self,
@@ -83,6 +88,7 @@ class Transport:
         """
         stats = self._accounting().round(server_round)
         phase_index = self._phases_sent[server_round] = self._phases_sent.get(server_round, 0) + 1
+        group = self.replies.ask(server_round, phase, contents)
         messages = []
         for node, content in contents.items():
             content = RecordDict(dict(content.items()))
@@ -91,8 +97,9 @@ class Transport:
             config[protocol.CFG_PHASE_INDEX] = phase_index
             config[protocol.CFG_SERVER_ROUND] = server_round
             content[self.configrecord_key] = config
-            messages.append(Message(content=content, message_type=protocol.PHASE_MESSAGE_TYPE, dst_node_id=node))
-        self.replies.ask(server_round, phase, contents)
+            messages.append(
+                Message(content=content, message_type=protocol.PHASE_MESSAGE_TYPE, dst_node_id=node, group_id=group)
+            )
         count_sent(stats, messages, prefix=f"{phase}/")
         stats.exchange_messages += len(messages)
         replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []

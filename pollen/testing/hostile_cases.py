@@ -466,7 +466,7 @@ def _envelope(reply: Message, has_previous: bool) -> list[tuple[str, hostile.Tam
         ("extra-config-record", edited("sent", put_record("junk", ConfigRecord({"x": "y"}))), "either"),
     ]
     if has_previous:
-        out += [("stale-round", stale, "reject"), ("stale-round-first", stale_first, "reject")]
+        out += [("stale-round", stale, "reject"), ("stale-round-first", stale_first, "drop")]
     for name in reply.content.keys():
         out.append((f"missing {name}", edited("sent", drop_record(name)), "either"))
         out.append((f"renamed {name}", edited("sent", rename_record(name, name + "-x")), "either"))

@@ -9,9 +9,7 @@ reason, or, for a reply that means the same as the honest one (a duplicate, an u
 bit-identical to the honest run.
 
 Every method and record kind is run; the values are sampled deterministically (every fifth case of a
-kind, the first always, and every known failure), so the module stays fast; ``benchmarks/fuzz_replies.py``
-runs them all. Known failures are strict xfails naming the bug (:func:`known_failure`): remove the entry
-with the fix.
+kind, the first always), so the module stays fast; ``benchmarks/fuzz_replies.py`` runs them all.
 """
 
 from __future__ import annotations
@@ -23,50 +21,12 @@ from pollen.testing.hostile_cases import ESCAPES, TIMEOUT_REASON, Case, cases_fo
 
 pytestmark = pytest.mark.flower_compat
 
-BASELINES = ("fedavg", "fedadam", "fedyogi", "fedadagrad")
-FLOWER_OPT = ("fedadam", "fedyogi", "fedadagrad")
-
-
-def known_failure(method: str, case: Case) -> str | None:
-    """The bug a case runs into today, in words; ``None`` when it must pass."""
-    if (
-        case.value == "negative"
-        and "running_var" in case.target
-        and not (method in BASELINES and case.kind == "buffers-codec")
-    ):
-        return (
-            "a negative BatchNorm running_var is accepted and averaged into the global buffers: read_reply checks "
-            "buffers for finiteness and the hard limit only, no buffer declares that it is a (non-negative) moment"
-        )
-    if case.value.startswith("stale-round") and method != "adp-fed":
-        return (
-            "a previous round's reply is taken as this round's: ReplyCollector.from_asked checks the sender node "
-            "and phase but not reply_to_message_id against the messages sent this round"
-        )
-    if method in BASELINES and case.id == "metrics|metrics/loss|[1.0, nan]":
-        return (
-            "Flower's baselines: a list-valued metric passes Metered._judge, then Flower's aggregate_metricrecords "
-            "raises TypeError and the whole round fails"
-        )
-    if method in BASELINES and case.id == "envelope|reply|renamed metrics":
-        return (
-            "Flower's baselines: a MetricRecord under another name passes Metered._judge, then Flower raises "
-            "InconsistentMessageReplies and the whole round fails"
-        )
-    if method in FLOWER_OPT and case.id == "buffers-arrays|arrays/bn.num_batches_tracked|int":
-        return (
-            "Flower's FedAdam/Yogi/Adagrad: an int32 0-d buffer where the global one is float passes pollen's "
-            "reader (dtype cast), then Flower's aggregation raises AggregationError (shape) and the round fails"
-        )
-    return None
-
-
 def _sample(method: str) -> list[Case]:
-    """Every kind's first case, every fifth one after it, and every known failure."""
+    """Every kind's first case and every fifth one after it (the benchmark runs them all)."""
     kept, seen = [], {}
     for case in cases_for(method):
         index = seen[case.kind] = seen.get(case.kind, -1) + 1
-        if index % 5 == 0 or known_failure(method, case) is not None:
+        if index % 5 == 0:
             kept.append(case)
     return kept
 
@@ -75,9 +35,7 @@ def _params() -> list:
     params = []
     for method in hostile.method_names():
         for case in _sample(method):
-            reason = known_failure(method, case)
-            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-            params.append(pytest.param(method, case, id=f"{method}:{case.id}", marks=marks))
+            params.append(pytest.param(method, case, id=f"{method}:{case.id}"))
     return params
 
 
