@@ -4,9 +4,10 @@ Two parts:
 
 1. **Accuracy** (``--part accuracy``): pollen's real ServerApp and ClientApp in one process
    (:func:`pollen.testing.inprocess.run_inprocess`) on Debian's Fashion-MNIST, 20 clients (Dirichlet 0.5),
-   10 sampled per round, the task's MLP (the CNN trains 10x slower on this shared 2-core machine), FedAMS (Option 1) on the server. A fixed, seeded set of 0, 2 or 4 clients (0, 10,
-   20%) are attackers: they train honestly, then upload their update sign-flipped (``x -1``) or scaled by
-   ``-3`` (both within 3x of an honest norm, so the 10x outlier screen lets them through). Dense uploads
+   10 sampled per round, the task's MLP (the CNN trains 10x slower on this shared 2-core machine), FedAMS
+   (Option 1) on the server. A fixed, seeded set of 0, 2 or 4 clients (0, 10, 20%) are attackers: they
+   train honestly, then upload their update sign-flipped (``x -1``) or scaled by ``-3`` (both within 3x
+   of an honest norm, so the 10x outlier screen lets them through). Dense uploads
    (the identity codec) compare the mean, the coordinate-wise median and the trimmed mean (beta 0.2);
    scaled-sign uploads (FedCAMS, error feedback on) compare the mean with the majority vote. The attack
    is a wrapper around the ClientApp's upload (``compress_update``), so every reply is read by the real
@@ -193,7 +194,7 @@ def cost_part(repeats: int = 3, models: tuple[str, ...] = ("cnn", "resnet18")) -
             n: {k: (rng.standard_normal(v.shape) * 0.01).astype(v.dtype) for k, v in initial.items()} for n in nodes
         }
 
-        def client(msg):  # noqa: ANN001, ANN202
+        def client(msg, deltas=deltas):  # noqa: ANN001, ANN202
             start = global_arrays_of(msg)
             local = {k: (start[k] + deltas[msg.metadata.dst_node_id][k]).astype(start[k].dtype) for k in start}
             return full_model_reply(msg, local, num_examples=10)
