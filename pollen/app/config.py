@@ -30,6 +30,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pollen.aggregate import AGGREGATORS, DEFAULT_TRIM_FRACTION
 from pollen.app import registry
 from pollen.app.methods import FAMILIES, METHODS
 from pollen.app.spec import (
@@ -108,6 +109,8 @@ SAMPLING = {
     "min-evaluate-nodes": non_neg_int(2),
     "node-wait-seconds": non_negative(30.0),
     "aggregation": choice(_aggregations, "mean", server_side=True),
+    "aggregator": choice(AGGREGATORS, "mean"),
+    "trim-fraction": Key(float, DEFAULT_TRIM_FRACTION, lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
 }
 #: The server optimiser's settings every adaptive method shares (each family's defaults say its own).
 SERVER_OPTIMIZER = {

@@ -15,6 +15,8 @@ and a public surface, and no part touches another's private state:
 - :class:`~pollen.strategies.step.ServerStep`: the server optimiser (:mod:`pollen.optim` transform)
   stepped as a transaction;
 - :class:`~pollen.strategies.uplink.Uplink` (optional): what clients upload;
+- an :class:`~pollen.aggregate.Aggregator` (:mod:`pollen.strategies.robust`): the mean (streamed) or a
+  robust aggregate of the round's kept updates (median, trimmed mean, majority vote);
 - :class:`~pollen.strategies.accounting.Accounting`: per-round numbers measured on the wire;
 - state by declaration (:mod:`pollen.strategies.declared`): the parts and the fields a method
   declares in ``state_fields`` are written and restored for resume.
@@ -46,6 +48,7 @@ from pollen.strategies.declared import restore_strategy_state, strategy_state
 from pollen.strategies.ledger import AppliedLedger
 from pollen.strategies.model import GlobalModel
 from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec, screened_kinds
+from pollen.strategies.robust import Aggregator, check_codec, check_fits, make_aggregator, robust_delta
 from pollen.strategies.rounds import RoundLoop
 from pollen.strategies.sampling import ClientSampler
 from pollen.strategies.screening import DEFAULT_MAX_ABS, UpdateScreen, all_finite
@@ -159,6 +162,12 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     uplink : Uplink | None (default: None)
         What clients upload (:class:`~pollen.strategies.uplink.Uplink`: codec, error feedback,
         granularity); ``None`` asks for nothing and takes full models (any Flower ClientApp).
+    aggregator : str | Aggregator (default: "mean")
+        How the round's updates become one delta (:mod:`pollen.strategies.robust`): ``"mean"``
+        (streamed, as ``aggregation`` says), ``"median"``, ``"trimmed-mean"`` (or
+        ``pollen.aggregate.TrimmedMean(beta)``) or ``"majority-vote"`` (scaled-sign uploads only). A
+        robust one keeps the round's updates, gives each client one vote (``aggregation="mean"``
+        only) and is refused with a reason by methods it does not fit (``robust_refusal``).
     transactional : bool (default: True)
         Put the model and optimiser state of before the server step back if the step fails or
         produces non-finite values (the round then counts as failed). Nothing is copied for it: the
@@ -174,6 +183,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     #: What the method keeps across rounds beyond the base's parts, by attribute name and kind
     #: (:mod:`pollen.strategies.declared`): written, restored and checked by the base.
     state_fields: ClassVar[Mapping[str, str]] = {}
+    #: Why a robust aggregator does not fit this method (``None``: its aggregate is a mean of updates).
+    robust_refusal: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -198,6 +209,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         min_replies: int = 1,
         transactional: bool = True,
         uplink: Uplink | None = None,
+        aggregator: str | Aggregator = "mean",
     ) -> None:
         _check_arguments(
             fraction_train,
@@ -222,6 +234,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         self.min_replies = min_replies
         self.transactional = transactional
         self.uplink = uplink
+        self.aggregator = make_aggregator(aggregator)
+        check_fits(self.aggregator, type(self).__name__, aggregation=aggregation, refusal=self.robust_refusal)
+        check_codec(self.aggregator, type(self).__name__, self.upload_codec())
 
         self.server_step = ServerStep(optimizer)
         self.model = GlobalModel(buffer_keys)
@@ -282,6 +297,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         for key, value in self.extra_summary().items():
             log(INFO, "\t│\t├── %s: %s", key, value)
         log(INFO, "\t│\t├── aggregation: %s (weight key '%s')", self.aggregation, self.weighted_by_key)
+        log(INFO, "\t│\t├── aggregator: %s", self.aggregator.describe())
         log(
             INFO,
             "\t│\t└── sampling: train %.2f (min %d) | evaluate %.2f (min %d) | seed %d",
@@ -359,6 +375,10 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         """Hook: what a final reply of ``server_round`` carries (default: :attr:`reply_spec`)."""
         return self.reply_spec
 
+    def upload_codec(self) -> str:
+        """Hook: the codec every reply's update is a decoding of (a method with its own uplink says its own)."""
+        return self.uplink.codec if self.uplink is not None else "none"
+
     def needs_weights(self) -> bool:
         """Whether a reply must carry a positive ``num-examples`` (weighted aggregation needs it)."""
         return self.aggregation == "weighted"
@@ -368,7 +388,10 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         return RunningMean(self.layout.dim, self.screen, bound, weighted=self.aggregation == "weighted")
 
     def aggregate_deltas(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
-        """Hook: the round's delta from kept updates (default: the mean, as the streaming path computes it)."""
+        """Hook: the round's delta from kept updates (default: the mean, as the streaming path computes it,
+        or the strategy's robust aggregator)."""
+        if not self.aggregator.streams:
+            return robust_delta(self.aggregator, [u.delta for u in updates if u.delta is not None], self.layout)
         return mean_of(updates, self.layout.dim, self.screen, weighted=self.aggregation == "weighted")
 
     def after_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
@@ -465,7 +488,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         anyway (or yields non-finite values) the state is put back and the round counts as failed.
         """
         phase = self.replies.phase_of(server_round)
-        bound = self.screen.bound() if self.streaming else None
+        bound = self.screen.bound() if self.streaming and self.aggregator.streams else None
         kinds = screened_kinds(self.reply_spec_for(server_round), self.layout) if bound is not None else []
         record_bounds = self.screen.record_bounds(kinds) if bound is not None else None
         if bound is not None and record_bounds is not None:  # every screened kind has a history: stream

@@ -102,6 +102,11 @@ class FedAdaVR(AdaptiveStrategy):
     ) -> None:
         spec = get_variant(variant)
         kwargs.setdefault("identify_clients", True)
+        if spec.uses_table:
+            self.robust_refusal = (
+                f"variant {spec.name!r} aggregates a control-variate sum over its stored-update table, not a "
+                "mean of this round's updates (allowed with a robust aggregator: variant 'novr')"
+            )
         super().__init__(optimizer=None, **kwargs)
         self.variant = spec
         self.optimizer_name = server_optimizer or spec.optimizer
@@ -186,7 +191,10 @@ class FedAdaVR(AdaptiveStrategy):
         return _VRSink(self, server_round, bound, self._new_round())
 
     def aggregate_deltas(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
-        """The variance-reduced delta ``eta_c * r`` of updates read without streaming (round 1)."""
+        """The variance-reduced delta ``eta_c * r`` of updates read without streaming (round 1), or, with a
+        robust aggregator (``novr`` only: no table), that aggregator's delta of the updates."""
+        if not self.aggregator.streams:
+            return super().aggregate_deltas(server_round, updates)
         vr_round = self._new_round()
         for update in updates:
             if update.delta is not None:

@@ -124,6 +124,10 @@ class HAFed(AdaptiveStrategy):
     """
 
     streaming = False  # the round's updates are the server's own mixed models
+    robust_refusal = (
+        "its round aggregate is the uploaders' models after gossip, so a bad client's update is already mixed "
+        "into its neighbours' before any aggregator sees it (and only m per cluster upload)"
+    )
 
     def __init__(
         self,

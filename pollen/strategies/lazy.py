@@ -160,6 +160,7 @@ class FedLazy(FedAMS):
                 f"down_rule={down_rule!r} needs a compressed downlink (down_compressor); allowed without one: none"
             )
         kwargs.setdefault("identify_clients", True)
+        self.compressor, self.up_rule = compressor, up_rule  # what upload_codec() says to the base's checks
         super().__init__(**kwargs)
         self.up_rule, self.up_tau = up_rule, check_tau("up_tau", up_tau)
         self.compressor, self.topk_ratio, self.granularity = compressor, float(topk_ratio), granularity
@@ -171,6 +172,10 @@ class FedLazy(FedAMS):
         self._down_codec = None
         self._pending: dict[str, dict[str, Any]] = {}  # this round: what each sampled client will hold
         self._commits: dict[str, tuple[str, Any, dict[str, Any]]] = {}  # kept replies: what to keep if applied
+
+    def upload_codec(self) -> str:
+        """The uplink codec; an accelerated (aa) reply adds the stored copy, so it is no plain decoding."""
+        return self.compressor if self.up_rule != "aa" else f"{self.compressor} added to the stored copy (aa)"
 
     @property
     def bidirectional(self) -> bool:

@@ -21,6 +21,7 @@ from pollen.testing.hostile_cases import ESCAPES, TIMEOUT_REASON, Case, cases_fo
 
 pytestmark = pytest.mark.flower_compat
 
+
 def _sample(method: str) -> list[Case]:
     """Every kind's first case and every fifth one after it (the benchmark runs them all)."""
     kept, seen = [], {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pollen.app.methods.common import sampling_kwargs, screening_kwargs
+from pollen.app.methods.common import refuse_robust, sampling_kwargs, screening_kwargs
 
 KEYS: dict = {}
 
@@ -22,6 +22,12 @@ DEFAULTS: dict[str, Mapping[str, Any]] = {
     "fedyogi": {"server-lr": 0.01, "beta1": 0.9, "beta2": 0.99, "eps": 0.001},
     "fedadagrad": {"server-lr": 0.1, "eps": 0.001},
 }
+
+
+def _flower_kwargs(cfg: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """Sampling and screening; a robust ``aggregator`` is refused (Flower's code aggregates these)."""
+    refuse_robust(cfg, f"Flower's own {name}", "Flower's strategy computes its weighted mean inside Flower")
+    return {**sampling_kwargs(cfg), **screening_kwargs(cfg)}
 
 
 def _optimizer_kwargs(cfg: Mapping[str, Any], *, moments: bool = True) -> dict[str, Any]:
@@ -34,22 +40,22 @@ def _optimizer_kwargs(cfg: Mapping[str, Any], *, moments: bool = True) -> dict[s
 def build_fedavg(cfg: Mapping[str, Any]) -> Any:
     from pollen.strategies.baselines import MeteredFedAvg
 
-    return MeteredFedAvg(**sampling_kwargs(cfg), **screening_kwargs(cfg))
+    return MeteredFedAvg(**_flower_kwargs(cfg, "FedAvg"))
 
 
 def build_fedadam(cfg: Mapping[str, Any]) -> Any:
     from pollen.strategies.baselines import MeteredFedAdam
 
-    return MeteredFedAdam(**sampling_kwargs(cfg), **screening_kwargs(cfg), **_optimizer_kwargs(cfg))
+    return MeteredFedAdam(**_flower_kwargs(cfg, "FedAdam"), **_optimizer_kwargs(cfg))
 
 
 def build_fedyogi(cfg: Mapping[str, Any]) -> Any:
     from pollen.strategies.baselines import MeteredFedYogi
 
-    return MeteredFedYogi(**sampling_kwargs(cfg), **screening_kwargs(cfg), **_optimizer_kwargs(cfg))
+    return MeteredFedYogi(**_flower_kwargs(cfg, "FedYogi"), **_optimizer_kwargs(cfg))
 
 
 def build_fedadagrad(cfg: Mapping[str, Any]) -> Any:
     from pollen.strategies.baselines import MeteredFedAdagrad
 
-    return MeteredFedAdagrad(**sampling_kwargs(cfg), **screening_kwargs(cfg), **_optimizer_kwargs(cfg, moments=False))
+    return MeteredFedAdagrad(**_flower_kwargs(cfg, "FedAdagrad"), **_optimizer_kwargs(cfg, moments=False))

@@ -26,11 +26,28 @@ def screening_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {"outlier_rule": cfg["outlier-rule"], "outlier_factor": cfg["outlier-factor"]}
 
 
+def aggregator_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The aggregator (``aggregator``, and ``trim-fraction`` for the trimmed mean) every pollen strategy takes."""
+    from pollen.aggregate import make_aggregator
+
+    name = cfg["aggregator"]
+    return {"aggregator": make_aggregator(name, cfg["trim-fraction"] if name == "trimmed-mean" else None)}
+
+
+def refuse_robust(cfg: Mapping[str, Any], method: str, reason: str) -> None:
+    """``ValueError`` when the run-config asks ``method`` (which aggregates its own way) for a robust aggregator."""
+    if cfg["aggregator"] != "mean":
+        raise ValueError(
+            f"run-config 'aggregator' = {cfg['aggregator']!r} does not fit {method}: {reason}; allowed: mean"
+        )
+
+
 def adaptive_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Sampling plus what every pollen ``AdaptiveStrategy`` takes from the run-config."""
     return {
         **sampling_kwargs(cfg),
         **screening_kwargs(cfg),
+        **aggregator_kwargs(cfg),
         "aggregation": cfg["aggregation"],
         "seed": cfg["seed"],
         "identify_clients": True,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pollen.app.methods.common import sampling_kwargs, screening_kwargs
+from pollen.app.methods.common import aggregator_kwargs, sampling_kwargs, screening_kwargs
 from pollen.app.methods.fedopt import uplink_of
 from pollen.app.spec import choice, non_neg_int, text
 from pollen.compression.quant import PRECISIONS
@@ -103,6 +103,7 @@ def builder(name: str) -> Callable[[Mapping[str, Any]], Any]:
             min_replies=cfg["min-replies"],
             uplink=uplink_of(cfg),
             **screening_kwargs(cfg),
+            **aggregator_kwargs(cfg),
         )
 
     build.__name__ = build.__qualname__ = f"build_{name.replace('-', '_')}"
