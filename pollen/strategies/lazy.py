@@ -44,7 +44,7 @@ from pollen.lazy.rules import (
     replay,
 )
 from pollen.strategies.base import ReplyRejected, ReplySpec
-from pollen.strategies.declared import COUNTS, PART
+from pollen.strategies.declared import PART, ROUNDS
 from pollen.strategies.downlink import Downlink
 from pollen.strategies.fedams import FedAMS
 from pollen.strategies.lazy_book import ClientBook
@@ -119,7 +119,7 @@ class FedLazy(FedAMS):
     """
 
     streaming = False  # each reply is resolved against its client's stored copies before the mean
-    state_fields = {"book": PART, "last_round": COUNTS}
+    state_fields = {"book": PART, "last_round": ROUNDS}
     reply_spec = ReplySpec(flags=(protocol.FLAG_SKIP, protocol.FLAG_AA, protocol.FLAG_RESYNC), update="optional")
 
     def __init__(

@@ -126,8 +126,42 @@ class UpdateScreen:
     def state_dict(self) -> dict[str, Any]:
         return {"history": [list(r) for r in self.history]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.history = deque(([float(n) for n in r] for r in state.get("history", [])), maxlen=self.window)
+    def load_state_dict(self, state: dict[str, Any], where: str = "screen") -> None:
+        """Restore the history; nothing changes when it is refused (see :meth:`prepare_load`)."""
+        self.prepare_load(state, where)()
+
+    def prepare_load(self, state: Any, where: str = "screen") -> Callable[[], None]:
+        """Check a saved history and return what makes it this screen's: at most ``window`` rounds, each a
+        list of accepted norms that are 0 (a client that did not move) or in [1e-12, 1e6 x the hard limit]
+        (a norm of 1e-30 would make the bound reject every honest update for ``window`` rounds)."""
+        from pollen.core import state_fields as fields
+
+        saved = fields.mapping(state, where, keys=("history",))
+        history_where = fields.join(where, "history")
+        rounds = fields.sequence(saved["history"], history_where, most=self.window)
+        history = deque(maxlen=self.window)
+        for i, norms in enumerate(rounds):
+            round_where = fields.join(history_where, i)
+            kept = []
+            for j, n in enumerate(fields.sequence(norms, round_where, most=MAX_REPLIES_PER_ROUND)):
+                norm = fields.finite_number(n, fields.join(round_where, j), low=0.0, high=self.max_abs * 1e6)
+                if 0.0 < norm < MIN_NORM:
+                    raise fields.StateError(
+                        fields.join(round_where, j), f"is {norm!r}; expected 0 (no move) or a norm >= {MIN_NORM:g}"
+                    )
+                kept.append(norm)
+            history.append(kept)
+
+        def commit() -> None:
+            self.history = history
+
+        return commit
+
+
+#: The smallest accepted norm a saved history may hold: float32 round-off of a real update is far above it.
+MIN_NORM = 1e-12
+#: The most norms one saved round may hold.
+MAX_REPLIES_PER_ROUND = 1_000_000
 
 
 _BLOCK = 1 << 16
