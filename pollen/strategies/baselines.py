@@ -288,6 +288,9 @@ class Metered(RoundLoop):
                     raise fields.StateError(at, f"has shape {array.shape}; expected an array of the model")
                 if key == "v_t":
                     fields.numeric_array(array, at, low=0.0, high=self.screen.max_abs, what="(a second moment)")
+                if key == "m_t":  # an average of updates, each within the hard limit
+                    bound = self.screen.max_abs
+                    fields.numeric_array(array, at, low=-bound, high=bound, what="(a first moment)")
 
 
 def _random_state(value: Any, where: str) -> tuple:

@@ -169,6 +169,8 @@ def restore_strategy_state(strategy: Any, state: Any, *, server_round: int | Non
     if unknown:
         raise fields.StateError(fields.join(WHERE, unknown[0]), f"is not a field of {type(strategy).__name__}'s state")
     seed = fields.whole(state["seed"], fields.join(WHERE, "seed"), high=2**64 - 1)
+    if seed != strategy.seed:
+        raise fields.StateError(fields.join(WHERE, "seed"), f"is {seed}; expected {strategy.seed} (the run's seed)")
     model, step = GlobalModel(strategy.model.buffer_keys), ServerStep()
     model.prepare_load(state, WHERE)()  # a new object: nothing of the strategy changes yet
     layout = model.layout

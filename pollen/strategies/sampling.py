@@ -177,6 +177,8 @@ class ClientSampler:
         """
         fields.mapping(state, where, keys=("seed", "rng", "known_clients", "node_keys", "node_clusters"))
         seed = fields.whole(state["seed"], fields.join(where, "seed"), high=2**64 - 1)
+        if seed != self.seed:
+            raise fields.StateError(fields.join(where, "seed"), f"is {seed}; expected {self.seed} (the run's seed)")
         rng_state = fields.bit_generator_state(state["rng"], fields.join(where, "rng"))
         known_where = fields.join(where, "known_clients")
         known = {

@@ -96,7 +96,9 @@ class ServerStep:
         """Check a saved optimiser state against ``optimizer`` and ``dim``; return what makes it this step's.
 
         Exactly the optimiser's slots, each ``dim`` finite float32 values; the second moments
-        (:data:`SECOND_MOMENTS`: ``v``, ``v_hat``, ``z``) in ``[0, max_moment]`` (the updates' hard limit:
+        (:data:`SECOND_MOMENTS`: ``v``, ``v_hat``, ``z``) in ``[0, max_moment]`` and the first moment ``m``
+        in ``[-max_moment, max_moment]`` (an average of updates, each within the hard limit), other slots
+        within 1e6 times it; ``max_moment`` is the updates' hard limit:
         a legitimate moment is many orders below it, and a larger one would pin an AMSGrad maximum or
         scale every step down for the rest of the run); the step counter in ``[0, max_step]``.
         """
@@ -107,13 +109,14 @@ class ServerStep:
         slots = {}
         for name in optimizer.slot_names:
             moment = name in SECOND_MOMENTS
+            bound = max_moment if moment or name == "m" else max_moment * 1e6  # m: an average of bounded updates
             slots[name] = fields.float_vector(
                 saved[name],
                 fields.join(slots_where, name),
                 dim,
-                low=0.0 if moment else None,
-                high=max_moment if moment else None,
-                what="(a second moment)" if moment else "",
+                low=0.0 if moment else -bound,
+                high=bound,
+                what="(a second moment)" if moment else "(a first moment: within the updates' hard limit)",
             )
         state = OptState.from_dict({"step": step, "slots": slots})
         optimizer.check_state(state, dim)
