@@ -30,7 +30,7 @@ from pollen.testing import altered_files as corpus
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default="", help="comma-separated names (default: every registered one)")
-    parser.add_argument("--show", type=int, default=20, help="print this many escaped / unnamed cases")
+    parser.add_argument("--show", type=int, default=0, help="print this many escaped / unnamed / loaded cases")
     args = parser.parse_args()
     logging.getLogger("flwr").setLevel(logging.ERROR)
     names = [n for n in args.strategies.split(",") if n] or list(METHODS)
@@ -76,8 +76,10 @@ def main() -> None:
     print(f"digest check without resume-trust-file: {totals['digest-refused']} of {len(bases)} edited files refused")
     for note in notes[: args.show]:
         print("  ", note)
-    kinds = Counter(line.split()[1] + " " + line.split()[2].split("/")[0] for line in loaded)
-    print("loaded with another valid state, by alteration and top-level field:", dict(sorted(kinds.items())))
+    kinds = Counter("/".join(line.split()[2].split("/")[:2]) for line in loaded)
+    print("loaded with another valid state, by field (all strategies, all alterations):")
+    for field, n in sorted(kinds.items(), key=lambda item: -item[1]):
+        print(f"   {n:>5}  {field}")
     for line in loaded[: args.show]:
         print("   loaded:", line)
 
