@@ -36,9 +36,14 @@ MODEL_VALUES = ("arrays", "strategy/params", "strategy/current_arrays", "strateg
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):  # noqa: ANN001, ANN201
-    logging.getLogger("flwr").setLevel(logging.ERROR)
-    root = tmp_path_factory.mktemp("runs")
-    return {name: corpus.make_base(name, root) for name in FAMILIES}
+    logger = logging.getLogger("flwr")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # two rounds of five strategies log a lot; put back for the other tests
+    try:
+        root = tmp_path_factory.mktemp("runs")
+        return {name: corpus.make_base(name, root) for name in FAMILIES}
+    finally:
+        logger.setLevel(level)
 
 
 def sample(cases):  # noqa: ANN001, ANN201
