@@ -86,6 +86,7 @@ def make_checkpoint(cfg: AppConfig, out_dir: Path) -> RunCheckpoint:
         fingerprint=cfg.as_dict(),
         ignore=(*RESUME_MAY_DIFFER, "run-name"),
         stop_after_round=cfg["stop-after-round"],
+        trust_file=cfg["resume-trust-file"],
     )
 
 

@@ -150,6 +150,9 @@ RESUME = {
     "resume": text(""),
     "stop-after-round": non_neg_int(0),
     "state-dir": text(""),
+    # Resume from a checkpoint whose sha256 is not the one the run directory recorded when it was written
+    # (checkpoint.npz.sha256): a file you edited or copied in on purpose. Every field is still checked.
+    "resume-trust-file": Key(bool, False, allowed="true or false"),
 }
 BAD_CLIENTS = {
     "round-timeout": positive(3600.0),
@@ -188,6 +191,7 @@ RESUME_MAY_DIFFER = (
     "results-dir",
     "data-dir",
     "state-dir",
+    "resume-trust-file",
 )
 
 

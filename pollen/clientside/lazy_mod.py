@@ -206,9 +206,10 @@ def _judged_upload(
     residual = state.get(RESIDUAL) if feedback else None
     if residual is not None and residual.shape != delta.shape:
         residual = None
-    last_used, last_round = state.get(UP_USED), state.get(UP_ROUND)
+    last_used = state.get(UP_USED, shape=delta.shape, dtype=np.float32)
+    last_round = state.get(UP_ROUND, shape=(), dtype=np.int64)
     server_round = int(config.get(protocol.CFG_SERVER_ROUND, 0))
-    if feedback and last_used is not None and last_used.shape == delta.shape:
+    if feedback and last_used is not None:
         # what the server did not apply of our last upload (rejected, skipped, rolled back, clipped) is owed
         residual = settle(residual, last_used, None if last_round is None else int(last_round), config, server_round)
     compensated = delta if residual is None else np.add(delta, residual, dtype=np.float32)

@@ -47,11 +47,16 @@ declares is trusted before it is checked against the file's bytes):
 - ``current/<name>``, ``previous/<name>``: the snapshot's vectors, any bool, integer
   or real floating dtype and any shape, kept exactly.
 
-``previous`` is optional; a snapshot with vectors must have its round entry. A file
-that breaks any of this is logged (WARNING, naming the file and the reason), renamed
+``previous`` is optional; a snapshot with vectors must have its round entry; floating
+point vectors must be finite (a NaN residual or moment would be fed into every later
+upload). A file that breaks any of this is logged (WARNING, naming the file and the reason), renamed
 to ``<file>.corrupt`` for a person to inspect, and the client starts fresh. The file
 is replaced atomically (temporary file in the same directory, ``fsync``,
 ``os.replace``), so a crash while writing leaves the old file as it was.
+
+The file cannot know the model, so shapes and dtypes are checked where a vector is used:
+``get(name, shape=..., dtype=...)`` drops a vector that does not fit with one WARNING line
+and that piece of state starts fresh (the client still answers the message).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from logging import WARNING
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context
@@ -96,6 +102,14 @@ _NUMERIC_KINDS = "biuf"  # bool, signed and unsigned integers, real floats (as p
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 _MAX_NAME_CHARS = 100
 _MAX_CORRUPT_COPIES = 1000
+_MAX_FIELD_CHARS = 1000
+_BLOCK = 1 << 16
+
+
+def _all_finite(array: np.ndarray) -> bool:
+    """No NaN or Inf in ``array``, checked in blocks (no array-sized temporary)."""
+    flat = array.reshape(-1)
+    return all(np.isfinite(flat[i : i + _BLOCK]).all() for i in range(0, flat.shape[0], _BLOCK))
 
 
 class ClientStateError(ValueError):
@@ -193,9 +207,33 @@ class ClientState:
         """The state file, or ``None`` without a state directory."""
         return self._path
 
-    def get(self, name: str) -> np.ndarray | None:
-        """The vector stored as ``name`` (not a copy), or ``None`` when there is none."""
-        return self._arrays.get(name)
+    def get(self, name: str, *, shape: tuple[int, ...] | None = None, dtype: Any = None) -> np.ndarray | None:
+        """The vector stored as ``name`` (not a copy), or ``None`` when there is none.
+
+        With ``shape`` and / or ``dtype`` the stored vector must have them; one that does not (a file
+        from another model, or edited by hand) is dropped with one WARNING line naming the field and
+        what was expected, and ``None`` is returned: this state starts fresh, the message goes on.
+        """
+        value = self._arrays.get(name)
+        if value is None:
+            return None
+        wrong_shape = shape is not None and value.shape != tuple(shape)
+        wrong_dtype = dtype is not None and value.dtype != np.dtype(dtype)
+        if wrong_shape or wrong_dtype:
+            parts = (str(np.dtype(dtype)) if dtype is not None else "", str(shape) if shape is not None else "")
+            want = " ".join(part for part in parts if part)
+            log(
+                WARNING,
+                "pollen client state: field '%s' of %s is %s %s; expected %s; starting it fresh",
+                name,
+                self._path or "context.state",
+                value.dtype,
+                value.shape,
+                want,
+            )
+            del self._arrays[name]
+            return None
+        return value
 
     def set(self, name: str, value: np.ndarray) -> None:
         """Store a copy of ``value`` as ``name`` (any numeric dtype and shape, kept exactly).
@@ -346,6 +384,10 @@ def read_state_file(path: str | os.PathLike[str]) -> dict[str, StateSnapshot]:
         if sep and slot in _SLOTS and name:
             if value.dtype.kind not in _NUMERIC_KINDS:
                 raise ClientStateError(f"{path}: entry '{key}' has non-numeric dtype {value.dtype}")
+            if len(name) > _MAX_FIELD_CHARS:
+                raise ClientStateError(f"{path}: entry '{key[:40]}...' has a name of {len(name)} characters")
+            if value.dtype.kind == "f" and not _all_finite(value):
+                raise ClientStateError(f"{path}: entry '{key}' holds NaN or Inf; expected finite values")
             arrays[slot][name] = value
         elif key in (CURRENT + _ROUND_SUFFIX, PREVIOUS + _ROUND_SUFFIX):
             rounds[key[: -len(_ROUND_SUFFIX)]] = _parse_round(path, key, value)

@@ -47,7 +47,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -81,7 +81,9 @@ class CheckpointError(ValueError):
 # --------------------------------------------------------------------------------------------- save
 
 
-def save_checkpoint(path: str | os.PathLike[str], tree: Mapping[str, Any]) -> int:
+def save_checkpoint(
+    path: str | os.PathLike[str], tree: Mapping[str, Any], *, before_replace: Callable[[str], None] | None = None
+) -> int:
     """Write ``tree`` to ``path`` atomically; return bytes written.
 
     Parameters
@@ -91,6 +93,9 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Mapping[str, Any]) -> in
         existing file is replaced only once the new one is completely on disk.
     tree
         Mapping with ``str`` keys; values as described in the module docstring.
+    before_replace
+        Called with the sha256 (hex) of the new file once it is complete, before it replaces ``path``
+        (see :func:`pollen.core.files.write_npz_atomic`): a caller records the digest of what it wrote.
 
     Returns
     -------
@@ -106,7 +111,7 @@ def save_checkpoint(path: str | os.PathLike[str], tree: Mapping[str, Any]) -> in
         If writing fails; the temporary file is removed and the previous file at ``path`` is untouched.
     """
     meta, arrays = _encode_tree(tree)
-    return write_npz_atomic(path, {_META: np.frombuffer(meta, dtype=np.uint8), **arrays})
+    return write_npz_atomic(path, {_META: np.frombuffer(meta, dtype=np.uint8), **arrays}, before_replace=before_replace)
 
 
 def _encode_tree(tree: Mapping[str, Any]) -> tuple[bytes, dict[str, np.ndarray]]:

@@ -26,13 +26,14 @@ Flower-free: numpy and the standard library only.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import secrets
 import struct
 import zipfile
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
@@ -44,6 +45,7 @@ __all__ = [
     "fsync_directory",
     "npz_dtype_problem",
     "read_npz",
+    "sha256_of",
     "write_bytes_atomically",
     "write_npz_atomic",
 ]
@@ -51,7 +53,7 @@ __all__ = [
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike[str], mode: int = 0o644) -> Iterator[BinaryIO]:
-    """Yield a binary file to write; on a clean exit it replaces ``path`` atomically and durably.
+    """Yield a binary file to write (and read back); on a clean exit it replaces ``path`` atomically and durably.
 
     The temporary file lives in the same folder (``.<name>.tmp-<pid>-<random>``), so the rename
     is atomic; missing parent folders are created. ``mode`` is the new file's permission bits.
@@ -59,10 +61,10 @@ def atomic_file(path: str | os.PathLike[str], mode: int = 0o644) -> Iterator[Bin
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), mode)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), mode)
     replaced = False
     try:
-        with os.fdopen(fd, "wb") as handle:
+        with os.fdopen(fd, "w+b") as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
@@ -136,13 +138,21 @@ def npz_dtype_problem(dtype: np.dtype) -> str | None:
     return None
 
 
-def write_npz_atomic(path: str | os.PathLike[str], arrays: Mapping[str, Any], *, mode: int = 0o644) -> int:
+def write_npz_atomic(
+    path: str | os.PathLike[str],
+    arrays: Mapping[str, Any],
+    *,
+    mode: int = 0o644,
+    before_replace: Callable[[str], None] | None = None,
+) -> int:
     """Write ``arrays`` as an uncompressed ``.npz`` (``np.savez``'s format) at exactly ``path``, atomically.
 
     Every array is checked first (a dtype :func:`read_npz` would refuse raises ``ValueError`` before any
     file or folder is touched); a failure while writing leaves the old file as it was (see
     :func:`atomic_file`). Arrays are streamed, not copied (a memory-mapped table is written row block by
-    row block). ``mode`` is the new file's permission bits. Returns the size of the file written.
+    row block). ``mode`` is the new file's permission bits. ``before_replace`` is called with the sha256
+    (hex) of the complete new file before it replaces ``path`` (to record the digest of what is about to
+    be there); if it raises, ``path`` is left as it was. Returns the size of the file written.
     """
     checked: dict[str, Any] = {}
     for name, value in arrays.items():
@@ -157,7 +167,21 @@ def write_npz_atomic(path: str | os.PathLike[str], arrays: Mapping[str, Any], *,
     with atomic_file(path, mode) as handle:
         np.savez(handle, **checked)
         handle.flush()
+        if before_replace is not None:
+            handle.seek(0)
+            before_replace(sha256_of(handle))
         return os.fstat(handle.fileno()).st_size
+
+
+def sha256_of(source: str | os.PathLike[str] | IO[bytes]) -> str:
+    """The sha256 (hex) of a file's bytes: a path, or a binary file read from where it stands to its end."""
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as handle:
+            return sha256_of(handle)
+    digest = hashlib.sha256()
+    while chunk := source.read(_CHUNK):
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_npz(

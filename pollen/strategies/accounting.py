@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any
+
+from pollen.core import state_fields as fields
 
 #: The metric a client reports for its gradient evaluations in one message.
 GRAD_EVALS = "grad-evals"
@@ -120,9 +124,50 @@ class Accounting:
         return {str(r): asdict(stats) for r, stats in sorted(self.rounds.items())}
 
     @classmethod
-    def from_dict(cls, data: dict) -> Accounting:
+    def from_dict(cls, data: Any, where: str = "accounting", last_round: int | None = None) -> Accounting:
+        """The accounting :meth:`to_dict` wrote, every field checked (``StateError`` naming the field).
+
+        Rounds are whole numbers up to ``last_round`` (the checkpoint's); each round holds exactly the
+        fields of :class:`RoundStats`, counts whole and >= 0, seconds finite and >= 0, metrics finite.
+        """
         accounting = cls()
-        known = {f.name for f in fields(RoundStats)}
-        for key, values in data.items():
-            accounting.rounds[int(key)] = RoundStats(**{k: v for k, v in values.items() if k in known})
+        high = fields.MAX_COUNT if last_round is None else last_round
+        known = {f.name: f.type for f in dataclass_fields(RoundStats)}
+        for key, values in fields.mapping(data, where).items():
+            round_where = fields.join(where, key)
+            if not key.isdigit():
+                raise fields.StateError(round_where, f"is keyed by a round that is not a whole number in [0, {high}]")
+            server_round = fields.whole(int(key), round_where, high=high)
+            values = fields.mapping(values, round_where, keys=tuple(known))
+            checked = {name: _stats_field(known[name], values[name], fields.join(round_where, name)) for name in known}
+            if checked["server_round"] != server_round:
+                raise fields.StateError(fields.join(round_where, "server_round"), f"is not {server_round}")
+            accounting.rounds[server_round] = RoundStats(**checked)
         return accounting
+
+
+def _stats_field(kind: str, value: Any, where: str) -> Any:
+    """One checked field of a saved :class:`RoundStats` (``kind`` is its annotation)."""
+    if kind == "int":
+        return fields.whole(value, where)
+    if kind == "float":
+        return fields.finite_number(value, where, low=0.0)
+    if kind == "list[str]":
+        return [
+            fields.text(item, fields.join(where, i), most=MAX_REASON_LENGTH)
+            for i, item in enumerate(fields.sequence(value, where))
+        ]
+    if kind == "dict[str, int]":
+        return {k: fields.whole(v, fields.join(where, k)) for k, v in fields.mapping(value, where).items()}
+    if kind == "dict[str, float]":
+        return {k: fields.finite_number(v, fields.join(where, k)) for k, v in fields.mapping(value, where).items()}
+    return {k: _method_value(v, fields.join(where, k)) for k, v in fields.mapping(value, where).items()}
+
+
+def _method_value(value: Any, where: str) -> Any:
+    """A method's own count: a finite number, or a mapping of numbers or of lists of numbers."""
+    if isinstance(value, Mapping):
+        return {k: _method_value(v, fields.join(where, k)) for k, v in fields.mapping(value, where).items()}
+    if isinstance(value, (list, tuple)):
+        return [fields.finite_number(v, fields.join(where, i)) for i, v in enumerate(value)]
+    return fields.finite_number(value, where)

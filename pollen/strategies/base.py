@@ -607,12 +607,17 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         """Everything the strategy holds: its collaborators' parts and the fields it declares."""
         return strategy_state(self)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict()`` wrote (same class and model), every part checked before any changes."""
-        restore_strategy_state(self, state)
+    def load_state_dict(self, state: dict[str, Any], *, server_round: int | None = None) -> None:
+        """Restore what ``state_dict()`` wrote (same class and model), every field checked before any changes.
 
-    def check_state(self) -> None:
-        """Hook: raise ``ValueError`` when loaded state breaks an invariant of the method."""
+        ``server_round`` (the checkpoint's round) bounds the rounds the state may hold; a refusal is a
+        ``ValueError`` naming the field, and then nothing of the strategy has changed.
+        """
+        restore_strategy_state(self, state, server_round=server_round)
+
+    def check_loaded(self, values: Mapping[str, Any], layout: ModelLayout | None, server_round: int | None) -> None:
+        """Hook: raise :class:`~pollen.core.state_fields.StateError` when the checked declared ``values`` of a
+        state being loaded break an invariant of the method (called before anything is set)."""
 
 
 def _update_bytes(record_bytes: Mapping[str, int], arrayrecord_key: str) -> int:

@@ -32,10 +32,12 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedYogi
 
-from pollen.core.layout import ModelLayout
+from pollen.core import state_fields as fields
+from pollen.core.layout import ModelLayout, TensorSpec, looks_like_buffer
 from pollen.strategies.accounting import Accounting
 from pollen.strategies.collector import EVALUATE_PHASE, TRAIN_PHASE, ReplyCollector, positive_weight, reason_of
-from pollen.strategies.declared import ARRAYS, load_declared, save_declared
+from pollen.strategies.declared import ARRAYS, load_field, save_declared
+from pollen.strategies.model import MAX_NDIM, MAX_TENSORS, saved_dtype
 from pollen.strategies.replies import ClientUpdate, ReplyRejected, count_records, read_reply
 from pollen.strategies.rounds import RoundLoop
 from pollen.strategies.sampling import ClientSampler
@@ -268,19 +270,104 @@ class Metered(RoundLoop):
             state["model"] = [[spec.name, list(spec.shape), spec.dtype.str] for spec in specs]
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` wrote (same strategy class); moments must be finite."""
-        if state.get("strategy") != type(self).__name__:
-            raise ValueError(f"state was written by {state.get('strategy')!r}, not {type(self).__name__}")
-        load_declared(self, state)
-        version, internal, gauss = state["random"]
-        random.setstate((int(version), tuple(int(v) for v in internal), gauss))
-        self.accounting = Accounting.from_dict(state["accounting"])
-        self.screen.load_state_dict(state.get("screen", {}))
-        if "model" in state:
-            self._layout = ModelLayout.from_arrays(
-                {name: np.zeros(shape, np.dtype(dtype)) for name, shape, dtype in state["model"]}
-            )
+    def load_state_dict(self, state: dict[str, Any], *, server_round: int | None = None) -> None:
+        """Restore what :meth:`state_dict` wrote (same strategy class), all or nothing.
+
+        Every field is checked first (a refusal is a ``ValueError`` naming the field and what was
+        expected): the global ``random`` state well-formed, the model's names, shapes and dtypes (no
+        array allocated from them), Flower's current model and moments finite and shaped like the model,
+        the second moment ``v_t`` in ``[0, max_abs]``, the accounting's rounds up to ``server_round``.
+        """
+        where = "strategy"
+        fields.mapping(state, where)
+        name = fields.text(fields.at(state, "strategy", where), fields.join(where, "strategy"), most=200)
+        if name != type(self).__name__:
+            raise fields.StateError(fields.join(where, "strategy"), f"is {name!r}; expected {type(self).__name__!r}")
+        kept = [key for key in self.state_fields if hasattr(self, key)]
+        allowed = {"strategy", "random", "accounting", "screen", "model", *kept}
+        for key in ("random", "accounting", "screen"):
+            fields.at(state, key, where)
+        unknown = sorted(set(state) - allowed)
+        if unknown:
+            raise fields.StateError(fields.join(where, unknown[0]), f"is not a field of {type(self).__name__}'s state")
+        random_state = _random_state(state["random"], fields.join(where, "random"))
+        layout = _saved_layout(state["model"], fields.join(where, "model")) if "model" in state else None
+        values = {key: load_field(ARRAYS, key, state[key], dim=None, where=where) for key in kept if key in state}
+        self._check_moments(values, layout, where)
+        accounting = Accounting.from_dict(
+            state["accounting"], fields.join(where, "accounting"), last_round=server_round
+        )
+        commit_screen = self.screen.prepare_load(state["screen"], fields.join(where, "screen"))
+
+        random.setstate(random_state)
+        for key, value in values.items():
+            setattr(self, key, value)
+        self.accounting = accounting
+        commit_screen()
+        if layout is not None:
+            self._layout = layout
+
+    def _check_moments(self, values: dict[str, Any], layout: ModelLayout | None, where: str) -> None:
+        """Flower's model and moments name arrays of the model, with its shapes; ``v_t`` is a second moment."""
+        if values and layout is None:
+            raise fields.StateError(fields.join(where, next(iter(values))), "is saved but 'model' is missing")
+        if layout is None:
+            return
+        specs = {spec.name: spec for spec in layout.trainable + layout.buffers}
+        current = values.get("current_arrays")
+        if current is not None and set(current) != set(specs):
+            raise fields.StateError(fields.join(where, "current_arrays"), "does not name the model's arrays")
+        for key, named in values.items():
+            for array_name, array in named.items():
+                at = fields.join(fields.join(where, key), array_name)
+                if array_name not in specs or array.shape != specs[array_name].shape:
+                    raise fields.StateError(at, f"has shape {array.shape}; expected an array of the model")
+                if key == "v_t":
+                    fields.numeric_array(array, at, low=0.0, high=self.screen.max_abs, what="(a second moment)")
+                if key == "m_t":  # an average of updates, each within the hard limit
+                    bound = self.screen.max_abs
+                    fields.numeric_array(array, at, low=-bound, high=bound, what="(a first moment)")
+
+
+def _random_state(value: Any, where: str) -> tuple:
+    """The state of Python's ``random`` (Mersenne Twister: version 3, 624 words and a position, a gauss)."""
+    version, internal, gauss = fields.sequence(value, where, length=3)
+    fields.whole(version, fields.join(where, 0), low=3, high=3)
+    words = fields.sequence(internal, fields.join(where, 1), length=625)
+    checked = tuple(
+        fields.whole(word, fields.join(fields.join(where, 1), i), high=2**32 - 1) for i, word in enumerate(words)
+    )
+    if checked[-1] > 624:
+        raise fields.StateError(
+            fields.join(fields.join(where, 1), 624), f"is {checked[-1]}; expected a position <= 624"
+        )
+    if gauss is not None:
+        fields.finite_number(gauss, fields.join(where, 2))
+    state = (3, checked, gauss)
+    try:
+        random.Random().setstate(state)
+    except (TypeError, ValueError) as err:
+        raise fields.StateError(where, f"is not a usable generator state ({err})") from None
+    return state
+
+
+def _saved_layout(value: Any, where: str) -> ModelLayout:
+    """The model's layout from ``[[name, shape, dtype], ...]``, checked without allocating anything."""
+    trainable, buffers, names = [], [], set()
+    for i, item in enumerate(fields.sequence(value, where, most=MAX_TENSORS)):
+        at = fields.join(where, i)
+        name, shape, dtype = fields.sequence(item, at, length=3)
+        name = fields.text(name, fields.join(at, 0))
+        if name in names:
+            raise fields.StateError(fields.join(at, 0), f"names array {name!r} twice")
+        names.add(name)
+        dims = tuple(
+            fields.whole(n, fields.join(fields.join(at, 1), j), high=2**62)
+            for j, n in enumerate(fields.sequence(shape, fields.join(at, 1), most=MAX_NDIM))
+        )
+        spec = TensorSpec(name, dims, saved_dtype(dtype, fields.join(at, 2)))
+        (buffers if looks_like_buffer(name, np.empty(0, spec.dtype)) else trainable).append(spec)
+    return ModelLayout(tuple(trainable), tuple(buffers))
 
 
 def _metric_form(reply: Message) -> tuple[str, frozenset]:

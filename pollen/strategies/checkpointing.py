@@ -6,10 +6,28 @@ and reads back to resume. The file (``<run dir>/checkpoint.npz``) is written ato
 checkpoint usable, and it is read without pickle. A checkpoint is tied to what wrote it: the strategy
 class and a fingerprint (the app passes its run-config); resuming with another strategy, model or
 setting is refused with one line that says what differs.
+
+A checkpoint file can be handed to a run by anyone (run-config ``resume`` names a directory), so:
+
+- **its digest is recorded as written**: ``<run dir>/checkpoint.npz.sha256`` (``sha256sum`` format, so
+  ``sha256sum -c`` checks it by hand) holds the sha256 of the checkpoint. It is written before the new
+  checkpoint replaces the old one, listing both digests, and rewritten with the new one only after, so
+  a crash at any point leaves a digest file that covers the checkpoint on disk. Resume refuses a
+  checkpoint whose digest is not listed (or that has no digest file) with one line, unless the run
+  trusts the file (``trust_file=True``, run-config ``resume-trust-file=true``: a file you edited or
+  copied from elsewhere on purpose).
+- **every field is checked before anything changes** (:mod:`pollen.core.state_fields`): the round
+  within the run (``1 <= round <= num-server-rounds``), the saved model equal to the strategy's, the
+  results and the app's rows well-formed, and the strategy's own state through its ``load_state_dict``
+  (names, dtypes, shapes against the model and the run-config, ranges and invariants). A refusal is a
+  :class:`~pollen.core.state_fields.StateError` (a ``ValueError``) naming the file and the field; the
+  strategy is then untouched.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -20,11 +38,20 @@ import numpy as np
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.serverapp.strategy import Result
 
+from pollen.core import state_fields as fields
 from pollen.core.checkpoint import CheckpointError, describe_difference, load_checkpoint, save_checkpoint
+from pollen.core.files import sha256_of, write_bytes_atomically
+from pollen.strategies.model import saved_layout
 from pollen.wire.records import arrays_to_record, record_to_arrays
 
 CHECKPOINT_FILE = "checkpoint.npz"
+#: The digest file beside the checkpoint (``sha256sum`` format).
+DIGEST_FILE = CHECKPOINT_FILE + ".sha256"
 _RESULT_FIELDS = ("train_metrics_clientapp", "evaluate_metrics_clientapp", "evaluate_metrics_serverapp")
+_TREE_FIELDS = ("round", "strategy_class", "fingerprint", "arrays", "strategy", "result", "app")
+_DIGEST_LINE = re.compile(r"([0-9a-f]{64})  " + re.escape(CHECKPOINT_FILE))
+#: The largest run-config value a fingerprint may hold (a string) and the most rows the app may keep.
+_MAX_TEXT, _MAX_ROWS = 4096, 10**7
 
 
 @dataclass
@@ -55,6 +82,9 @@ class RunCheckpoint:
         for splitting a long run into jobs.
     app_state : callable, optional
         Returns extra JSON-able/numpy state to keep with each checkpoint (the app's result rows).
+    trust_file : bool (default: False)
+        Resume from a checkpoint whose digest does not match the run directory's record (or that has
+        none): for a file edited or copied in on purpose. Every field is still checked.
     """
 
     def __init__(
@@ -66,8 +96,11 @@ class RunCheckpoint:
         ignore: Iterable[str] = (),
         stop_after_round: int = 0,
         app_state: Callable[[], dict[str, Any]] | None = None,
+        trust_file: bool = False,
     ) -> None:
         self.path = Path(run_dir) / CHECKPOINT_FILE
+        self.digest_path = Path(run_dir) / DIGEST_FILE
+        self.trust_file = trust_file
         self.resume = resume
         self.fingerprint = dict(fingerprint or {})
         self.ignore = tuple(ignore)
@@ -90,8 +123,31 @@ class RunCheckpoint:
             "result": {name: _metrics_to_tree(getattr(result, name)) for name in _RESULT_FIELDS},
             "app": self.app_state() if self.app_state is not None else {},
         }
-        self.last_bytes = save_checkpoint(self.path, tree)
+        listed, written = self._listed_digests(), []
+
+        def record(digest: str) -> None:  # the new digest, and the old file's while it is still there
+            self._write_digests([digest, *[old for old in listed[:1] if old != digest]])
+            written.append(digest)
+
+        self.last_bytes = save_checkpoint(self.path, tree, before_replace=record)
+        self._write_digests(written)
         self.last_seconds = time.perf_counter() - started
+
+    def _write_digests(self, digests: list[str]) -> None:
+        text = "".join(f"{digest}  {CHECKPOINT_FILE}\n" for digest in digests)
+        write_bytes_atomically(self.digest_path, text.encode("ascii"))
+
+    def _listed_digests(self) -> list[str]:
+        """The digests the run directory lists for its checkpoint (empty when the digest file is unusable)."""
+        try:
+            text = self.digest_path.read_bytes()[:1024].decode("ascii")
+        except (OSError, UnicodeDecodeError):
+            return []
+        lines = text.splitlines()
+        matches = [_DIGEST_LINE.fullmatch(line) for line in lines]
+        if not lines or len(lines) > 2 or not all(matches):
+            return []
+        return [match.group(1) for match in matches]
 
     # ------------------------------------------------------------------ read
     def validate(self, strategy_class: str) -> int:
@@ -100,25 +156,37 @@ class RunCheckpoint:
 
     def read_app_state(self, strategy_class: str) -> dict[str, Any]:
         """The app's own state kept with the checkpoint (after the same checks as :meth:`load`)."""
-        return dict(self._read(strategy_class).get("app", {}))
+        return dict(self._read(strategy_class)["app"])
 
     def load(self, strategy: Any) -> SavedRound:
-        """Restore ``strategy`` from the checkpoint and return the round, model and results it holds."""
+        """Restore ``strategy`` from the checkpoint and return the round, model and results it holds.
+
+        All or nothing: the file and every field are checked before the strategy changes, and a refusal
+        (:class:`~pollen.core.state_fields.StateError`, one line naming the file and the field) leaves it
+        as it was.
+        """
         tree = self._read(type(strategy).__name__)
-        strategy.load_state_dict(tree["strategy"])
-        arrays = arrays_to_record({name: np.asarray(value) for name, value in tree["arrays"]})
+        server_round = int(tree["round"])
+        named = self._checked_arrays(tree)
+        try:
+            strategy.load_state_dict(tree["strategy"], server_round=server_round)
+        except fields.StateError as err:
+            raise err.in_file(str(self.path)) from None
+        arrays = arrays_to_record(named)
         result = Result(arrays=arrays)
         for name in _RESULT_FIELDS:
-            setattr(result, name, _metrics_from_tree(tree["result"].get(name, {})))
-        return SavedRound(int(tree["round"]), arrays, result, dict(tree.get("app", {})))
+            setattr(result, name, _metrics_from_tree(tree["result"][name]))
+        return SavedRound(server_round, arrays, result, dict(tree["app"]))
 
     def _read(self, strategy_class: str) -> dict[str, Any]:
         if not self.path.is_file():
             raise CheckpointError(f"nothing to resume: {self.path} does not exist")
+        self._check_digest()
         tree = load_checkpoint(self.path)
-        for key in ("round", "strategy_class", "fingerprint", "arrays", "strategy", "result"):
-            if key not in tree:
-                raise CheckpointError(f"checkpoint {self.path.name} lacks '{key}'")
+        try:
+            self._check_tree(tree)
+        except fields.StateError as err:
+            raise err.in_file(str(self.path)) from None
         if tree["strategy_class"] != strategy_class:
             raise CheckpointError(
                 f"resume refused: the checkpoint was written by {tree['strategy_class']}, "
@@ -129,10 +197,127 @@ class RunCheckpoint:
             raise CheckpointError(f"resume refused: {difference}")
         return tree
 
+    def _check_digest(self) -> None:
+        """Refuse a checkpoint whose sha256 the run directory does not list (unless the file is trusted)."""
+        if self.trust_file:
+            return
+        listed = self._listed_digests()
+        override = "resume-trust-file=true loads it anyway (every field is still checked)"
+        if not listed:
+            raise CheckpointError(
+                f"resume refused: {self.digest_path} is missing or unreadable, so {self.path} cannot be checked "
+                f"against the digest written with it; {override}"
+            )
+        actual = sha256_of(self.path)
+        if actual not in listed:
+            raise CheckpointError(
+                f"resume refused: {self.path} has sha256 {actual[:16]}..., not the {listed[0][:16]}... recorded "
+                f"in {self.digest_path.name} when it was written (changed since); {override}"
+            )
+
+    def _check_tree(self, tree: dict[str, Any]) -> None:
+        """The checkpoint's own fields (the strategy checks its state itself)."""
+        fields.mapping(tree, "", keys=_TREE_FIELDS)
+        rounds = self.fingerprint.get("num-server-rounds")
+        high = rounds if isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1 else fields.MAX_COUNT
+        server_round = fields.whole(tree["round"], "round", low=1, high=high)
+        fields.text(tree["strategy_class"], "strategy_class", most=200)
+        for key, value in fields.mapping(tree["fingerprint"], "fingerprint").items():
+            _scalar(value, fields.join("fingerprint", key))
+        for name, array in fields.pairs(tree["arrays"], "arrays"):
+            fields.numeric_array(array, fields.join("arrays", name))
+        fields.mapping(tree["result"], "result", keys=_RESULT_FIELDS)
+        for name in _RESULT_FIELDS:
+            _check_metrics(tree["result"][name], fields.join("result", name), server_round)
+        _check_app_state(tree["app"], server_round)
+        fields.mapping(tree["strategy"], "strategy")
+
+    def _checked_arrays(self, tree: dict[str, Any]) -> dict[str, np.ndarray]:
+        """The saved model, which must be the strategy's own (same names, shapes and dtypes; same values)."""
+        named = {name: np.asarray(value) for name, value in tree["arrays"]}
+        state = tree["strategy"]
+        try:
+            if "params" in state:
+                layout, key_order = saved_layout(state, "strategy")
+                specs = {spec.name: spec for spec in layout.trainable + layout.buffers}
+                _same_arrays(named, key_order, specs)
+                flat = layout.flatten(named)
+                if not np.array_equal(flat.view(np.uint32), np.asarray(state["params"]).view(np.uint32)):
+                    raise fields.StateError("arrays", "differs from the strategy's model 'strategy/params'")
+            elif isinstance(state.get("model"), list):  # Flower's baselines: names and shapes (Flower's mean
+                shapes = {}  # of float32 models is float64, so the dtypes may differ from the model's)
+                for i, item in enumerate(state["model"]):
+                    name, shape, _ = fields.sequence(item, fields.join("strategy/model", i), length=3)
+                    shapes[str(name)] = tuple(shape) if isinstance(shape, list) else shape
+                if set(named) != set(shapes) or any(named[n].shape != shapes[n] for n in named):
+                    raise fields.StateError("arrays", "does not match the model the strategy saved ('strategy/model')")
+        except fields.StateError as err:
+            raise err.in_file(str(self.path)) from None
+        return named
+
+
+def _same_arrays(named: Mapping[str, np.ndarray], key_order: tuple[str, ...], specs: Mapping[str, Any]) -> None:
+    if tuple(named) != key_order:
+        raise fields.StateError("arrays", "names other arrays than the strategy's model ('strategy/key_order')")
+    for name, array in named.items():
+        spec = specs[name]
+        if array.shape != spec.shape or array.dtype != spec.dtype:
+            raise fields.StateError(
+                fields.join("arrays", name),
+                f"is {array.dtype} {array.shape}; expected {spec.dtype} {spec.shape} (the strategy's model)",
+            )
+
+
+def _scalar(value: Any, where: str) -> Any:
+    """A run-config value: None, a bool, a number, or a str."""
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, float):
+        return value
+    return fields.text(value, where, most=_MAX_TEXT)
+
+
+def _metric(value: Any, where: str) -> None:
+    """A MetricRecord value: a finite number or a list of finite numbers."""
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            fields.finite_number(item, fields.join(where, i))
+    else:
+        fields.finite_number(value, where)
+
+
+def _check_metrics(tree: Any, where: str, last_round: int) -> None:
+    """Results per round (0 to ``last_round``), each a mapping of metric name -> number(s)."""
+    for key, record in fields.mapping(tree, where).items():
+        at = fields.join(where, key)
+        if not key.isdigit():
+            raise fields.StateError(at, f"is keyed by a round that is not a whole number in [0, {last_round}]")
+        fields.whole(int(key), at, high=last_round)
+        for name, value in fields.mapping(record, at).items():
+            _metric(value, fields.join(at, name))
+
+
+def _check_app_state(app: Any, last_round: int) -> None:
+    """The app's state: its result rows (mappings of plain values, rounds up to ``last_round``) and the
+    elapsed seconds (finite, >= 0)."""
+    app = fields.mapping(app, "app")
+    if "elapsed" in app:
+        fields.finite_number(app["elapsed"], "app/elapsed", low=0.0)
+    for i, row in enumerate(fields.sequence(app.get("rows", []), "app/rows", most=_MAX_ROWS)):
+        at = fields.join("app/rows", i)
+        for key, value in fields.mapping(row, at).items():
+            if isinstance(value, (list, dict)):
+                raise fields.StateError(fields.join(at, key), "is a container; expected a plain value")
+            if isinstance(value, float) and math.isinf(value):
+                raise fields.StateError(fields.join(at, key), f"is {value!r}; expected a finite number or NaN")
+            _scalar(value, fields.join(at, key))
+        if "round" in row:
+            fields.whole(row["round"], fields.join(at, "round"), high=last_round)
+
 
 def _metrics_to_tree(history: Mapping[int, MetricRecord]) -> dict[str, dict[str, Any]]:
     return {str(r): dict(record) for r, record in history.items()}
 
 
-def _metrics_from_tree(tree: Mapping[str, Mapping[str, Any]]) -> dict[int, MetricRecord]:
+def _metrics_from_tree(tree: Mapping[str, Mapping[str, Any]]) -> dict[int, MetricRecord]:  # checked by _read
     return {int(r): MetricRecord(dict(values)) for r, values in tree.items()}

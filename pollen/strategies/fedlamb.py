@@ -25,15 +25,17 @@ with the client across rounds (client state). Sign convention: the server's step
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from flwr.app import RecordDict
 
+from pollen.core import state_fields as fields
 from pollen.optim import adpfed_adam, sgd
 from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
-from pollen.strategies.declared import COUNT, COUNTS, VECTOR
+from pollen.strategies.declared import COUNT, COUNTS, MOMENT
 from pollen.strategies.replies import ClientUpdate, Extra, ReplySpec
 from pollen.wire import protocol
 from pollen.wire.protocol import (
@@ -122,7 +124,7 @@ class FedLAMB(AdaptiveStrategy):
     """
 
     streaming = False  # the extras of every reply are needed after the step
-    state_fields = {"v_hat": VECTOR, "v": VECTOR, "v_hat_version": COUNT, "client_versions": COUNTS}
+    state_fields = {"v_hat": MOMENT, "v": MOMENT, "v_hat_version": COUNT, "client_versions": COUNTS}
 
     def __init__(
         self,
@@ -278,6 +280,30 @@ class FedLAMB(AdaptiveStrategy):
         }
 
     # ------------------------------------------------------------------ state
-    def check_state(self) -> None:
-        if self.v_hat is not None and (self.v is None or not (self.v_hat >= self.eps).all()):
-            raise ValueError("state v_hat / v do not fit the model (or v_hat < eps)")
+    def check_loaded(self, values: Mapping[str, Any], layout: Any, server_round: int | None) -> None:
+        """A loaded state holds ``v_hat`` and ``v`` exactly when the variant keeps them and the model is known,
+        ``v_hat >= eps`` (it starts at eps and only grows), its version at most one per round past the first,
+        and no client holding a version the server never had."""
+        at = lambda name: fields.join("strategy", name)  # noqa: E731
+        keeps = self.variant.stat is not None and layout is not None
+        for name in ("v_hat", "v"):
+            if keeps and name not in values:
+                raise fields.StateError(at(name), f"is missing; {self.variant.name} keeps it once the model is known")
+            if not keeps and name in values:
+                raise fields.StateError(at(name), f"is saved but {self.variant.name} keeps no {name} here")
+        if not keeps:
+            return
+        if values["v_hat"].min() < np.float32(self.eps):
+            index = int(np.argmin(values["v_hat"]))
+            raise fields.StateError(
+                at("v_hat"), f"holds {values['v_hat'][index]!r} at index {index}; expected values >= eps={self.eps:g}"
+            )
+        version = values.get("v_hat_version", 0)
+        high = fields.MAX_COUNT if server_round is None else server_round + 1
+        if not 1 <= version <= high:
+            raise fields.StateError(at("v_hat_version"), f"is {version}; expected an integer in [1, {high}]")
+        for key, held in values.get("client_versions", {}).items():
+            if held > version:
+                raise fields.StateError(
+                    fields.join(at("client_versions"), key), f"is {held}; expected at most v_hat_version={version}"
+                )

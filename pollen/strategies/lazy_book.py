@@ -15,11 +15,13 @@ copies the rows of every client seen; for a memory-mapped book far beyond RAM th
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pollen.core import state_fields as fields
 from pollen.vr.table import UpdateTable
 
 #: The vectors the server may keep per client (one table each).
@@ -82,15 +84,46 @@ class ClientBook:
             "present": {kind: sorted(keys) for kind, keys in self.present.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        tables = state["tables"]
-        if sorted(tables) != sorted(self.tables):
-            raise ValueError(f"state has bookkeeping {sorted(tables)}, this strategy keeps {sorted(self.tables)}")
-        for kind, table_state in tables.items():
-            if int(np.asarray(table_state["dim"])) != self.dim:
-                raise ValueError(
-                    f"state bookkeeping '{kind}' has dim {int(np.asarray(table_state['dim']))}, "
-                    f"the model has {self.dim}"
-                )
-            self.tables[kind] = UpdateTable.from_state_dict(table_state, path=self._path(kind))
-        self.present = {kind: {str(k) for k in state["present"].get(kind, [])} for kind in self.tables}
+    def load_state_dict(self, state: dict[str, Any], where: str = "book") -> None:
+        """Restore what :meth:`state_dict` wrote (see :meth:`prepare_load`); nothing changes when it is refused."""
+        self.prepare_load(state, where)()
+
+    def prepare_load(
+        self, state: Any, where: str = "book", *, layout: Any = None, last_round: int | None = None
+    ) -> Callable[[], None]:
+        """Check a saved book and return what makes it this book's: one table per kind this book keeps,
+        each a float32 table of ``dim`` (every field checked, rows finite), and the clients present per
+        kind owning a row of that kind's table."""
+        fields.mapping(state, where, keys=("tables", "present"))
+        tables_where, present_where = fields.join(where, "tables"), fields.join(where, "present")
+        saved = fields.mapping(state["tables"], tables_where, keys=tuple(self.tables))
+        checked = {
+            kind: UpdateTable.check_state(
+                saved[kind],
+                fields.join(tables_where, kind),
+                dim=self.dim,
+                segments=[self.dim],
+                precision="fp32",
+                need_data=True,
+            )
+            for kind in self.tables
+        }
+        present_saved = fields.mapping(state["present"], present_where, keys=tuple(self.tables))
+        present: dict[str, set[str]] = {}
+        for kind in self.tables:
+            kind_where = fields.join(present_where, kind)
+            keys = {
+                fields.text(key, fields.join(kind_where, i))
+                for i, key in enumerate(fields.sequence(present_saved[kind], kind_where))
+            }
+            rows = set(checked[kind]["keys"].tolist())
+            if not keys <= rows:
+                raise fields.StateError(kind_where, f"names client {sorted(keys - rows)[0]!r}, which has no row")
+            present[kind] = keys
+
+        def commit() -> None:
+            for kind, table_state in checked.items():
+                self.tables[kind] = UpdateTable.from_state_dict(table_state, path=self._path(kind))
+            self.present = present
+
+        return commit

@@ -12,10 +12,10 @@ under skips, rollbacks, drop-outs, clipping and resume (the ledger is part of th
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
+from pollen.core import state_fields as fields
 from pollen.wire import protocol
 
 
@@ -46,21 +46,20 @@ class AppliedLedger:
     def state_dict(self) -> dict[str, Any]:
         return {client: [self.rounds[client], self.scales[client]] for client in sorted(self.rounds)}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s form; ``ValueError`` naming the entry when one does not fit."""
-        if not isinstance(state, Mapping):
-            raise ValueError("state 'ledger' must map client ids to [round, applied fraction]")
+    def load_state_dict(self, state: Any, *, last_round: int | None = None, where: str = "ledger") -> None:
+        """Restore :meth:`state_dict`'s form, all or nothing; a :class:`~pollen.core.state_fields.StateError`
+        (a ``ValueError``) names the entry that does not fit.
+
+        Each entry is ``[round, fraction]``: a whole round in ``[1, last_round]`` (the checkpoint's round,
+        when known) and an applied fraction in ``(0, 1]``.
+        """
         rounds, scales = {}, {}
-        for client, entry in state.items():
-            try:
-                server_round, scale = entry
-                server_round, scale = int(server_round), float(scale)
-            except (TypeError, ValueError):
-                raise ValueError(f"state 'ledger[{client}]' must be [round, applied fraction], got {entry!r}") from None
-            if server_round < 1 or not (math.isfinite(scale) and 0.0 < scale <= 1.0):
-                raise ValueError(
-                    f"state 'ledger[{client}]' = [{server_round}, {scale}]: the round must be >= 1 and the "
-                    "applied fraction in (0, 1]"
-                )
-            rounds[str(client)], scales[str(client)] = server_round, scale
+        highest = fields.MAX_COUNT if last_round is None else max(int(last_round), 1)
+        for client, entry in fields.mapping(state, where).items():
+            at = fields.join(where, client)
+            server_round, scale = fields.sequence(entry, at, length=2)
+            rounds[client] = fields.whole(server_round, fields.join(at, 0), low=1, high=highest)
+            scales[client] = fields.finite_number(scale, fields.join(at, 1), low=0.0, high=1.0)
+            if scales[client] == 0.0:
+                raise fields.StateError(fields.join(at, 1), "is 0; expected an applied fraction in (0, 1]")
         self.rounds, self.scales = rounds, scales

@@ -8,14 +8,14 @@ the non-trainable buffers apart (averaged, never fed to an optimiser), and turns
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord
 
-from pollen.core.layout import ModelLayout
-from pollen.strategies.screening import all_finite
+from pollen.core import state_fields as fields
+from pollen.core.layout import ModelLayout, TensorSpec
 from pollen.wire.records import arrays_to_record, record_to_arrays
 
 
@@ -103,26 +103,103 @@ class GlobalModel:
             "buffers": {k: v.copy() for k, v in self.buffers.items()},
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` wrote; ``ValueError`` when it does not describe a usable model."""
-        self._returned = None
+    def load_state_dict(self, state: Mapping[str, Any], where: str = "") -> None:
+        """Restore what :meth:`state_dict` wrote; :class:`~pollen.core.state_fields.StateError` (a
+        ``ValueError``) when it does not describe a usable model, and then nothing changes."""
+        self.prepare_load(state, where)()
+
+    def prepare_load(self, state: Mapping[str, Any], where: str = "") -> Callable[[], None]:
+        """Check the model part of ``state`` (names, shapes, dtypes, finite values; no array is allocated
+        from a declared shape: the declared sizes are checked against the arrays that were read) and
+        return what makes it this model's."""
         if "params" not in state:
-            return
-        named = {
-            name: np.zeros(state["shapes"][name], dtype=np.dtype(state["dtypes"][name])) for name in state["key_order"]
-        }
-        layout = ModelLayout.from_arrays(named, state["buffer_keys"])
-        params = np.asarray(state["params"])
-        if params.shape != (layout.dim,) or params.dtype != np.float32 or not all_finite(params):
-            raise ValueError(
-                f"state params must be {layout.dim} finite float32 values, got {params.shape} {params.dtype}"
+            return self._forget
+        layout, key_order = saved_layout(state, where)
+        params = fields.float_vector(state["params"], fields.join(where, "params"), layout.dim)
+        saved = fields.mapping(
+            fields.at(state, "buffers", where), fields.join(where, "buffers"), keys=layout.buffer_keys
+        )
+        buffers = {
+            spec.name: fields.numeric_array(
+                saved[spec.name],
+                fields.join(fields.join(where, "buffers"), spec.name),
+                shape=spec.shape,
+                dtype=spec.dtype,
             )
-        buffers = {k: np.array(v) for k, v in state["buffers"].items()}
-        if sorted(buffers) != sorted(layout.buffer_keys) or any(
-            buffers[spec.name].shape != spec.shape for spec in layout.buffers
-        ):
-            raise ValueError("state buffers do not match the model's buffers")
-        self.layout = layout
-        self.key_order = tuple(state["key_order"])
-        self.params = np.array(params)
-        self.buffers = buffers
+            for spec in layout.buffers
+        }
+
+        def commit() -> None:
+            self._returned = None
+            self.layout = layout
+            self.key_order = key_order
+            self.params = np.array(params)
+            self.buffers = {name: np.array(value) for name, value in buffers.items()}
+
+        return commit
+
+    def _forget(self) -> None:
+        self._returned = None
+
+
+#: dtypes a saved model's arrays may have (what a PyTorch or numpy model holds).
+MODEL_DTYPE_KINDS = "biuf"
+#: The most arrays and dimensions a saved model may declare (far above any real model's).
+MAX_TENSORS, MAX_NDIM = 100_000, 32
+
+
+def saved_layout(state: Mapping[str, Any], where: str = "") -> tuple[ModelLayout, tuple[str, ...]]:
+    """The layout and key order a saved model declares, checked without allocating anything.
+
+    ``key_order`` lists distinct names, ``buffer_keys`` some of them, ``shapes`` and ``dtypes`` one entry
+    per name (whole dimensions, numeric dtypes; trainable tensors floating point). The sizes are only
+    multiplied here; the caller checks the total against the parameter vector whose bytes were read.
+    """
+    names = [
+        fields.text(name, fields.join(fields.join(where, "key_order"), i))
+        for i, name in enumerate(
+            fields.sequence(fields.at(state, "key_order", where), fields.join(where, "key_order"), most=MAX_TENSORS)
+        )
+    ]
+    if len(set(names)) != len(names):
+        raise fields.StateError(fields.join(where, "key_order"), "names one array twice; expected distinct names")
+    buffer_where = fields.join(where, "buffer_keys")
+    buffer_keys = [
+        fields.text(name, fields.join(buffer_where, i))
+        for i, name in enumerate(
+            fields.sequence(fields.at(state, "buffer_keys", where), buffer_where, most=MAX_TENSORS)
+        )
+    ]
+    if not set(buffer_keys) <= set(names) or len(set(buffer_keys)) != len(buffer_keys):
+        raise fields.StateError(
+            buffer_where, "names arrays twice or outside 'key_order'; expected distinct model arrays"
+        )
+    shapes = fields.mapping(fields.at(state, "shapes", where), fields.join(where, "shapes"), keys=names)
+    dtypes = fields.mapping(fields.at(state, "dtypes", where), fields.join(where, "dtypes"), keys=names)
+    trainable, buffers = [], []
+    for name in names:
+        shape_where = fields.join(fields.join(where, "shapes"), name)
+        shape = tuple(
+            fields.whole(n, fields.join(shape_where, i), high=2**62)
+            for i, n in enumerate(fields.sequence(shapes[name], shape_where, most=MAX_NDIM))
+        )
+        dtype = saved_dtype(dtypes[name], fields.join(fields.join(where, "dtypes"), name))
+        is_buffer = name in buffer_keys
+        if not is_buffer and dtype.kind != "f":
+            raise fields.StateError(
+                fields.join(fields.join(where, "dtypes"), name), f"is {dtype}; expected a floating dtype (trainable)"
+            )
+        (buffers if is_buffer else trainable).append(TensorSpec(name, shape, dtype))
+    return ModelLayout(tuple(trainable), tuple(buffers)), tuple(names)
+
+
+def saved_dtype(value: Any, where: str) -> np.dtype:
+    """A numeric numpy dtype spelled as ``dtype.str`` (``'<f4'``, ``'<i8'``, ``'|b1'``...)."""
+    spelled = fields.text(value, where, most=8)
+    try:
+        dtype = np.dtype(spelled)
+    except (TypeError, ValueError):
+        raise fields.StateError(where, f"is {spelled!r}; expected a numeric dtype such as '<f4'") from None
+    if dtype.kind not in MODEL_DTYPE_KINDS or dtype.str != spelled:
+        raise fields.StateError(where, f"is {spelled!r}; expected a numeric dtype such as '<f4'")
+    return dtype

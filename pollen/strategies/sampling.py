@@ -11,7 +11,7 @@ with the strategy, so a resumed run samples the same clients as an uninterrupted
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 from typing import Any
 
@@ -20,6 +20,7 @@ from flwr.app import Message, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
+from pollen.core import state_fields as fields
 from pollen.wire import protocol
 
 IDENTIFY_TIMEOUT_S = 60.0
@@ -158,16 +159,55 @@ class ClientSampler:
             "node_clusters": {str(node): cluster for node, cluster in self.node_clusters.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` wrote.
+    def load_state_dict(self, state: dict[str, Any], where: str = "sampler") -> None:
+        """Restore what :meth:`state_dict` wrote (see :meth:`prepare_load`); nothing changes when it is refused.
 
         Node ids of a previous run that are not connected now are harmless: sampling only looks at
         connected nodes, and a client that comes back under a new node id is identified again.
         """
-        rng = np.random.default_rng()
-        rng.bit_generator.state = state["rng"]
-        self.seed = int(state["seed"])
-        self.rng = rng
-        self.known_clients = {str(key) for key in state["known_clients"]}
-        self.node_keys = {int(node): str(key) for node, key in state["node_keys"].items()}
-        self.node_clusters = {int(node): str(cluster) for node, cluster in state["node_clusters"].items()}
+        self.prepare_load(state, where)()
+
+    def prepare_load(self, state: Any, where: str = "sampler") -> Callable[[], None]:
+        """Check a saved sampler state and return what makes it this sampler's.
+
+        The generator state must be a well-formed PCG64 state, the seed a whole number, every id a
+        non-empty string of at most :data:`MAX_CLIENT_ID_LENGTH` characters, the node -> client id map
+        one to one (two nodes holding one client id would sample that client twice) and every node's
+        cluster a node the map knows.
+        """
+        fields.mapping(state, where, keys=("seed", "rng", "known_clients", "node_keys", "node_clusters"))
+        seed = fields.whole(state["seed"], fields.join(where, "seed"), high=2**64 - 1)
+        if seed != self.seed:
+            raise fields.StateError(fields.join(where, "seed"), f"is {seed}; expected {self.seed} (the run's seed)")
+        rng_state = fields.bit_generator_state(state["rng"], fields.join(where, "rng"))
+        known_where = fields.join(where, "known_clients")
+        known = {
+            fields.text(key, fields.join(known_where, i), most=MAX_CLIENT_ID_LENGTH)
+            for i, key in enumerate(fields.sequence(state["known_clients"], known_where))
+        }
+        node_keys = fields.one_to_one(state["node_keys"], fields.join(where, "node_keys"), most=MAX_CLIENT_ID_LENGTH)
+        strangers = sorted(set(node_keys.values()) - known)
+        if strangers:
+            raise fields.StateError(known_where, f"lacks client id {strangers[0]!r} of 'node_keys'")
+        clusters_where = fields.join(where, "node_clusters")
+        clusters = fields.mapping(state["node_clusters"], clusters_where)
+        node_clusters = {}
+        for node, cluster in clusters.items():
+            name = fields.join(clusters_where, node)
+            if not node.isdigit() or int(node) not in node_keys:
+                raise fields.StateError(name, "is the cluster of a node 'node_keys' does not know")
+            node_clusters[int(node)] = fields.text(cluster, name, most=MAX_CLIENT_ID_LENGTH)
+        rng = np.random.Generator(getattr(np.random, rng_state["bit_generator"])())
+        try:
+            rng.bit_generator.state = rng_state
+        except (TypeError, ValueError) as err:
+            raise fields.StateError(fields.join(where, "rng"), f"is not a usable generator state ({err})") from None
+
+        def commit() -> None:
+            self.seed = seed
+            self.rng = rng
+            self.known_clients = known
+            self.node_keys = node_keys
+            self.node_clusters = node_clusters
+
+        return commit

@@ -28,7 +28,6 @@ same record of the round's other replies. A reply with an outlying record is rej
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -220,26 +219,52 @@ class UpdateScreen:
             "kinds": {kind: [list(r) for r in rounds] for kind, rounds in sorted(self.kinds.items())},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        kinds = _record_history(state.get("kinds", {}), self.window)
-        self.history = deque(([float(n) for n in r] for r in state.get("history", [])), maxlen=self.window)
-        self.kinds = kinds
+    def load_state_dict(self, state: dict[str, Any], where: str = "screen") -> None:
+        """Restore the history; nothing changes when it is refused (see :meth:`prepare_load`)."""
+        self.prepare_load(state, where)()
+
+    def prepare_load(self, state: Any, where: str = "screen") -> Callable[[], None]:
+        """Check a saved history and return what makes it this screen's: at most ``window`` rounds, each a
+        list of accepted norms that are 0 (a client that did not move) or in [1e-12, 1e6 x the hard limit]
+        (a norm of 1e-30 would make the bound reject every honest update for ``window`` rounds)."""
+        from pollen.core import state_fields as fields
+
+        saved = fields.mapping(state, where, keys=("history", "kinds"))
+        history = self._checked_rounds(saved["history"], fields.join(where, "history"))
+        kinds_where = fields.join(where, "kinds")
+        kinds = {
+            kind: self._checked_rounds(rounds, fields.join(kinds_where, kind))
+            for kind, rounds in fields.mapping(saved["kinds"], kinds_where).items()
+        }
+
+        def commit() -> None:
+            self.history, self.kinds = history, kinds
+
+        return commit
+
+    def _checked_rounds(self, value: Any, where: str) -> deque[list[float]]:
+        """Saved rounds of accepted norms: at most ``window`` rounds of norms 0 or in [1e-12, 1e6 x the limit]."""
+        from pollen.core import state_fields as fields
+
+        history: deque[list[float]] = deque(maxlen=self.window)
+        for i, norms in enumerate(fields.sequence(value, where, most=self.window)):
+            round_where = fields.join(where, i)
+            kept = []
+            for j, n in enumerate(fields.sequence(norms, round_where, most=MAX_REPLIES_PER_ROUND)):
+                norm = fields.finite_number(n, fields.join(round_where, j), low=0.0, high=self.max_abs * 1e6)
+                if 0.0 < norm < MIN_NORM:
+                    raise fields.StateError(
+                        fields.join(round_where, j), f"is {norm!r}; expected 0 (no move) or a norm >= {MIN_NORM:g}"
+                    )
+                kept.append(norm)
+            history.append(kept)
+        return history
 
 
-def _record_history(plain: Any, window: int) -> dict[str, deque[list[float]]]:
-    """The per-kind history from its saved form; ``ValueError`` unless it maps names to rounds of norms >= 0."""
-    if not isinstance(plain, Mapping):
-        raise ValueError("state 'screen.kinds' must map record kinds to rounds of norms")
-    out = {}
-    for kind, rounds in plain.items():
-        try:
-            history = [[float(n) for n in r] for r in rounds]
-        except (TypeError, ValueError):
-            raise ValueError(f"state 'screen.kinds[{kind}]' must be rounds of numbers") from None
-        if not isinstance(kind, str) or not all(math.isfinite(n) and n >= 0 for r in history for n in r):
-            raise ValueError(f"state 'screen.kinds[{kind}]' must hold finite norms >= 0")
-        out[kind] = deque(history, maxlen=window)
-    return out
+#: The smallest accepted norm a saved history may hold: float32 round-off of a real update is far above it.
+MIN_NORM = 1e-12
+#: The most norms one saved round may hold.
+MAX_REPLIES_PER_ROUND = 1_000_000
 
 
 _BLOCK = 1 << 16

@@ -9,12 +9,14 @@ back by keeping the old references, and no ``d``-sized memory is allocated after
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from pollen.core import state_fields as fields
 from pollen.optim import OptState, Transform
-from pollen.strategies.screening import all_finite
+from pollen.strategies.screening import DEFAULT_MAX_ABS, all_finite
 
 
 class ServerStep:
@@ -79,13 +81,57 @@ class ServerStep:
     def state_dict(self) -> dict[str, Any]:
         return self.state.to_dict() if self.state is not None else {}
 
-    def load_state_dict(self, plain: dict[str, Any], optimizer: Transform, dim: int) -> None:
+    def load_state_dict(
+        self, plain: dict[str, Any], optimizer: Transform, dim: int, *, max_moment: float = DEFAULT_MAX_ABS
+    ) -> None:
         """Restore what :meth:`state_dict` wrote, for ``optimizer`` and ``dim``; ``ValueError`` if it does not fit."""
-        state = OptState.from_dict(plain)
-        for name, slot in state.slots.items():
-            if slot.shape != (dim,) or not all_finite(slot):
-                raise ValueError(f"state optimiser slot '{name}' is not {dim} finite values")
+        self.prepare_load(plain, optimizer, dim, max_moment=max_moment)()
+
+    def prepare_load(
+        self,
+        plain: Any,
+        optimizer: Transform,
+        dim: int,
+        *,
+        max_moment: float = DEFAULT_MAX_ABS,
+        where: str = "optimizer",
+        max_step: int = fields.MAX_COUNT,
+    ) -> Callable[[], None]:
+        """Check a saved optimiser state against ``optimizer`` and ``dim``; return what makes it this step's.
+
+        Exactly the optimiser's slots, each ``dim`` finite float32 values; the second moments
+        (:data:`SECOND_MOMENTS`: ``v``, ``v_hat``, ``z``) in ``[0, max_moment]`` and the first moment ``m``
+        in ``[-max_moment, max_moment]`` (an average of updates, each within the hard limit), other slots
+        within 1e6 times it; ``max_moment`` is the updates' hard limit:
+        a legitimate moment is many orders below it, and a larger one would pin an AMSGrad maximum or
+        scale every step down for the rest of the run); the step counter in ``[0, max_step]``.
+        """
+        fields.mapping(plain, where, keys=("step", "slots"))
+        step = fields.whole(plain["step"], fields.join(where, "step"), high=max_step)
+        slots_where = fields.join(where, "slots")
+        saved = fields.mapping(plain["slots"], slots_where, keys=optimizer.slot_names)
+        slots = {}
+        for name in optimizer.slot_names:
+            moment = name in SECOND_MOMENTS
+            bound = max_moment if moment or name == "m" else max_moment * 1e6  # m: an average of bounded updates
+            slots[name] = fields.float_vector(
+                saved[name],
+                fields.join(slots_where, name),
+                dim,
+                low=0.0 if moment else -bound,
+                high=bound,
+                what="(a second moment)" if moment else "(a first moment: within the updates' hard limit)",
+            )
+        state = OptState.from_dict({"step": step, "slots": slots})
         optimizer.check_state(state, dim)
-        self.optimizer = optimizer
-        self.state = state
-        self._spare_state = self._spare_params = None
+
+        def commit() -> None:
+            self.optimizer = optimizer
+            self.state = state
+            self._spare_state = self._spare_params = None
+
+        return commit
+
+
+#: Optimiser slots that hold second moments (sums or averages of squares): never negative.
+SECOND_MOMENTS = frozenset({"v", "v_hat", "z"})

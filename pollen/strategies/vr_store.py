@@ -8,12 +8,20 @@ restores itself as one part of the strategy's state.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any
 
+from pollen.compression import quant
+from pollen.core import state_fields as fields
 from pollen.core.layout import ModelLayout
 from pollen.vr.aggregate import VRRound
-from pollen.vr.journal import TableJournal
+from pollen.vr.journal import TableFileError, TableJournal
 from pollen.vr.table import UpdateTable
+
+
+class TableFileRefused(fields.StateError, TableFileError):
+    """A table file that does not belong to the state being restored, named as a state field."""
 
 
 class StoredUpdates:
@@ -69,20 +77,84 @@ class StoredUpdates:
             state["table_id"] = self.journal.table_id
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the table; a file-backed one must be this state's file, at this state's round."""
-        if "table" not in state:
-            return
-        self.generation = int(state.get("generation", 0))
-        on_disk = "data" not in state["table"]
-        if on_disk and self.path is None:
-            raise ValueError("the state's table lives in a file; pass table_path= (run-config table-path) to resume it")
-        if on_disk:  # the file must be this state's, at this state's round (or one ahead with its undo log)
-            self.journal = TableJournal(self.path, table_id=str(state.get("table_id", "")))
-            self.journal.check()  # refuse a file without a journal before attaching it
-        self.table = UpdateTable.from_state_dict(state["table"], path=self.path)
-        if on_disk:
-            self.journal.recover(self.table, self.generation)
-        elif self.path is not None:
-            self.journal = TableJournal(self.path)
-            self.journal.commit(self.table, self.generation)
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        layout: ModelLayout | None = None,
+        *,
+        where: str = "store",
+        last_round: int | None = None,
+    ) -> None:
+        """Restore the table (see :meth:`prepare_load`); nothing changes when it is refused."""
+        self.prepare_load(state, layout, where=where, last_round=last_round)()
+
+    def prepare_load(
+        self, state: Any, layout: ModelLayout | None, *, where: str = "store", last_round: int | None = None
+    ) -> Callable[[], None]:
+        """Check a saved store against the model's ``layout`` and return what makes it this store's.
+
+        Every table field is checked (:meth:`UpdateTable.check_state`), the running sum against the rows
+        of a table kept in the checkpoint, the generation within the run (``last_round``), and a table
+        that lives in a file against its journal (same table id, this round or one ahead with its undo
+        log: :meth:`TableJournal.verify`). The file is only attached, and an undo log applied, by the
+        returned commit.
+        """
+        fields.mapping(state, where)
+        if not state and layout is None:
+            return lambda: None
+        if layout is None:
+            raise fields.StateError(where, "holds a table but the state has no model; expected both or neither")
+        on_disk = "table" in state and isinstance(state["table"], dict) and "data" not in state["table"]
+        fields.mapping(state, where, keys=("table", "generation", "table_id") if on_disk else ("table", "generation"))
+        high = fields.MAX_COUNT if last_round is None else last_round
+        generation = fields.whole(state["generation"], fields.join(where, "generation"), high=high)
+        sizes = [stop - start for start, stop in layout.segments]
+        table_state = UpdateTable.check_state(
+            state["table"], fields.join(where, "table"), dim=layout.dim, segments=sizes, precision=self.precision
+        )
+        count = len(table_state["keys"])
+        if not on_disk:
+            table = UpdateTable.from_state_dict(table_state)  # in RAM, sized by the rows the file holds
+            table.check_running_sum(fields.join(where, "table"))
+            journal = None
+            if self.path is not None:  # the checkpoint's rows go into this run's file, with a new journal
+
+                def commit() -> None:
+                    self.table = UpdateTable.from_state_dict(table_state, path=self.path)
+                    self.journal = TableJournal(self.path)
+                    self.journal.commit(self.table, generation)
+                    self.generation = generation
+
+                return commit
+
+            def commit_ram() -> None:
+                self.table, self.journal, self.generation = table, journal, generation
+
+            return commit_ram
+        if self.path is None:
+            raise fields.StateError(
+                fields.join(where, "table"),
+                "lives in a file; pass table_path= (run-config table-path) to resume it",
+            )
+        table_id = fields.text(state["table_id"], fields.join(where, "table_id"), most=64)
+        journal = TableJournal(self.path, table_id=table_id)
+        row_width = sum(quant.encoded_length(n, self.precision) for n in sizes)
+        dtype = quant.storage_dtype(self.precision)
+        need = count * row_width * dtype.itemsize
+        held = os.path.getsize(self.path) if os.path.isfile(self.path) else -1
+        if held < need:
+            raise fields.StateError(
+                fields.join(where, "table"), f"needs {need} bytes of rows in {self.path}, which holds {max(held, 0)}"
+            )
+        try:
+            journal.verify(generation, row_width, dtype, count)
+        except TableFileError as err:
+            raise TableFileRefused(fields.join(where, "table_id"), str(err)) from None
+
+        def commit_file() -> None:
+            self.journal = journal
+            self.table = UpdateTable.from_state_dict(table_state, path=self.path)
+            journal.recover(self.table, generation)
+            self.generation = generation
+
+        return commit_file

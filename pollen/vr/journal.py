@@ -22,6 +22,7 @@ import json
 import os
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,15 @@ from pollen.core.files import (
     write_npz_atomic,
 )
 from pollen.vr.table import UpdateTable
+
+
+@dataclass(frozen=True)
+class _TableShape:
+    """What :meth:`TableJournal._read_undo` needs to know of a table before the table exists."""
+
+    row_width: int
+    storage_dtype: np.dtype
+    known_clients: int
 
 
 class TableFileError(ValueError):
@@ -88,12 +98,36 @@ class TableJournal:
             "allowed: the file of this checkpoint or one round ahead with its undo log"
         )
 
+    def verify(self, generation: int, row_width: int, storage_dtype: np.dtype, known_clients: int) -> None:
+        """``TableFileError`` unless :meth:`recover` would accept the file for ``generation`` (reads only).
+
+        ``row_width``, ``storage_dtype`` and ``known_clients`` describe the table the state declares; an undo
+        log is read (its shapes checked against them before anything is allocated) when it would be used.
+        """
+        marker = self._read()
+        if marker["table_id"] != self.table_id:
+            raise TableFileError(
+                f"table file {self.table_path} belongs to table {marker['table_id']}, the checkpoint to {self.table_id}"
+            )
+        found = int(marker["generation"])
+        if found == generation and not marker["dirty"]:
+            return
+        if found == generation + 1 and self.undo_path.is_file():
+            shape = _TableShape(row_width, np.dtype(storage_dtype), known_clients)
+            if int(self._read_undo(shape)["generation"]) == found:
+                return
+        raise TableFileError(
+            f"table file {self.table_path} holds round {found}{' (half written)' if marker['dirty'] else ''}, "
+            f"the checkpoint round {generation}; "
+            "allowed: the file of this checkpoint or one round ahead with its undo log"
+        )
+
     # ------------------------------------------------------------------ files
     def _write(self, generation: int, *, dirty: bool) -> None:
         text = json.dumps({"table_id": self.table_id, "generation": int(generation), "dirty": bool(dirty)})
         write_bytes_atomically(self.journal_path, text.encode())
 
-    def _read_undo(self, table: UpdateTable) -> dict[str, np.ndarray]:
+    def _read_undo(self, table: UpdateTable | _TableShape) -> dict[str, np.ndarray]:
         """The undo log, its shapes checked against ``table`` before anything is allocated (no pickle)."""
         spec = {
             "generation": ((), np.int64),

@@ -520,6 +520,93 @@ class UpdateTable:
             raise ValueError("state has duplicate client keys")
 
     @classmethod
+    def check_state(
+        cls,
+        state: Any,
+        where: str,
+        *,
+        dim: int,
+        segments: Sequence[int],
+        precision: str,
+        need_data: bool | None = None,
+    ) -> dict[str, np.ndarray]:
+        """``state`` (from :meth:`state_dict`) checked for a table of ``dim``, ``segments`` and ``precision``.
+
+        Raises :class:`~pollen.core.state_fields.StateError` naming the field: exactly the fields
+        :meth:`state_dict` writes (``data`` required or refused when ``need_data`` says so), ``dim``,
+        ``segments`` and ``precision`` those expected, ``keys`` distinct non-empty strings, one weight
+        (finite, >= 0), one row of scales (finite, >= 0) and one encoded row (finite for fp16 / fp32)
+        per key, the running sum ``dim`` finite values. Nothing is allocated from a declared size: every
+        shape is compared with ``dim`` and the number of keys the file really holds.
+        """
+        from pollen.core import state_fields as fields
+
+        names = ["dim", "segments", "precision", "keys", "weights", "absmax", "running_sum"]
+        has_data = isinstance(state, Mapping) and "data" in state if need_data is None else need_data
+        fields.mapping(state, where, keys=names + (["data"] if has_data else []))
+        at = lambda key: fields.join(where, key)  # noqa: E731
+        if fields.whole(state["dim"], at("dim")) != dim:
+            raise fields.StateError(at("dim"), f"is {int(state['dim'])}; expected {dim} (the model's)")
+        saved_segments = fields.numeric_array(state["segments"], at("segments"), shape=(None,), dtype=np.int64)
+        if tuple(int(n) for n in saved_segments) != tuple(int(n) for n in segments):
+            raise fields.StateError(at("segments"), "differs from the model's tensor sizes")
+        if (
+            not isinstance(state["precision"], np.ndarray)
+            or state["precision"].shape != ()
+            or str(state["precision"]) != precision
+            or state["precision"].dtype.kind != "U"
+        ):
+            raise fields.StateError(at("precision"), f"is {state['precision']!r}; expected {precision!r}")
+        keys = state["keys"]
+        if not isinstance(keys, np.ndarray) or keys.ndim != 1 or (keys.dtype.kind != "U" and keys.size):
+            raise fields.StateError(at("keys"), f"is {type(keys).__name__}; expected a 1-D str array")
+        count = len(keys)
+        listed = [str(k) for k in keys]
+        if len(set(listed)) != count or any(not k for k in listed):
+            raise fields.StateError(at("keys"), "names a client twice or holds an empty key; expected distinct ids")
+        width = sum(quant.encoded_length(int(n), precision) for n in segments)
+        scales = len(segments) if quant.is_integer(precision) else 0
+        checked = {
+            "dim": np.array(dim, dtype=np.int64),
+            "segments": np.array(segments, dtype=np.int64),
+            "precision": np.array(precision),
+            "keys": np.array(listed, dtype=str),
+            "weights": fields.numeric_array(
+                state["weights"], at("weights"), shape=(count,), dtype=np.float64, low=0.0, what="(a weight)"
+            ),
+            "absmax": fields.numeric_array(
+                state["absmax"], at("absmax"), shape=(count, scales), dtype=np.float32, low=0.0, what="(a scale)"
+            ),
+            "running_sum": fields.numeric_array(
+                state["running_sum"], at("running_sum"), shape=(dim,), dtype=np.float64
+            ),
+        }
+        if has_data:
+            checked["data"] = fields.numeric_array(
+                state["data"], at("data"), shape=(count, width), dtype=quant.storage_dtype(precision)
+            )
+        return checked
+
+    def check_running_sum(self, where: str) -> None:
+        """``StateError`` unless the running sum equals a recomputation from the rows (up to float64 drift)."""
+        from pollen.core import state_fields as fields
+
+        exact = self.recompute_running_sum()
+        scale = np.zeros(self._dim, dtype=np.float64)
+        buffer = self.tensor_buffer()
+        for row in range(len(self._keys)):
+            for a, b, values in self.decoded_tensors(self._data[row], self._absmax[row], buffer):
+                scale[a:b] += np.abs(values) * self._weights[row]
+        worst = np.abs(self._sum - exact) - (1e-6 * scale + 1e-30)
+        if worst.size and worst.max() > 0:
+            index = int(np.argmax(worst))
+            raise fields.StateError(
+                fields.join(where, "running_sum"),
+                f"holds {self._sum[index]!r} at index {index}; "
+                f"expected the weighted sum of the rows ({exact[index]!r})",
+            )
+
+    @classmethod
     def from_state_dict(
         cls,
         state: Mapping[str, np.ndarray],

@@ -452,3 +452,31 @@ def test_crash_while_writing_keeps_the_old_file_and_no_temp_file(tmp_path, monke
     restarted = load(2, tmp_path)
     assert restarted.base_round == 1
     np.testing.assert_array_equal(restarted.get("m"), vec(1.0))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_state_file_holding_nan_or_inf_is_refused_and_the_client_starts_fresh(tmp_path, bad):
+    commit(make_context(1), 1, 1.0, tmp_path)
+    path = state_file_path(tmp_path, "c1")
+    entries = dict(np.load(path))
+    entries["current/m"] = entries["current/m"].copy()
+    entries["current/m"][2] = bad
+    np.savez(path, **entries)
+    with capture_flwr_logs() as records:
+        fresh = load(2, tmp_path)
+    assert fresh.base_round == 0 and fresh.get("m") is None
+    assert "entry 'current/m' holds NaN or Inf; expected finite values" in messages_text(records)
+    assert path.with_name(path.name + ".corrupt").is_file()
+
+
+def test_a_vector_of_the_wrong_shape_or_dtype_starts_fresh_with_one_line(tmp_path):
+    commit(make_context(1), 1, 1.0, tmp_path)
+    state = load(2, tmp_path)
+    with capture_flwr_logs() as records:
+        assert state.get("m", shape=(5,), dtype=np.float32) is None
+    text = messages_text(records)
+    assert "field 'm'" in text and "is float32 (4,); expected float32 (5,); starting it fresh" in text
+    assert state.get("m") is None  # dropped: this piece of state starts fresh, the message goes on
+    state = load(2, tmp_path)
+    assert state.get("m", shape=(4,), dtype=np.float64) is None
+    assert load(2, tmp_path).get("m", shape=(4,), dtype=np.float32) is not None

@@ -462,10 +462,11 @@ def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, mon
     real_replace = os.replace
     calls = {"n": 0}
 
-    def failing_replace(src, dst):  # noqa: ANN001, ANN202
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise OSError("disk full")
+    def failing_replace(src, dst):  # noqa: ANN001, ANN202  (the second checkpoint fails to replace the first)
+        if str(dst).endswith("checkpoint.npz"):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise OSError("disk full")
         return real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", failing_replace)

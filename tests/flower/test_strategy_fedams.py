@@ -534,7 +534,9 @@ def test_state_dict_refuses_another_strategy_class():
     with pytest.raises(ValueError, match="FedCAMS"):
         FedAMS().load_state_dict(state)
     empty = FedAMS(seed=9)
-    restored = FedAMS()
+    with pytest.raises(ValueError, match="'strategy/seed' is 9; expected 0 \\(the run's seed\\)"):
+        FedAMS().load_state_dict(empty.state_dict())  # a state of another run (the seed is the run-config's)
+    restored = FedAMS(seed=9)
     restored.load_state_dict(pickle.loads(pickle.dumps(empty.state_dict())))
     assert restored.seed == 9 and restored.layout is None
     assert restored.sampler.rng.integers(1 << 30) == np.random.default_rng(9).integers(1 << 30)

@@ -75,7 +75,8 @@ def _round_v_hat(work: LocalWork, dim: int) -> np.ndarray:
         work.state.set(V_HAT, v_hat)
         work.state.set(V_HAT_VERSION, np.array(version, dtype=np.int64))
         return v_hat
-    held, held_version = work.state.get(V_HAT), work.state.get(V_HAT_VERSION)
+    held = work.state.get(V_HAT, shape=(dim,), dtype=np.float32)
+    held_version = work.state.get(V_HAT_VERSION, shape=(), dtype=np.int64)
     if held is None or held_version is None or int(held_version) != version or held.shape != (dim,):
         raise ValueError(f"this client holds no v_hat of version {version}; the server sends it with the next message")
     return held
@@ -134,7 +135,7 @@ def run(work: LocalWork) -> StepOutcome:
     )
     v_hat = layout.unflatten(_round_v_hat(work, layout.dim))
     set_global_v_hat(optimizer, [torch.from_numpy(v_hat[name]) for name in named])
-    momentum = work.state.get(MOMENTUM)
+    momentum = work.state.get(MOMENTUM, shape=(layout.dim,), dtype=np.float32)
     if momentum is not None and momentum.shape == (layout.dim,):
         with torch.no_grad():
             for p, (start, stop) in zip(params, layout.segments):

@@ -89,11 +89,11 @@ def run_segment(work: LocalWork, segment: int) -> StepOutcome:
     if len(dataset) == 0:
         raise ValueError("cannot train on an empty dataset")
     metrics: dict[str, int | float] = {protocol.NUM_EXAMPLES: len(dataset), "num-steps": steps, "grad-evals": steps}
-    held_loss = work.state.get(LOSS) if segment > 0 else None
+    held_loss = work.state.get(LOSS, shape=(2,), dtype=np.float64) if segment > 0 else None
     loss_sum, loss_steps = (float(held_loss[0]), float(held_loss[1])) if held_loss is not None else (0.0, 0.0)
     if steps == 0:  # idle for the whole segment: the model goes to the gossip as it is
         return StepOutcome(_with_round_loss(metrics, work, loss_sum, loss_steps))
-    held = work.state.get(POSITION)
+    held = work.state.get(POSITION, shape=(), dtype=np.int64)
     position = int(held) if held is not None else 0
     indices = stream_indices(run_seed, client, len(dataset), position, steps * batch_size)
     loader = DataLoader(
