@@ -306,13 +306,31 @@ def _check_app_state(app: Any, last_round: int) -> None:
     for i, row in enumerate(fields.sequence(app.get("rows", []), "app/rows", most=_MAX_ROWS)):
         at = fields.join("app/rows", i)
         for key, value in fields.mapping(row, at).items():
-            if isinstance(value, (list, dict)):
-                raise fields.StateError(fields.join(at, key), "is a container; expected a plain value")
-            if isinstance(value, float) and math.isinf(value):
-                raise fields.StateError(fields.join(at, key), f"is {value!r}; expected a finite number or NaN")
-            _scalar(value, fields.join(at, key))
+            _row_value(value, fields.join(at, key), depth=0)
         if "round" in row:
             fields.whole(row["round"], fields.join(at, "round"), high=last_round)
+
+
+_MAX_ROW_DEPTH = 4  # a row's value: a number or text, or mappings / lists of them (bytes by record, events)
+_MAX_ROW_ITEMS = 100_000
+
+
+def _row_value(value: Any, where: str, depth: int) -> None:
+    """A result row's value: a plain value, or (a few levels deep) a mapping or list of plain values."""
+    if isinstance(value, (list, dict)):
+        if depth >= _MAX_ROW_DEPTH:
+            raise fields.StateError(where, f"nests deeper than {_MAX_ROW_DEPTH} levels; expected plain values")
+        items = (
+            fields.mapping(value, where).items()
+            if isinstance(value, dict)
+            else enumerate(fields.sequence(value, where, most=_MAX_ROW_ITEMS))
+        )
+        for key, item in items:
+            _row_value(item, fields.join(where, key), depth + 1)
+        return
+    if isinstance(value, float) and math.isinf(value):
+        raise fields.StateError(where, f"is {value!r}; expected a finite number or NaN")
+    _scalar(value, where)
 
 
 def _metrics_to_tree(history: Mapping[int, MetricRecord]) -> dict[str, dict[str, Any]]:
