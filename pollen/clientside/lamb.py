@@ -6,6 +6,7 @@ step (lines 10-13; ``g`` is the minibatch gradient at the current ``theta``)::
     m     <- beta1 * m + (1 - beta1) * g                  # line 10
     v     <- beta2 * v + (1 - beta2) * g**2               # line 11 (typo-corrected); uploaded, not used here
     psi   <- m / sqrt(v_hat)                              # line 12; v_hat = the server's, fixed in a round
+                                                          # (local_vhat: m / sqrt(max(v_hat, v)))
     for each parameter tensor ("layer"):
         u      <- psi + lambda * theta                    # decoupled decay (AdamW), not in g, m or v
         theta  <- theta - lr * phi(||theta||) * u / ||u||   # line 13, eq. (3)
@@ -45,7 +46,7 @@ __all__ = ["EPS_MODES", "PHIS", "LocalLAMB"]
 
 EPS_MODES = ("floor", "add")
 PHIS = ("identity", "clip")
-_FLAGS = ("zero_norm_guard", "trust_ratio", "track_v")
+_FLAGS = ("zero_norm_guard", "trust_ratio", "track_v", "local_vhat")
 _NOT_SETTINGS = ("params", "param_names")
 _NAME = "LocalLAMB"
 
@@ -102,6 +103,8 @@ def _check_settings(s: dict[str, Any]) -> None:
     for flag in _FLAGS:
         if not isinstance(s[flag], bool):
             raise _fail(flag, s[flag], "True or False")
+    if s["local_vhat"] and not s["track_v"]:
+        raise _fail("local_vhat", True, "False when track_v=False (the local denominator is the tracked v)")
 
 
 class LocalLAMB(torch.optim.Optimizer):
@@ -150,6 +153,11 @@ class LocalLAMB(torch.optim.Optimizer):
     track_v : bool, default True
         Keep the local ``v`` to upload (Fed-LAMB, Fed-AMS). False for Mime-LAMB and Mime. The Fed-LAMB step
         resets ``v`` to ``v_hat`` when it fills ``v_hat`` (line 6).
+    local_vhat : bool, default False
+        The denominator is ``sqrt(max(v_hat, v))`` with the local running ``v`` (the spec's ``local_vhat``
+        flag, §9 A4; needs ``track_v``) instead of line 12's ``sqrt(v_hat)``. The Fed-LAMB step turns it on
+        while the server's ``v_hat`` is still its initial ``eps`` when run-config ``round1-denominator`` is
+        ``local-v``, the authors' code's round 1, which never makes the ``alpha * m / sqrt(eps)`` jump.
     """
 
     def __init__(
@@ -167,6 +175,7 @@ class LocalLAMB(torch.optim.Optimizer):
         zero_norm_guard: bool = True,
         trust_ratio: bool = True,
         track_v: bool = True,
+        local_vhat: bool = False,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -180,6 +189,7 @@ class LocalLAMB(torch.optim.Optimizer):
             "zero_norm_guard": zero_norm_guard,
             "trust_ratio": trust_ratio,
             "track_v": track_v,
+            "local_vhat": local_vhat,
         }
         _check_settings(defaults)
         super().__init__(params, defaults)
@@ -295,7 +305,7 @@ class LocalLAMB(torch.optim.Optimizer):
                 m.mul_(beta1).add_(g, alpha=1.0 - beta1)  # line 10
                 if group["track_v"]:
                     state["v"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)  # line 11, uploaded only
-                denom = v_hat.sqrt()
+                denom = torch.maximum(v_hat, state["v"]).sqrt() if group.get("local_vhat") else v_hat.sqrt()
                 if group["eps_mode"] == "add":
                     denom.add_(group["eps"])
                 u = m / denom  # line 12: psi

@@ -45,6 +45,7 @@ from pollen.wire.protocol import (
     CFG_BETA1,
     CFG_BETA2,
     CFG_EPS,
+    CFG_LOCAL_VHAT,
     CFG_STAT,
     CFG_SYNC,
     CFG_TRUST_RATIO,
@@ -53,6 +54,8 @@ from pollen.wire.protocol import (
 from pollen.wire.records import arrays_to_record
 
 SYNC_PHASES = ("first", "last")
+#: What the local step divides by while ``v_hat`` is still its initial ``eps`` (round 1 with ``sync_phase="first"``).
+ROUND1_DENOMINATORS = ("local-v", "eps")
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -119,6 +122,13 @@ class FedLAMB(AdaptiveStrategy):
         Z: ``v_hat`` is synchronised every Z rounds (uploads of ``v``/``grad`` only then).
     sync_phase : str (default: "first")
         Which rounds sync: ``"first"`` (r = 1, 1+Z, ...) or ``"last"`` (r = Z, 2Z, ...).
+    round1_denominator : str (default: "eps")
+        The local step's denominator while ``v_hat`` is still its initial ``eps`` (round 1 when syncing
+        first): ``"eps"``, the paper's literal ``v_hat_0 = eps`` (line 2; a plain AMSGrad step then is
+        ``alpha * m / sqrt(eps)``, a 10^4-fold jump at eps = 1e-8), or ``"local-v"``, the authors' code:
+        ``sqrt(max(v_hat, v))`` with the client's own running ``v`` (spec ``papers/fedlamb.md`` §9 A4/B5).
+        The app's defaults: ``local-v`` for Fed-AMS and Mime (so the baselines do not degenerate),
+        ``eps`` for Fed-LAMB and Mime-LAMB (whose trust ratio normalises the jump away).
     **kwargs
         Sampling and record options of :class:`AdaptiveStrategy`.
     """
@@ -136,6 +146,7 @@ class FedLAMB(AdaptiveStrategy):
         weight_decay: float = 0.0,
         sync_every: int = 1,
         sync_phase: str = "first",
+        round1_denominator: str = "eps",
         eta: float = 0.003,
         **kwargs: Any,
     ) -> None:
@@ -152,6 +163,10 @@ class FedLAMB(AdaptiveStrategy):
             raise ValueError(f"sync_every={sync_every!r} is out of range; allowed: an integer >= 1")
         if sync_phase not in SYNC_PHASES:
             raise ValueError(f"sync_phase={sync_phase!r} is unknown; allowed: {', '.join(SYNC_PHASES)}")
+        if round1_denominator not in ROUND1_DENOMINATORS:
+            raise ValueError(
+                f"round1_denominator={round1_denominator!r} is unknown; allowed: {', '.join(ROUND1_DENOMINATORS)}"
+            )
         kwargs.setdefault("identify_clients", True)
         chosen = VARIANTS[variant]
         if chosen.server_adam:
@@ -168,6 +183,7 @@ class FedLAMB(AdaptiveStrategy):
             float(weight_decay),
         )
         self.sync_every, self.sync_phase = sync_every, sync_phase
+        self.round1_denominator = round1_denominator
         self.v_hat: np.ndarray | None = None
         self.v: np.ndarray | None = None  # Mime's server EMA of the squared mean gradient
         self.v_hat_version = 0
@@ -206,6 +222,7 @@ class FedLAMB(AdaptiveStrategy):
             CFG_BETA1: self.beta_1,
             CFG_BETA2: self.beta_2,
             CFG_EPS: self.eps,
+            CFG_LOCAL_VHAT: self.round1_denominator == "local-v" and self.v_hat_version == 1,
         }
 
     def node_content(self, server_round: int, node: int, shared: RecordDict) -> RecordDict:
@@ -277,6 +294,7 @@ class FedLAMB(AdaptiveStrategy):
         return {
             "variant": f"{self.variant.name} (uploads {self.variant.stat}, {self.variant.local_rule} local step)",
             "v_hat": f"eps={self.eps:g}, synchronised every {self.sync_every} round(s) ({self.sync_phase})",
+            "before the first v_hat": f"denominator {self.round1_denominator}",
         }
 
     # ------------------------------------------------------------------ state

@@ -60,6 +60,9 @@ CFG_VHAT_VERSION = "pollen.v-hat-version"
 CFG_SYNC = "pollen.sync"
 CFG_STAT = "pollen.stat"
 CFG_TRUST_RATIO = "pollen.trust-ratio"
+# The local step divides by sqrt(max(v_hat, local v)) this round (v_hat is still its initial eps; the
+# authors' round-1 reading, run-config round1-denominator = "local-v").
+CFG_LOCAL_VHAT = "pollen.local-vhat"
 CFG_BETA1 = "pollen.beta1"
 CFG_BETA2 = "pollen.beta2"
 CFG_EPS = "pollen.eps"

@@ -37,7 +37,7 @@ def _final_model(strategy: str, tmp_path: Path, tag: str, shuffle_seed: int | No
     if METHODS[strategy].family == "hafed":
         settings["cluster-size"] = 2
     rows = run_inprocess(settings, NODES, shuffle_seed=shuffle_seed)
-    assert rows[1]["replies"] >= 2, rows[1]  # a round that aggregated (Mime's round 2 may reject its jump: issue 25)
+    assert rows[1]["replies"] >= 2, rows[1]  # a round that aggregated
     return hashlib.sha256((tmp_path / tag / "final_model.npz").read_bytes()).hexdigest()
 
 

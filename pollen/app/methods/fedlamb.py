@@ -1,7 +1,11 @@
 """Fed-LAMB, Mime-LAMB and their baselines (Fed-AMS, Mime, Adp-Fed, Fed-SGD): run-config keys, values, builders.
 
 Keys: how often the server synchronises ``v_hat`` (``sync-every``, Z) and which rounds those are
-(``sync-phase``). The local step's weight decay is run-config ``weight-decay``; Adp-Fed's server lr
+(``sync-phase``); the local step's denominator before the first ``v_hat`` (``round1-denominator``:
+``local-v``, the authors' code, or ``eps``, the paper's literal ``v_hat_0``); LocalLAMB's zero-norm guard
+(``lamb-zero-norm-guard``, the spec's recommended guard: on) and weight-norm scaling ``phi``
+(``lamb-phi``: ``identity``, the paper's experiments, or ``clip`` to ``[lamb-phi-min, lamb-phi-max]``).
+The local step's weight decay is run-config ``weight-decay``; Adp-Fed's server lr
 is ``server-lr`` (the others average models).
 
 Recommended values (``papers/fedlamb.md`` sections 6.2 and 10): beta 0.9 / 0.999, eps 1e-8 (``v_hat``'s
@@ -16,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pollen.app.methods.common import adaptive_kwargs
-from pollen.app.spec import choice, pos_int
+from pollen.app.spec import choice, flag, non_negative, pos_int, positive
 
 
 def _sync_phases() -> tuple[str, ...]:
@@ -26,9 +30,25 @@ def _sync_phases() -> tuple[str, ...]:
     return SYNC_PHASES
 
 
+def _round1_denominators() -> tuple[str, ...]:
+    from pollen.strategies.fedlamb import ROUND1_DENOMINATORS
+
+    return ROUND1_DENOMINATORS
+
+
+#: LocalLAMB's weight-norm scalings (``pollen.clientside.lamb.PHIS``, which imports torch; the config is
+#: checked without it, and a test keeps the two equal).
+PHIS = ("identity", "clip")
+
+
 KEYS = {
     "sync-every": pos_int(1),
     "sync-phase": choice(_sync_phases, "first", server_side=True),
+    "round1-denominator": choice(_round1_denominators, "eps", server_side=True),
+    "lamb-zero-norm-guard": flag(True),
+    "lamb-phi": choice(PHIS, "identity"),
+    "lamb-phi-min": non_negative(0.0),
+    "lamb-phi-max": positive(10.0),
 }
 
 VARIANTS = ("fed-lamb", "mime-lamb", "fed-ams", "mime", "adp-fed", "fed-sgd")
@@ -43,7 +63,14 @@ _PAPER = {
     "sync-every": 1,
 }
 
-DEFAULTS: dict[str, Mapping[str, Any]] = {variant: _PAPER for variant in VARIANTS}
+#: Fed-AMS and Mime follow the authors' code in round 1 (the client's own running v): the paper's literal
+#: v_hat_0 = eps makes their plain AMSGrad step a 10^4-fold jump (spec §9 B5); run-config
+#: ``round1-denominator = "eps"`` is the literal reading. The LAMB variants normalise the jump away.
+_AUTHORS_ROUND1 = {"round1-denominator": "local-v"}
+
+DEFAULTS: dict[str, Mapping[str, Any]] = {
+    variant: {**_PAPER, **(_AUTHORS_ROUND1 if variant in ("fed-ams", "mime") else {})} for variant in VARIANTS
+}
 
 
 def builder(variant: str) -> Callable[[Mapping[str, Any]], Any]:
@@ -61,6 +88,7 @@ def builder(variant: str) -> Callable[[Mapping[str, Any]], Any]:
             weight_decay=cfg["weight-decay"],
             sync_every=cfg["sync-every"],
             sync_phase=cfg["sync-phase"],
+            round1_denominator=cfg["round1-denominator"],
             eta=cfg["server-lr"],
         )
 

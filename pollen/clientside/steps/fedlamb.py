@@ -47,6 +47,7 @@ from pollen.wire.protocol import (
     CFG_BETA1,
     CFG_BETA2,
     CFG_EPS,
+    CFG_LOCAL_VHAT,
     CFG_STAT,
     CFG_SYNC,
     CFG_TRUST_RATIO,
@@ -80,6 +81,18 @@ def _round_v_hat(work: LocalWork, dim: int) -> np.ndarray:
     if held is None or held_version is None or int(held_version) != version or held.shape != (dim,):
         raise ValueError(f"this client holds no v_hat of version {version}; the server sends it with the next message")
     return held
+
+
+def lamb_settings(work: LocalWork) -> dict[str, Any]:
+    """LocalLAMB's trust-ratio settings from run-config: ``lamb-zero-norm-guard``, ``lamb-phi`` and, for
+    ``phi="clip"``, ``lamb-phi-min`` / ``lamb-phi-max`` (LAMB's ``min(max(a, gamma_l), gamma_u)``)."""
+    settings: dict[str, Any] = {
+        "zero_norm_guard": bool(work.setting("lamb-zero-norm-guard")),
+        "phi": str(work.setting("lamb-phi")),
+    }
+    if settings["phi"] == "clip":
+        settings["phi_clip"] = (float(work.setting("lamb-phi-min")), float(work.setting("lamb-phi-max")))
+    return settings
 
 
 def full_batch_gradient(work: LocalWork, params: list) -> tuple[np.ndarray, int]:  # noqa: ANN001
@@ -124,6 +137,7 @@ def run(work: LocalWork) -> StepOutcome:
     params = list(named.values())
     config = work.config
     sync, stat = bool(config[CFG_SYNC]), str(config[CFG_STAT])
+    local_vhat = bool(config.get(CFG_LOCAL_VHAT, False))
     optimizer = LocalLAMB(
         params,
         lr=float(work.setting("local-lr")),
@@ -131,7 +145,9 @@ def run(work: LocalWork) -> StepOutcome:
         weight_decay=float(work.setting("weight-decay")),
         eps=float(config[CFG_EPS]),
         trust_ratio=bool(config[CFG_TRUST_RATIO]),
-        track_v=stat == "v",
+        track_v=stat == "v" or local_vhat,
+        local_vhat=local_vhat,
+        **lamb_settings(work),
     )
     v_hat = layout.unflatten(_round_v_hat(work, layout.dim))
     set_global_v_hat(optimizer, [torch.from_numpy(v_hat[name]) for name in named])
