@@ -34,6 +34,8 @@ RULES = ("none", "nla", "aa")
 DOWNLINK_MODES = ("increment", "model-keep", "literal")
 EF_MODES = ("applied", "compressed")
 REF_MODES = ("last-transmitted", "consecutive-only")
+#: What ``tau-up`` / ``tau-down`` are: the effective thresholds, or the paper's C and D (scaled by 1/(alpha |S_t|)).
+TAU_SCALINGS = ("effective", "paper")
 #: What a judgement decided; ``keep`` is Variant B's skip (nothing applied).
 KINDS = ("send", "skip", "aa", "keep")
 

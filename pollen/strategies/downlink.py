@@ -72,9 +72,13 @@ class Downlink:
         x: np.ndarray,
         c_prev: np.ndarray | None,
         error: np.ndarray | None,
+        *,
+        tau: float | None = None,
     ) -> Any:
-        """The decision for one client (``(DownlinkStep, payload or None)``, :func:`pollen.lazy.downlink_step`)."""
-        return downlink_step(theta, x, c_prev, error, codec, rule=self.rule, tau=self.tau, mode=self.mode)
+        """The decision for one client (``(DownlinkStep, payload or None)``, :func:`pollen.lazy.downlink_step`);
+        ``tau`` replaces the part's threshold for this round (the paper's ``D / (alpha |S_t|)`` scaling)."""
+        tau = self.tau if tau is None else tau
+        return downlink_step(theta, x, c_prev, error, codec, rule=self.rule, tau=tau, mode=self.mode)
 
     def describe(self) -> str:
         """One line for ``summary()``."""

@@ -22,7 +22,9 @@ from typing import Any
 from pollen.optim import amsgrad
 from pollen.strategies.base import AdaptiveStrategy
 
-OPTIONS = (1, 2)
+OPTIONS = (1, 2, 3)
+#: Where each option puts eps (:func:`pollen.optim.amsgrad`'s ``eps_mode``).
+OPTION_EPS_MODES = {1: "max", 2: "add", 3: "inside"}
 
 
 class FedAMS(AdaptiveStrategy):
@@ -47,7 +49,8 @@ class FedAMS(AdaptiveStrategy):
         Default 1e-8 (chosen for drop-in use, measured in tests/e2e/test_dropin_defaults.py); the
         paper's value is 1e-3.
     option : int (default: 1)
-        1 = FedAMS (eps inside the max), 2 = FedAMSGrad (eps outside the sqrt).
+        1 = FedAMS (eps inside the max), 2 = FedAMSGrad (eps outside the sqrt), 3 = eps under the sqrt,
+        ``m / sqrt(v_hat + eps)`` (the lazy family's paper's Option B, ``papers/fedbaca.md`` §5.0).
     bias_correction : bool (default: False)
         Adam-style bias correction as in the authors' code; off in the paper.
     **kwargs
@@ -66,17 +69,21 @@ class FedAMS(AdaptiveStrategy):
         **kwargs: Any,
     ) -> None:
         if option not in OPTIONS:
-            raise ValueError(f"option={option!r} is unknown; allowed: 1 (FedAMS, eps in the max) or 2 (FedAMSGrad)")
+            raise ValueError(
+                f"option={option!r} is unknown; allowed: 1 (FedAMS, eps in the max), 2 (FedAMSGrad, eps outside "
+                "the sqrt) or 3 (eps under the sqrt)"
+            )
         optimizer = amsgrad(
             eta=eta,
             beta1=beta_1,
             beta2=beta_2,
             eps=eps,
-            eps_mode="max" if option == 1 else "add",
+            eps_mode=OPTION_EPS_MODES[option],
             bias_correction=bias_correction,
         )
         super().__init__(optimizer=optimizer, **kwargs)
         self.option = option
 
     def extra_summary(self) -> dict[str, Any]:
-        return {"option": f"{self.option} ({'FedAMS' if self.option == 1 else 'FedAMSGrad'})"}
+        names = {1: "FedAMS, eps in the max", 2: "FedAMSGrad, eps outside the sqrt", 3: "eps under the sqrt"}
+        return {"option": f"{self.option} ({names[self.option]})"}

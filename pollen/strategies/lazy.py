@@ -27,9 +27,11 @@ FedAMS, FedNLACA = FedACA = FedCAMS, FedBNLACA = FedBACA = FedCAMS with an error
 from __future__ import annotations
 
 from collections.abc import Iterable
+from logging import WARNING
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import log
 
 from pollen.compression import CODECS, GRANULARITIES, make_codec
 from pollen.lazy.rules import (
@@ -37,6 +39,7 @@ from pollen.lazy.rules import (
     EF_MODES,
     REF_MODES,
     RULES,
+    TAU_SCALINGS,
     check_choice,
     check_tau,
     checksum,
@@ -50,6 +53,10 @@ from pollen.strategies.fedams import FedAMS
 from pollen.strategies.lazy_book import ClientBook
 from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, payload_to_records
+
+#: Below this effective threshold a top-k or sign candidate with error feedback is almost never close enough
+#: to the last one to be skipped or merged (the spec's calibration: relative changes 1.07-1.5, §9 item 13).
+UPLINK_EF_FLOOR = 1.0
 
 #: Every event of a round the family counts (``RoundStats.method["lazy_events"]``, results column
 #: ``method.lazy_events``).
@@ -110,6 +117,13 @@ class FedLazy(FedAMS):
         the client's last participation.
     bookkeeping_dir : str | None (default: None)
         Keep the per-client vectors memory-mapped in this directory instead of RAM.
+    tau_scaling : str (default: "effective")
+        ``"effective"``: ``up_tau`` / ``down_tau`` are the thresholds themselves. ``"paper"``: they are the
+        paper's constants ``C`` and ``D``, and each round's thresholds are ``C / (alpha |S_t|)`` and
+        ``D / (alpha |S_t|)`` with ``|S_t|`` the clients sampled that round (spec §4, so they shrink as
+        more clients take part).
+    tau_alpha : float (default: 1.0)
+        The paper's ``alpha`` in that scaling, > 0.
     downlink : Downlink | None (default: None)
         The compressed downlink as one part (:class:`~pollen.strategies.downlink.Downlink`); the
         ``down_*`` arguments build it when it is not given (``down_compressor`` set).
@@ -139,6 +153,8 @@ class FedLazy(FedAMS):
         ef_mode: str = "applied",
         ref_mode: str = "last-transmitted",
         bookkeeping_dir: str | None = None,
+        tau_scaling: str = "effective",
+        tau_alpha: float = 1.0,
         downlink: Downlink | None = None,
         **kwargs: Any,
     ) -> None:
@@ -147,6 +163,9 @@ class FedLazy(FedAMS):
         check_choice("granularity", granularity, GRANULARITIES)
         check_choice("ef_mode", ef_mode, EF_MODES)
         check_choice("ref_mode", ref_mode, REF_MODES)
+        check_choice("tau_scaling", tau_scaling, TAU_SCALINGS)
+        if isinstance(tau_alpha, bool) or not isinstance(tau_alpha, (int, float)) or not tau_alpha > 0:
+            raise ValueError(f"tau_alpha={tau_alpha!r} is out of range; allowed: a number > 0")
         if not 0.0 < topk_ratio <= 1.0:
             raise ValueError(f"topk_ratio={topk_ratio!r} is out of range; allowed: a number in (0, 1]")
         if downlink is None and down_compressor is not None:
@@ -168,6 +187,10 @@ class FedLazy(FedAMS):
         self.downlink = downlink
         self.ef_mode, self.ref_mode = ef_mode, ref_mode
         self.bookkeeping_dir = bookkeeping_dir
+        self.tau_scaling, self.tau_alpha = tau_scaling, float(tau_alpha)
+        self._taus: dict[int, tuple[float, float]] = {}  # each round's (uplink, downlink) threshold
+        for line in self.threshold_warnings():
+            log(WARNING, "%s: %s", type(self).__name__, line)
         self.book: ClientBook | None = None
         self._down_codec = None
         self._pending: dict[str, dict[str, Any]] = {}  # this round: what each sampled client will hold
@@ -177,14 +200,35 @@ class FedLazy(FedAMS):
         """The uplink codec; an accelerated (aa) reply adds the stored copy, so it is no plain decoding."""
         return self.compressor if self.up_rule != "aa" else f"{self.compressor} added to the stored copy (aa)"
 
+    def threshold_warnings(self) -> list[str]:
+        """Why a threshold cannot fire with these settings, one line each (logged once when built)."""
+        lines = []
+        if self.up_rule != "none" and self.up_tau == 0.0:
+            lines.append(f"tau-up = 0: the uplink {self.up_rule} rule never fires (the run is plain FedAMS/FedCAMS)")
+        elif (
+            self.up_rule != "none"
+            and self.error_feedback
+            and self.tau_scaling == "effective"
+            and self.up_tau < UPLINK_EF_FLOOR
+        ):
+            lines.append(
+                f"tau-up = {self.up_tau:g} with {self.compressor} and error feedback: a compensated candidate differs "
+                f"from the last by about 1.07-1.5 x its norm (spec §9), so a threshold below {UPLINK_EF_FLOOR:g} "
+                "rarely fires"
+            )
+        if self.downlink is not None and self.downlink.rule != "none" and self.downlink.tau == 0.0:
+            lines.append(f"tau-down = 0: the downlink {self.downlink.rule} rule never fires")
+        return lines
+
     @property
     def bidirectional(self) -> bool:
         return self.downlink is not None
 
     def extra_summary(self) -> dict[str, Any]:
         summary = super().extra_summary()
+        scaling = "" if self.tau_scaling == "effective" else f" / (alpha={self.tau_alpha:g} x sampled clients)"
         summary["uplink"] = (
-            f"{self.up_rule} tau={self.up_tau:g}, {self.compressor} (top-k {self.topk_ratio:g}), "
+            f"{self.up_rule} tau={self.up_tau:g}{scaling}, {self.compressor} (top-k {self.topk_ratio:g}), "
             f"error feedback {'on (' + self.ef_mode + ')' if self.error_feedback else 'off'}, reference {self.ref_mode}"
         )
         summary["downlink"] = "dense (the full model)" if self.downlink is None else self.downlink.describe()
@@ -210,10 +254,23 @@ class FedLazy(FedAMS):
         )
 
     # ------------------------------------------------------------------ downlink
+    def round_taus(self, server_round: int) -> tuple[float, float]:
+        """This round's (uplink, downlink) thresholds: as given, or ``C / (alpha |S_t|)`` (``tau_scaling="paper"``)."""
+        if server_round not in self._taus:
+            down = self.downlink.tau if self.downlink is not None else 0.0
+            if self.tau_scaling == "paper":
+                sampled = max(self.accounting.round(server_round).sampled, 1)
+                scale = 1.0 / (self.tau_alpha * sampled)
+                self._taus[server_round] = (self.up_tau * scale, down * scale)
+            else:
+                self._taus[server_round] = (self.up_tau, down)
+        return self._taus[server_round]
+
     def train_config(self, server_round: int) -> dict[str, Any]:
+        self._taus = {r: taus for r, taus in self._taus.items() if r >= server_round - 1}
         return {
             protocol.CFG_LAZY_UP_RULE: self.up_rule,
-            protocol.CFG_LAZY_UP_TAU: self.up_tau,
+            protocol.CFG_LAZY_UP_TAU: self.round_taus(server_round)[0],
             protocol.CFG_LAZY_UP_CODEC: self.compressor,
             protocol.CFG_LAZY_UP_TOPK: self.topk_ratio,
             protocol.CFG_LAZY_EF_MODE: self.ef_mode,
@@ -250,6 +307,7 @@ class FedLazy(FedAMS):
                 self.book.get("x", key),
                 self.book.get("c-prev", key),
                 self.book.get("error", key),
+                tau=self.round_taus(server_round)[1],
             )
             config[protocol.CFG_LAZY_DOWN] = step.kind
             config[protocol.CFG_LAZY_APPLY] = step.apply
@@ -351,8 +409,9 @@ class FedLazy(FedAMS):
             used, new_ref = replay(kind, update.delta, pending["ref"])
         except ValueError as err:
             raise ReplyRejected(str(err)) from None
-        if kind == "aa" and norm64(update.delta - pending["ref"]) > self.up_tau * norm64(pending["ref"]):
-            raise ReplyRejected(f"an aa flag on a change larger than tau={self.up_tau:g} times the reference")
+        up_tau = self.round_taus(server_round)[0]
+        if kind == "aa" and norm64(update.delta - pending["ref"]) > up_tau * norm64(pending["ref"]):
+            raise ReplyRejected(f"an aa flag on a change larger than tau={up_tau:g} times the reference")
         if kind != "send":
             self._count(server_round, "up-flags")
         self._count(server_round, f"up-{kind}")

@@ -178,7 +178,7 @@ def test_eps_mode_add_makes_fedams_option_2(defaults):
     cfg = AppConfig.from_run_config({**defaults, "strategy": "fedams", "eps-mode": "paper"})
     assert build_strategy(cfg).option == 1
     cfg = AppConfig.from_run_config({**defaults, "strategy": "fedams", "eps-mode": "inside"})
-    with pytest.raises(ValueError, match="'inside' is HA-Fed's form.*allow paper, max or add"):
+    with pytest.raises(ValueError, match="'inside' is HA-Fed's and the lazy family's form.*allow paper, max or add"):
         build_strategy(cfg)
 
 

@@ -54,19 +54,22 @@ DEFAULTS: dict[str, Mapping[str, Any]] = {
 }
 
 
-def fedams_kwargs(cfg: Mapping[str, Any], option: int | None = None) -> dict[str, Any]:
-    """FedAMS's arguments from the run-config (``option`` from ``eps-mode`` unless given)."""
-    if option is None and cfg["eps-mode"] == "inside":
+def fedams_kwargs(cfg: Mapping[str, Any], option: int | None = None, *, inside: bool = False) -> dict[str, Any]:
+    """FedAMS's arguments from the run-config (``option`` from ``eps-mode`` unless given); ``inside`` allows
+    ``eps-mode = inside`` (Option 3, the lazy family's Option B)."""
+    if option is None and cfg["eps-mode"] == "inside" and not inside:
         raise ValueError(
-            "run-config 'eps-mode' = 'inside' is HA-Fed's form; FedAMS and FedCAMS allow paper, max or add"
+            "run-config 'eps-mode' = 'inside' is HA-Fed's and the lazy family's form; FedAMS and FedCAMS allow "
+            "paper, max or add"
         )
+    by_mode = {"add": 2, "inside": 3}
     return dict(
         **adaptive_kwargs(cfg),
         eta=cfg["server-lr"],
         beta_1=cfg["beta1"],
         beta_2=cfg["beta2"],
         eps=cfg["eps"],
-        option=option or (2 if cfg["eps-mode"] == "add" else 1),
+        option=option or by_mode.get(cfg["eps-mode"], 1),
         bias_correction=cfg["bias-correction"],
     )
 

@@ -1,16 +1,19 @@
 """The lazy / accelerated family (FedNLAA, FedAA, FedNLACA, FedACA, FedBNLACA, FedBACA): keys, values, builders.
 
-Keys: the effective thresholds of the lazy (NLA) or accelerated (AA) rule each way (``tau-up``,
-``tau-down``; 0 never fires), the downlink codec of the bidirectional methods (``compressor-down``,
+Keys: the thresholds of the lazy (NLA) or accelerated (AA) rule each way (``tau-up``, ``tau-down``; 0
+never fires; effective thresholds, or with ``tau-scaling = paper`` the paper's C and D scaled each round
+by ``1 / (tau-alpha |S_t|)``), the downlink codec of the bidirectional methods (``compressor-down``,
 ``topk-ratio-down``), the readings the spec leaves open (``downlink-mode``, ``ef-mode``, ``ref-mode``)
 and where the per-client copies live (``bookkeeping-dir``). The uplink codec is FedCAMS's
 (:mod:`pollen.app.methods.fedams`).
 
 Recommended values (``papers/fedbaca.md`` section 12, the paper's setting with the FedCAMS lineage's
-gaps filled): 3 local epochs of batch 32 at lr 0.01, server FedAMS (Option A, ``eps-mode`` = ``paper``: eps 1e-3 as a
-floor) at lr 0.1 with beta 0.9 / 0.99 and no bias correction, top-k 1/8 with applied error feedback each way. The
-paper gives no thresholds (its C, D and alpha do not recover them): they stay 0 until set, and the
-``fedbaca-*`` presets carry the ones calibrated on the CNN.
+gaps filled): 3 local epochs of batch 32 at lr 0.01, server FedAMS (Option A, ``eps-mode`` = ``paper``:
+eps 1e-3 as a floor) at lr 0.1 with beta 0.9 / 0.99 and no bias correction, top-k 1/8 with applied error
+feedback each way; ``eps-mode = inside`` is the paper's Option B (``m / sqrt(v_hat + eps)``). The paper
+gives no thresholds (its C, D and alpha do not recover them): each method's defaults (:data:`TAUS`) are
+the spec's calibrated ones for its default codec, and the ``fedbaca-*`` presets carry the ones
+calibrated on the CNN.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pollen.app.methods.fedams import fedams_kwargs
-from pollen.app.spec import choice, non_negative, text, unit_open
+from pollen.app.spec import choice, non_negative, positive, text, unit_open
 from pollen.compression import CODECS
-from pollen.lazy.rules import DOWNLINK_MODES, EF_MODES, REF_MODES
+from pollen.lazy.rules import DOWNLINK_MODES, EF_MODES, REF_MODES, TAU_SCALINGS
 
 KEYS = {
     "tau-up": non_negative(0.0),
@@ -32,6 +35,8 @@ KEYS = {
     "ef-mode": choice(EF_MODES, "applied"),
     "ref-mode": choice(REF_MODES, "last-transmitted"),
     "bookkeeping-dir": text(""),
+    "tau-scaling": choice(TAU_SCALINGS, "effective", server_side=True),
+    "tau-alpha": positive(1.0),
 }
 
 #: The six methods: (uplink rule, compressed uplink, bidirectional).
@@ -61,9 +66,26 @@ _UP = {"compressor": "topk", "topk-ratio": 0.125, "error-feedback": True, "compr
 _DOWN = {"compressor-down": "topk", "topk-ratio-down": 0.125}
 
 
+#: Thresholds that make each method do what its name says with its default codec, from the spec's
+#: calibration (``papers/fedbaca.md`` §9, Fashion-MNIST MLP, 50 of 100 clients, top-k 1/8 with applied
+#: error feedback): uncompressed updates differ from the last by 25-50% of their norm, so tau 0.5 fires
+#: in about 30% of uploads (NLA -4 points at 30 rounds, AA -1.3); a top-k + EF candidate differs by
+#: 1.07-1.26x, so NLA at 1.1 skips about 16% (-1.6 points) and AA at 1.2 merges about 36% (no loss); the
+#: increment downlink at 0.65 skips or merges about 30%. The paper gives none (its C, D and alpha are
+#: unrecoverable); a preset or the user sets others.
+TAUS = {
+    "fednlaa": {"tau-up": 0.5},
+    "fedaa": {"tau-up": 0.5},
+    "fednlaca": {"tau-up": 1.1},
+    "fedaca": {"tau-up": 1.2},
+    "fedbnlaca": {"tau-up": 1.1, "tau-down": 0.65},
+    "fedbaca": {"tau-up": 1.2, "tau-down": 0.65},
+}
+
+
 def _recommended(method: str) -> dict[str, Any]:
     _, compressed, bidirectional = SHAPES[method]
-    return {**_PAPER, **(_UP if compressed else {}), **(_DOWN if bidirectional else {})}
+    return {**_PAPER, **(_UP if compressed else {}), **(_DOWN if bidirectional else {}), **TAUS[method]}
 
 
 DEFAULTS: dict[str, Mapping[str, Any]] = {method: _recommended(method) for method in SHAPES}
@@ -76,8 +98,14 @@ def builder(method: str) -> Callable[[Mapping[str, Any]], Any]:
     def build(cfg: Mapping[str, Any]) -> Any:
         from pollen.strategies.lazy import FedLazy
 
+        if compressed and cfg["compressor"] == "none":
+            dense = {"fednlaca": "fednlaa", "fedaca": "fedaa"}.get(method, "fedams")
+            raise ValueError(
+                f"strategy '{method}' compresses its uploads: run-config 'compressor' must be one of "
+                f"{', '.join(c for c in CODECS if c != 'none')} (uncompressed, it is '{dense}')"
+            )
         return FedLazy(
-            **fedams_kwargs(cfg),
+            **fedams_kwargs(cfg, inside=True),
             up_rule=up_rule,
             up_tau=cfg["tau-up"],
             compressor=cfg["compressor"] if compressed else "none",
@@ -92,6 +120,8 @@ def builder(method: str) -> Callable[[Mapping[str, Any]], Any]:
             ef_mode=cfg["ef-mode"],
             ref_mode=cfg["ref-mode"],
             bookkeeping_dir=cfg["bookkeeping-dir"] or None,
+            tau_scaling=cfg["tau-scaling"],
+            tau_alpha=cfg["tau-alpha"],
         )
 
     build.__name__ = build.__qualname__ = f"build_{method}"
