@@ -189,8 +189,10 @@ class FedLazy(FedAMS):
         self.bookkeeping_dir = bookkeeping_dir
         self.tau_scaling, self.tau_alpha = tau_scaling, float(tau_alpha)
         self._taus: dict[int, tuple[float, float]] = {}  # each round's (uplink, downlink) threshold
-        for line in self.threshold_warnings():
-            log(WARNING, "%s: %s", type(self).__name__, line)
+        self._scaling_checked = False
+        if tau_scaling == "effective":  # with the paper's scaling the thresholds are known once |S_t| is
+            for line in self.threshold_warnings(self.up_tau, self.downlink.tau if self.downlink else 0.0):
+                log(WARNING, "%s: %s", type(self).__name__, line)
         self.book: ClientBook | None = None
         self._down_codec = None
         self._pending: dict[str, dict[str, Any]] = {}  # this round: what each sampled client will hold
@@ -200,23 +202,19 @@ class FedLazy(FedAMS):
         """The uplink codec; an accelerated (aa) reply adds the stored copy, so it is no plain decoding."""
         return self.compressor if self.up_rule != "aa" else f"{self.compressor} added to the stored copy (aa)"
 
-    def threshold_warnings(self) -> list[str]:
-        """Why a threshold cannot fire with these settings, one line each (logged once when built)."""
+    def threshold_warnings(self, up_tau: float, down_tau: float) -> list[str]:
+        """Why the effective thresholds ``up_tau`` / ``down_tau`` cannot fire, one line each (logged once: when
+        built, or with ``tau_scaling="paper"`` in the first round, when ``|S_t|`` is known)."""
         lines = []
-        if self.up_rule != "none" and self.up_tau == 0.0:
+        if self.up_rule != "none" and up_tau == 0.0:
             lines.append(f"tau-up = 0: the uplink {self.up_rule} rule never fires (the run is plain FedAMS/FedCAMS)")
-        elif (
-            self.up_rule != "none"
-            and self.error_feedback
-            and self.tau_scaling == "effective"
-            and self.up_tau < UPLINK_EF_FLOOR
-        ):
+        elif self.up_rule != "none" and self.error_feedback and up_tau < UPLINK_EF_FLOOR:
             lines.append(
-                f"tau-up = {self.up_tau:g} with {self.compressor} and error feedback: a compensated candidate differs "
-                f"from the last by about 1.07-1.5 x its norm (spec §9), so a threshold below {UPLINK_EF_FLOOR:g} "
-                "rarely fires"
+                f"uplink threshold {up_tau:g} with {self.compressor} and error feedback: a compensated candidate "
+                f"differs from the last by about 1.07-1.5 x its norm (spec §9), so a threshold below "
+                f"{UPLINK_EF_FLOOR:g} rarely fires"
             )
-        if self.downlink is not None and self.downlink.rule != "none" and self.downlink.tau == 0.0:
+        if self.downlink is not None and self.downlink.rule != "none" and down_tau == 0.0:
             lines.append(f"tau-down = 0: the downlink {self.downlink.rule} rule never fires")
         return lines
 
@@ -262,6 +260,10 @@ class FedLazy(FedAMS):
                 sampled = max(self.accounting.round(server_round).sampled, 1)
                 scale = 1.0 / (self.tau_alpha * sampled)
                 self._taus[server_round] = (self.up_tau * scale, down * scale)
+                if not self._scaling_checked:
+                    self._scaling_checked = True
+                    for line in self.threshold_warnings(*self._taus[server_round]):
+                        log(WARNING, "%s (C / (alpha x %d sampled clients)): %s", type(self).__name__, sampled, line)
             else:
                 self._taus[server_round] = (self.up_tau, down)
         return self._taus[server_round]

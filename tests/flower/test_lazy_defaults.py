@@ -32,14 +32,31 @@ def test_each_method_has_thresholds_that_fire_and_says_nothing_about_them(method
     assert strategy.up_tau == TAUS[method]["tau-up"] > 0
     if SHAPES[method][2]:
         assert strategy.downlink.tau == TAUS[method]["tau-down"] > 0
-    assert strategy.threshold_warnings() == []
+    assert strategy.threshold_warnings(*strategy.round_taus(1)) == []
 
 
 def test_a_threshold_that_cannot_fire_is_named() -> None:
-    lines = _build("fednlaca", **{"tau-up": 0.5}).threshold_warnings()
-    assert len(lines) == 1 and "rarely fires" in lines[0] and "0.5" in lines[0]
-    assert "never fires" in _build("fedaa", **{"tau-up": 0.0}).threshold_warnings()[0]
-    assert "tau-down = 0" in _build("fedbaca", **{"tau-down": 0.0}).threshold_warnings()[0]
+    def lines(strategy: str, **given: object) -> list[str]:
+        built = _build(strategy, **given)
+        return built.threshold_warnings(*built.round_taus(1))
+
+    low = lines("fednlaca", **{"tau-up": 0.5})
+    assert len(low) == 1 and "rarely fires" in low[0] and "0.5" in low[0]
+    assert "never fires" in lines("fedaa", **{"tau-up": 0.0})[0]
+    assert "tau-down = 0" in lines("fedbaca", **{"tau-down": 0.0})[0]
+
+
+def test_the_papers_scaling_is_checked_once_the_sampled_clients_are_known() -> None:
+    from pollen.testing.fakes import capture_flwr_logs, messages_text
+
+    strategy = FedLazy(compressor="topk", up_tau=1.1, tau_scaling="paper", fraction_evaluate=0.0, eta=0.1)
+    nodes = [1, 2, 3, 4]
+    grid = FakeGrid(nodes, lambda msg: full_model_reply(msg, global_arrays_of(msg)))
+    with capture_flwr_logs() as records:
+        strategy.configure_train(1, model_record(tiny_model()), ConfigRecord(), grid)
+        strategy.configure_train(2, model_record(tiny_model()), ConfigRecord(), grid)
+    text = messages_text(records)
+    assert text.count("rarely fires") == 1 and "4 sampled clients" in text, text
 
 
 @pytest.mark.parametrize("method", ["fednlaca", "fedaca", "fedbnlaca", "fedbaca"])

@@ -57,7 +57,7 @@ DEFAULTS: dict[str, Mapping[str, Any]] = {
 def fedams_kwargs(cfg: Mapping[str, Any], option: int | None = None, *, inside: bool = False) -> dict[str, Any]:
     """FedAMS's arguments from the run-config (``option`` from ``eps-mode`` unless given); ``inside`` allows
     ``eps-mode = inside`` (Option 3, the lazy family's Option B)."""
-    if option is None and cfg["eps-mode"] == "inside" and not inside:
+    if cfg["eps-mode"] == "inside" and not inside:
         raise ValueError(
             "run-config 'eps-mode' = 'inside' is HA-Fed's and the lazy family's form; FedAMS and FedCAMS allow "
             "paper, max or add"
