@@ -84,9 +84,11 @@ class FedLazy(FedAMS):
     up_rule : str (default: "nla")
         ``"nla"`` (skip), ``"aa"`` (merge) or ``"none"`` on the uplink.
     up_tau : float (default: 0.0)
-        Effective uplink threshold ``C / (alpha |S_t|)`` (NLA) or ``D / (alpha |S_t|)`` (AA), >= 0. The
-        spec's calibration: uncompressed updates fire from about 0.25, top-k with error feedback only
-        from about 1.1 (§9).
+        Effective uplink threshold ``C / (alpha |S_t|)`` (NLA) or ``D / (alpha |S_t|)`` (AA), >= 0 (with
+        ``tau_scaling="paper"``: ``C`` or ``D`` itself). The paper gives no value; the spec's calibration
+        (§9): uncompressed updates fire from about 0.25, top-k with error feedback only from about 1.1.
+        The app's defaults per method are calibrated ones (:data:`pollen.app.methods.lazy.TAUS`); 0 here
+        never fires (a warning says so).
     compressor : str (default: "none")
         Uplink codec of :mod:`pollen.compression` (``"none"``: Algorithm 1, no error feedback).
     topk_ratio : float (default: 1/8)
