@@ -22,7 +22,8 @@ from pollen.core.checkpoint import CheckpointError
 from pollen.core.state_fields import StateError
 from pollen.testing import altered_files as corpus
 
-pytestmark = pytest.mark.flower_compat
+# Not a flower_compat module: the corpus is made from real runs of pollen's ClientApp (torch), which the
+# newest-Flower environment does not install.
 
 #: A strategy of each family whose state has its own kind of part (the benchmark covers every one).
 FAMILIES = ("fedadam", "fedadavr", "fedams", "fed-lamb", "fedbaca")

@@ -393,7 +393,7 @@ def test_failures_in_start_do_not_stop_the_run():
         (lambda: FedAMS(fraction_evaluate=-0.1), "fraction_evaluate"),
         (lambda: FedAMS(min_train_nodes=-1), "min_train_nodes"),
         (lambda: FedAMS(aggregation="median"), "aggregation"),
-        (lambda: FedAMS(option=3), "option"),
+        (lambda: FedAMS(option=4), "option"),
         (lambda: FedAMS(eta=0.0), "eta"),
         (lambda: FedAMS(beta_1=1.0), "beta_?1"),
         (lambda: FedAMS(option=1, eps=0.0), "eps"),
