@@ -4,28 +4,44 @@ The project below is written the way Flower's PyTorch quickstart writes it: its 
 32x32x3 images), a ``ClientApp`` whose ``@app.train()`` loads the received ``ArrayRecord``, trains
 one epoch of ``SGD(lr, momentum=0.9)`` with batches of 32 and replies ``{"arrays", "metrics"}``,
 and an ``@app.evaluate()``. Its data are local and synthetic (CIFAR-like: 10 classes of coloured
-textures plus noise, 4 IID clients, a shared test set), made here from a seed.
+textures under heavy noise, 4 IID clients, a shared test set), made here from a seed; the noise is
+chosen so that no strategy saturates in 10 rounds (FedAvg ends near 0.7), so the comparison can fail.
 
-Each strategy then runs 5 rounds in process: a :class:`~pollen.testing.fakes.FakeGrid` hands every
+Each strategy then runs 10 rounds in process: a :class:`~pollen.testing.fakes.FakeGrid` hands every
 message to the ClientApp with one persistent ``Context`` per node, as a SuperNode would, and a
 centralised ``evaluate_fn`` measures test accuracy. The only arguments set are sampling ones, as a
-user swapping ``FedAvg(...)`` for a pollen strategy would keep them. Flower's own ``FedAvg`` is the
-reference: no strategy may end more than 5 points below it (issue 14, "Drop-in defaults").
+user swapping ``FedAvg(...)`` for a pollen strategy would keep them. The references run in the same
+test: Flower's own ``FedAdam()`` and ``FedAvg()``, both with no arguments. A strategy's score is the
+mean of its last three evaluations, averaged over seeds 0-2; none may end more than 5 points below
+FedAdam's (issue 25, "Drop-in defaults"), and none may diverge.
 
 Strategies whose method needs pollen's own client step cannot be dropped into a foreign ClientApp;
 for them the test checks that every reply is rejected with a reason that says what is missing (or
 that the run stops before round 1 with one line), never that the run silently "works".
 
-Measurements behind the constructor defaults (final test accuracy after 5 rounds, this project,
-4 clients, ``fraction_train=1.0``, seeds 0 / 1 / 2; FedAvg: 1.000 / 1.000 / 0.995)::
+Measured (this project, mean of the last three of 10 rounds, seeds 0 / 1 / 2, and their mean)::
+
+    FedAvg()                         0.816 0.692 0.603   0.704
+    FedAdam()  (reference)           0.875 0.629 0.663   0.722
+    FedAMS()                         0.888 0.818 0.692   0.799
+    FedAMS(option=2)                 0.897 0.861 0.793   0.850
+    FedCAMS() + compression_mod      0.824 0.697 0.600   0.707
+    FedAdaVR()                       0.914 0.857 0.707   0.826
+    FedAdaVR(variant='mifa')         0.828 0.675 0.640   0.714
+    FedAdaVR(variant='fedvarp')      0.828 0.675 0.640   0.714
+    FedLAMB(variant='fed-sgd')       0.828 0.670 0.643   0.714
+    FedLAMB(variant='adp-fed')       0.916 0.912 0.810   0.879
+    HAFed(identity, clustered=False) 0.923 0.927 0.805   0.885
+    FedLazy() + lazy_mod             0.888 0.818 0.692   0.799
+
+How the constructor defaults were chosen (issue 14, on the easier version of this project, 5 rounds,
+seeds 0-2; FedAvg 1.000 / 1.000 / 0.995)::
 
     strategy                      old defaults          acc (seeds 0/1/2)    new defaults            acc (seeds 0/1/2)
     FedAMS()                      eta=1, eps=1e-3       0.983 0.377 0.733    eta=0.003, eps=1e-8     1.000 0.985 0.960
     FedAMS(option=2)              eta=1, eps=1e-3       0.142 0.112 0.100    eta=0.003, eps=1e-8     1.000 0.975 0.965
     FedCAMS() (sign, EF)          eta=1, eps=1e-3       0.988 1.000 0.983    eta=0.003, eps=1e-8     1.000 0.965 0.952
     FedLAMB(variant="adp-fed")    eta=0.01              0.985 0.925 0.925    eta=0.003               1.000 1.000 0.998
-    FedAdaVR() / mifa / fedvarp, FedLAMB(variant="fed-sgd"), HAFed(identity): unchanged, all >= 0.985
-    FedLazy() + lazy_mod          (new; FedAMS's server defaults, NLA at tau 0, nothing compressed)  0.985 (seed 0)
 
 Grid (mean over seeds 0-2): FedAMS Option 1 with eps=1e-3 is erratic in eta (1: 0.70, 0.3: 0.97, 0.1: 0.70,
 0.03: 0.42, 0.01: 0.14); with eps=1e-8 it fails for eta >= 0.03 (<= 0.60) and holds for eta in
@@ -35,6 +51,8 @@ Grid (mean over seeds 0-2): FedAMS Option 1 with eps=1e-3 is erratic in eta (1: 
 was chosen over 0.01 because pollen's Fashion-MNIST CNN (20 clients, Dirichlet 0.5, 5 per round, 20
 local steps, 10 rounds, seeds 1-2) ends at 0.742 / 0.780 with FedAMS(eta=0.003, eps=1e-8) and at 0.643 /
 0.652 with eta=0.01 (FedAvg 0.774 / 0.751); Adp-Fed there: 0.747 (0.003) vs 0.694 (0.01).
+Issue 25 reports FedAMS() about 30 points behind FedAdam() after 5 rounds of Flower's real
+quickstart-pytorch on CIFAR-10, which this machine cannot download; on this project it is ahead.
 """
 
 from __future__ import annotations
@@ -58,7 +76,7 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.clientapp import ClientApp
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAdam, FedAvg
 
 from pollen.clientside import compression_mod
 from pollen.clientside.lazy_mod import lazy_mod
@@ -68,15 +86,17 @@ from pollen.testing.fakes import FakeGrid
 from pollen.testing.relay_demo import RelayAverage
 
 NUM_CLIENTS = 4
-NUM_ROUNDS = 5
+NUM_ROUNDS = 10
 TRAIN_PER_CLIENT = 400
 TEST_SIZE = 400
 NUM_CLASSES = 10
-NOISE = 1.0
-CONTRAST = 2.0
+NOISE = 3.0
+CONTRAST = 0.7
 SHIFT = 4
-SEED = 1  # of seeds 0-2 the one where the old defaults (FedAMS eta=1, eps=1e-3) fail; all three in the report
-TOLERANCE = 0.05  # no strategy may end more than 5 points below FedAvg
+SEED = 1  # of the single-seed checks below
+SEEDS = (0, 1, 2)
+LAST = 3  # a run's score: the mean of its last three evaluations
+TOLERANCE = 0.05  # no strategy may end more than 5 points below Flower's FedAdam()
 
 
 # --------------------------------------------------------------------------- the quickstart's task
@@ -277,16 +297,26 @@ DROP_IN: list[tuple[str, Callable[[], object], ClientApp]] = [
 ]
 
 
+def score(make: Callable[[], object], client_app: ClientApp = app) -> tuple[float, list[float]]:
+    """The mean over :data:`SEEDS` of each run's last-three-rounds mean accuracy, and the per-seed values."""
+    per_seed = []
+    for seed in SEEDS:
+        accuracy = run_project(make(), seed=seed, client_app=client_app)
+        per_seed.append(sum(accuracy[r] for r in range(NUM_ROUNDS - LAST + 1, NUM_ROUNDS + 1)) / LAST)
+    return sum(per_seed) / len(per_seed), per_seed
+
+
 @cache
-def fedavg_accuracy() -> float:
-    accuracy = run_project(FedAvg(**SAMPLING))
-    return accuracy[NUM_ROUNDS]
+def references() -> dict[str, float]:
+    """Flower's own strategies with no arguments (sampling aside), on this project: the bar."""
+    return {"FedAvg()": score(lambda: FedAvg(**SAMPLING))[0], "FedAdam()": score(lambda: FedAdam(**SAMPLING))[0]}
 
 
 @pytest.mark.slow
-def test_the_project_learns_with_fedavg() -> None:
-    """The reference is meaningful: FedAvg learns the synthetic task in 5 rounds (chance is 0.1)."""
-    assert fedavg_accuracy() >= 0.9, fedavg_accuracy()
+def test_the_project_learns_with_flowers_strategies_without_saturating() -> None:
+    """The bar is meaningful: Flower's strategies learn (chance is 0.1) and leave room to fall behind."""
+    for name, value in references().items():
+        assert 0.5 <= value <= 0.95, (name, value)
 
 
 def test_the_quickstart_evaluate_answers() -> None:
@@ -305,22 +335,26 @@ def test_the_quickstart_evaluate_answers() -> None:
     assert metrics["num-examples"] == TRAIN_PER_CLIENT and 0.0 <= metrics["eval_acc"] <= 1.0
 
 
-@pytest.mark.slow  # about 20 s on a loaded 2-core machine
-def test_every_strategy_with_its_defaults_keeps_up_with_fedavg() -> None:
-    reference = fedavg_accuracy()
-    rows = [("FedAvg (flwr, reference)", reference)]
+@pytest.mark.slow  # 12 strategies x 3 seeds x 10 rounds: about 3 minutes on 2 cores
+def test_every_strategy_with_its_defaults_keeps_up_with_flowers_fedadam() -> None:
+    bar = references()["FedAdam()"]
+    rows = [(name, value, []) for name, value in references().items()]
     for name, make, client_app in DROP_IN:
         strategy = make()
-        rows.append((name, run_project(strategy, client_app=client_app)[NUM_ROUNDS]))
+        value, per_seed = score(make, client_app)
+        rows.append((name, value, per_seed))
         if isinstance(strategy, FedCAMS):  # the mod really compressed: scaled sign, about 1/32 of fp32
+            run_project(strategy, client_app=client_app, num_rounds=1)
             stats = strategy.accounting.round(1)
             assert 0 < 16 * stats.uplink_update_bytes < stats.uplink_fp32_bytes, stats
-    print(f"\nfinal test accuracy after {NUM_ROUNDS} rounds (seed {SEED}, {NUM_CLIENTS} clients):")
-    for name, acc in rows:
-        print(f"  {name:<36} {acc:.3f}")
-    assert all(math.isfinite(acc) for _, acc in rows), rows
-    behind = [(name, acc) for name, acc in rows if not acc >= reference - TOLERANCE]
-    assert not behind, f"below FedAvg's {reference:.3f} by more than {TOLERANCE}: {behind}"
+    print(f"\nmean of the last {LAST} of {NUM_ROUNDS} rounds, seeds {SEEDS} ({NUM_CLIENTS} clients):")
+    for name, value, per_seed in rows:
+        print(f"  {name:<36} {value:.3f}  {' '.join(f'{v:.3f}' for v in per_seed)}")
+    assert all(math.isfinite(value) and all(math.isfinite(v) for v in per_seed) for _, value, per_seed in rows), rows
+    behind = [(name, round(value, 3)) for name, value, _ in rows if not value >= bar - TOLERANCE]
+    assert not behind, f"below Flower's FedAdam() ({bar:.3f}) by more than {TOLERANCE}: {behind}"
+    diverged = [(name, per_seed) for name, _, per_seed in rows if per_seed and min(per_seed) < 0.3]
+    assert not diverged, f"ended near chance on a seed: {diverged}"
 
 
 # --------------------------------------------------------------------------- methods that need pollen's client
