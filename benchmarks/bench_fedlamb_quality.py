@@ -72,8 +72,9 @@ TARGETS = (0.80, 0.85, 0.90)
 
 
 def run_name(method: str, part: str, rates: dict, seed: int, z: int = 1) -> str:
-    rate = "_".join(f"{k}={v:g}" for k, v in sorted(rates.items()))
-    return f"{method}-{part.split()[0]}-{rate}-z{z}-s{seed}"
+    rate = "_".join(f"{k}={v:g}" for k, v in sorted(rates.items()) if k != "round1-denominator")
+    reading = f"-r1{rates['round1-denominator']}" if "round1-denominator" in rates else ""
+    return f"{method}-{part.split()[0]}-{rate}-z{z}-s{seed}{reading}"
 
 
 REPORT_ONLY = False  # --report-only: tables from the finished runs, nothing new is run
@@ -110,8 +111,10 @@ def rounds_to(rows: list[dict], target: float) -> int | None:
     return next((r["round"] for r in rows if r["round"] > 0 and (r["accuracy"] or 0) >= target), None)  # read every 2
 
 
-def best_rates(out: Path, rounds: int) -> dict[tuple[str, str], dict]:
+def best_rates(out: Path, rounds: int, jobs: int = 1) -> dict[tuple[str, str], dict]:
     """Each method's rate with the highest final IID accuracy at seed 1 (used for both partitions)."""
+    if not REPORT_ONLY:
+        run_parallel(run_once, [(out, rounds, m, "IID", rates, 1) for m, grid in GRID.items() for rates in grid], jobs)
     best = {}
     for method, grid in GRID.items():
         runs = [(run_once(out, rounds, method, "IID", rates, 1), i) for i, rates in enumerate(grid)]
@@ -143,7 +146,7 @@ def print_grid(out: Path, rounds: int) -> None:
                 rows = run_once(out, rounds, method, part, rates, 1)
                 if rows is None:
                     continue
-                rate = ", ".join(f"{k} {v:g}" for k, v in rates.items())
+                rate = ", ".join(f"{k} {v:g}" if not isinstance(v, str) else f"{k} {v}" for k, v in rates.items())
                 print(
                     f"| {part} | {method} | {rate} | {rows[-1]['accuracy']:.4f} | "
                     f"{max(r['accuracy'] or 0 for r in rows):.4f} |"
@@ -183,7 +186,7 @@ def print_seeds(out: Path, rounds: int, best: dict, jobs: int = 1) -> None:
             up = statistics.mean(sum(r.get("uplink_bytes") or 0 for r in run) for run in runs) / rounds / 1e6
             down = statistics.mean(sum(r.get("downlink_bytes") or 0 for r in run) for run in runs) / rounds / 1e6
             evals = statistics.mean(sum(r.get("grad_evals") or 0 for r in run) for run in runs) / rounds
-            rate = ", ".join(f"{k} {v:g}" for k, v in rates.items())
+            rate = ", ".join(f"{k} {v:g}" if not isinstance(v, str) else f"{k} {v}" for k, v in rates.items())
             print(
                 f"| {part} | {method} | {rate} | {accs} | {to[0]} | {to[1]} | {to[2]} | "
                 f"{up:.2f} | {down:.2f} | {evals:.0f} | {len(runs)} |",
@@ -257,9 +260,22 @@ def main() -> None:
     parser.add_argument(
         "--plots", default=None, help="folder for the seed-1 plots of the seeds stage (default: OUT/plots)"
     )
+    parser.add_argument("--methods", nargs="+", choices=tuple(GRID), default=None, help="only these methods")
+    parser.add_argument(
+        "--round1",
+        choices=("local-v", "eps"),
+        default=None,
+        help="run-config round1-denominator for every run (default: each method's own; named in the run names)",
+    )
     args = parser.parse_args()
     global REPORT_ONLY
     REPORT_ONLY = args.report_only
+    for method in [m for m in GRID if args.methods and m not in args.methods]:
+        del GRID[method]
+    if args.round1 is not None:
+        for grid in GRID.values():
+            for rates in grid:
+                rates["round1-denominator"] = args.round1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(
@@ -269,7 +285,7 @@ def main() -> None:
     )
     grid_out = Path(args.grid_out) if args.grid_out else out
     grid_rounds = args.grid_rounds or args.rounds
-    best = best_rates(grid_out, grid_rounds)
+    best = best_rates(grid_out, grid_rounds, args.jobs)
     if "grid" in args.stage:
         print_grid(grid_out, grid_rounds)
     if "seeds" in args.stage:
