@@ -51,7 +51,7 @@ from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec, sc
 from pollen.strategies.robust import Aggregator, check_codec, check_fits, make_aggregator, robust_delta
 from pollen.strategies.rounds import RoundLoop
 from pollen.strategies.sampling import ClientSampler
-from pollen.strategies.screening import DEFAULT_MAX_ABS, UpdateScreen, all_finite
+from pollen.strategies.screening import DEFAULT_MAX_ABS, StreamedRound, UpdateScreen, all_finite
 from pollen.strategies.sinks import (
     AGGREGATIONS,
     RunningMean,
@@ -477,7 +477,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
 
     def screened(self, server_round: int, updates: list[ClientUpdate]) -> list[ClientUpdate]:
         """The kept updates that pass the outlier screen; outliers are failures with a reason."""
-        return self.screen.filter(updates, lambda u, why: self.replies.reject(server_round, u.node_id, why))
+        return self.screen.filter(
+            updates, lambda u, why: self.replies.reject(server_round, u.node_id, why), f"round {server_round}"
+        )
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -493,13 +495,15 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         record_bounds = self.screen.record_bounds(kinds) if bound is not None else None
         if bound is not None and record_bounds is not None:  # every screened kind has a history: stream
             running = self.round_sink(server_round, bound)
+            streamed = StreamedRound(self.screen, bound, record_bounds)
             updates = self.collect(
-                server_round, replies, phase=phase, sink=records_first(self.screen, record_bounds, running)
+                server_round, replies, phase=phase, sink=records_first(self.screen, record_bounds, running, streamed)
             )
-        else:
-            running = None
-            updates = self.screened(server_round, self.collect(server_round, replies, phase=phase))
-        return self.apply_updates(server_round, updates, running)
+            result = self.apply_updates(server_round, updates, running)
+            self.screen.drop_stale(streamed, f"round {server_round}")  # the next round judges itself, as round 1
+            return result
+        updates = self.screened(server_round, self.collect(server_round, replies, phase=phase))
+        return self.apply_updates(server_round, updates)
 
     def apply_updates(
         self, server_round: int, updates: list[ClientUpdate], running: ScreenedSink | None = None

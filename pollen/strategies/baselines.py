@@ -132,13 +132,13 @@ class Metered(RoundLoop):
     def _without_outliers(
         self, server_round: int, judged: list[tuple[Message, ClientUpdate | None]]
     ) -> list[tuple[Message, ClientUpdate | None]]:
-        """pollen's outlier screen (history bound, else each against the others' median) on the updates and
-        each floating-point buffer; outliers are rejected (Flower's aggregation cannot take a clipped reply)."""
+        """pollen's outlier screen (history bound, else, without a history or with a stale one, each against
+        the others' median) on the updates and each floating-point buffer; outliers are rejected (Flower's
+        aggregation cannot take a clipped reply)."""
         read = [(reply, update) for reply, update in judged if update is not None]
-        bound = self.screen.bound()
-        norms = [update.norm for _, update in read]
-        bounds = [bound] * len(norms) if bound is not None else self.screen.within_round_bounds(norms)
-        record_bounds = self.screen.round_record_bounds([update.record_norms for _, update in read])
+        where = f"round {server_round}"
+        bounds = self.screen.update_bounds([update.norm for _, update in read], where)
+        record_bounds = self.screen.round_record_bounds([update.record_norms for _, update in read], where)
         rejected = set()
         for (reply, update), limit, limits in zip(read, bounds, record_bounds):
             why = None

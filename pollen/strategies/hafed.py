@@ -288,7 +288,7 @@ class HAFed(AdaptiveStrategy):
             asked = set(self.replies.asked(server_round, phase))
             gone |= asked - {reply.metadata.src_node_id for reply in replies}  # silent: not asked again this round
             updates = self._screen_step(
-                server_round, self.collect(server_round, replies, phase=phase, spec=ReplySpec()), current, moves
+                server_round, self.collect(server_round, replies, phase=phase, spec=ReplySpec()), current, moves, index
             )
             grad_evals += sum(grad_evals_of(u.metrics) for u in updates)
             present = {u.node_id for u in updates}
@@ -309,6 +309,7 @@ class HAFed(AdaptiveStrategy):
         updates: list[ClientUpdate],
         current: dict[int, ClientUpdate],
         earlier_moves: list[float],
+        index: int,
     ) -> list[ClientUpdate]:
         """The outlier screen on one gossip step's moves, before they are mixed into anyone's model.
 
@@ -318,12 +319,15 @@ class HAFed(AdaptiveStrategy):
         was idle for the whole segment (``active-prob`` < 1) returns the model it got: its move is
         float round-off, and it is left out of the reference, so a step where most clients idle does
         not make every active one "10x the median". A reply that says it took no steps but moved is
-        rejected. Each screened buffer is judged against the same buffer of the step's other replies
-        (or its history). A rejected reply is absent from this step's mix.
+        rejected. Each screened buffer is judged against its history, else (none, or a stale one: more
+        than half of the step's replies exceed it) against the same buffer of the step's other replies.
+        A rejected reply is absent from this step's mix. (``index``: the gossip step, as logged.)
         """
         kept, movers = [], []
         params_norm = float(np.linalg.norm(self.params))
-        for update, bounds in zip(updates, self.screen.round_record_bounds([u.record_norms for u in updates])):
+        where = f"round {server_round}, gossip step {index}"
+        record_bounds = self.screen.round_record_bounds([u.record_norms for u in updates], where)
+        for update, bounds in zip(updates, record_bounds):
             start = current.get(update.node_id)
             why = self.screen.screen_records(update, bounds)
             if why is None and start is None:

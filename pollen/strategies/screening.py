@@ -24,10 +24,34 @@ record in the accepted replies of the last ``window`` rounds (a history per kind
 same record of the round's other replies. A reply with an outlying record is rejected as a whole
 (``rule="reject"``) or that record is scaled down to its bound (``rule="clip"``). Integer buffers
 (counters such as ``num_batches_tracked``) are not screened.
+
+**A stale history gives way (liveness).** The history describes the step size of the rounds before;
+when the honest step size changes regime (Mime's bias-free server ``v`` makes every honest round-2
+update ~30x round 1's; a BatchNorm ``running_var`` that grows), every reply of a round would exceed
+the history bound, nothing would be accepted, the history would never adapt and the run would stall.
+So: when **more than half** of a round's screened updates (those with a delta) exceed the history
+bound, the history no longer describes the round; the round is judged within itself (each update
+against ``factor`` x the median of the *other* updates' norms, as the first round is) and the stale
+history is dropped, so what this round's step accepts replaces it. Each record kind likewise: when
+more than half of the replies that hold it exceed the kind's history bound, that kind is judged within
+the round and its history dropped. A round that streams its replies (each judged against the history
+bound as it arrives and dropped when rejected) cannot be judged again: when more than half of its
+updates (or of a kind's holders) exceeded the bound, the stale history is dropped at the end of the
+round, so the next round is judged within itself (it keeps its replies, as the first round does).
+The decision is :func:`history_is_stale`, the one every path calls.
+
+This keeps the security property: a minority of outliers never outvotes the history (the honest
+majority passes its bound) and is rejected as before; only a majority can make a round judge itself,
+and a majority can always pass its own round anyway (within the round, the median is theirs). A
+round needs at least :data:`MIN_TO_OUTVOTE` (2) judged updates to outvote its history: a lone reply
+that exceeds it is rejected and leaves the history as it was, since with nothing to compare it with
+a within-round judgement would accept anything below the hard limit. A run that samples one client
+per round therefore stays on its history until a round with two replies comes.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -36,6 +60,16 @@ import numpy as np
 
 RULES = ("reject", "clip", "off")
 DEFAULT_MAX_ABS = 1e15
+#: The fewest judged norms with which a round can outvote its history (a lone reply never does).
+MIN_TO_OUTVOTE = 2
+
+_log = logging.getLogger("flwr")  # Flower's logger, which the strategies log through
+
+
+def history_is_stale(exceeding: int, judged: int) -> bool:
+    """Whether a round's norms outvote the history they were judged against: at least
+    :data:`MIN_TO_OUTVOTE` judged and more than half of them exceeding its bound (the one rule)."""
+    return judged >= MIN_TO_OUTVOTE and 2 * exceeding > judged
 
 
 class UpdateScreen:
@@ -91,6 +125,35 @@ class UpdateScreen:
             out.append(self.factor * float(np.median(others)) if others else float("inf"))
         return out
 
+    def update_bounds(self, norms: list[float], where: str = "this round") -> list[float]:
+        """Each update's bound in a round that judges its updates together (``norms``: those with a delta).
+
+        The history's bound; without a history, or when it is stale (:func:`history_is_stale`: more than
+        half of ``norms`` exceed it), each update's bound within the round (:meth:`within_round_bounds`).
+        A stale history is dropped (logged, ``where`` naming the round), so what the round's step accepts
+        replaces it (:meth:`observe`).
+        """
+        bound = self.bound()
+        if bound is not None and self._outvoted("updates", norms, bound, where):
+            self.history.clear()
+            bound = None
+        return [bound] * len(norms) if bound is not None else self.within_round_bounds(norms)
+
+    def _outvoted(self, what: str, norms: list[float], bound: float, where: str) -> bool:
+        """Whether ``norms`` outvote their history ``bound`` (:func:`history_is_stale`); logs it when they do."""
+        exceeding = sum(self.judge(n, bound)[0] != "accept" for n in norms)
+        if not history_is_stale(exceeding, len(norms)):
+            return False
+        _log.warning(
+            "%s: %d of %d %s exceed the history bound %.3g; the history is stale, judging them within the round",
+            where,
+            exceeding,
+            len(norms),
+            what,
+            bound,
+        )
+        return True
+
     def judge(self, norm: float, bound: float) -> tuple[str, float]:
         """``("accept", 1.0)``, ``("clip", scale)`` or ``("reject", 0.0)`` for one update."""
         if not np.isfinite(norm):
@@ -101,16 +164,17 @@ class UpdateScreen:
             return "clip", bound / norm
         return "reject", 0.0
 
-    def filter(self, updates: list[Any], on_reject: Callable[[Any, str], None]) -> list[Any]:
-        """The updates that pass the screen, for a round that kept every update.
+    def filter(self, updates: list[Any], on_reject: Callable[[Any, str], None], where: str = "this round") -> list[Any]:
+        """The updates that pass the screen, for a round that kept every update (``where``: the round, as logged).
 
-        The bound is the history's, else each update is judged against the median of the others'
-        norms; each screened record (``record_norms``) likewise against its own kind. An outlier is
+        The bound is the history's (see :meth:`update_bounds`: without one, or with a stale one, each
+        update is judged against the median of the others' norms); each screened record (``record_norms``)
+        likewise against its own kind (:meth:`round_record_bounds`). An outlier is
         handed to ``on_reject`` with the reason and left out; with ``rule="clip"`` it is scaled down
         to the bound in place instead. Updates without a delta (a flag-only reply) pass the update
         screen. ``updates`` need ``delta``, ``norm`` (and whatever ``on_reject`` reads).
         """
-        record_bounds = self.round_record_bounds([getattr(u, "record_norms", {}) for u in updates])
+        record_bounds = self.round_record_bounds([getattr(u, "record_norms", {}) for u in updates], where)
         rejected = set()
         for update, bounds in zip(updates, record_bounds):
             why = self.screen_records(update, bounds)
@@ -118,10 +182,7 @@ class UpdateScreen:
                 rejected.add(id(update))
                 on_reject(update, why)
         with_delta = [u for u in updates if u.delta is not None]
-        bound = self.bound()
-        bounds = (
-            [bound] * len(with_delta) if bound is not None else self.within_round_bounds([u.norm for u in with_delta])
-        )
+        bounds = self.update_bounds([u.norm for u in with_delta], where)
         for update, limit in zip(with_delta, bounds):
             if id(update) in rejected:
                 continue
@@ -159,13 +220,21 @@ class UpdateScreen:
             bounds[kind] = bound
         return bounds
 
-    def round_record_bounds(self, record_norms: list[Mapping[str, float]]) -> list[dict[str, float]]:
-        """Per reply, each of its records' bound: the kind's history bound, else the median of the same
-        record of the round's other replies (``factor`` times it)."""
+    def round_record_bounds(
+        self, record_norms: list[Mapping[str, float]], where: str = "this round"
+    ) -> list[dict[str, float]]:
+        """Per reply, each of its records' bound: the kind's history bound, else (no history, or a stale
+        one: more than half of the kind's holders exceed it, which drops it, as :meth:`update_bounds`
+        does) the median of the same record of the round's other replies (``factor`` times it)."""
         out: list[dict[str, float]] = [{} for _ in record_norms]
         for kind in sorted({kind for norms in record_norms for kind in norms}):
             holders = [i for i, norms in enumerate(record_norms) if kind in norms]
             bound = self.kind_bound(kind)
+            if bound is not None and self._outvoted(
+                _of_kind(kind), [record_norms[i][kind] for i in holders], bound, where
+            ):
+                del self.kinds[kind]
+                bound = None
             limits = (
                 [bound] * len(holders)
                 if bound is not None
@@ -200,6 +269,27 @@ class UpdateScreen:
 
     def reason(self, norm: float, bound: float) -> str:
         return f"update norm {norm:.3g} exceeds {bound:.3g} ({self.factor:g} x the reference norm; outlier screen)"
+
+    def drop_stale(self, streamed: StreamedRound, where: str = "this round") -> None:
+        """At the end of a streamed round: drop each history (of updates, of a record kind) that more than
+        half of the round's norms judged against it exceeded (:func:`history_is_stale`), so that the next
+        round is judged within itself. Call it after :meth:`observe`: the history goes as a whole."""
+        for what in sorted(streamed.judged):
+            exceeding, judged = streamed.exceeding.get(what, 0), streamed.judged[what]
+            if not history_is_stale(exceeding, judged):
+                continue
+            if what == StreamedRound.UPDATES:
+                self.history.clear()
+            else:
+                self.kinds.pop(what, None)
+            _log.warning(
+                "%s: %d of %d %s exceeded the history bound; the history is stale and dropped, "
+                "the next round is judged within itself",
+                where,
+                exceeding,
+                judged,
+                "updates" if what == StreamedRound.UPDATES else _of_kind(what),
+            )
 
     def observe(self, accepted_norms: list[float], record_norms: Iterable[Mapping[str, float]] = ()) -> None:
         """Remember this round's accepted norms, of updates and of each screened record kind (a round or
@@ -259,6 +349,39 @@ class UpdateScreen:
                 kept.append(norm)
             history.append(kept)
         return history
+
+
+class StreamedRound:
+    """What a streamed round's replies showed of the history bounds they were judged against, one reply
+    at a time: per what (``UPDATES``, or a record kind) how many norms were judged and how many exceeded.
+    :meth:`UpdateScreen.drop_stale` decides from it at the end of the round."""
+
+    UPDATES = "update"
+
+    def __init__(self, screen: UpdateScreen, bound: float, record_bounds: Mapping[str, float]) -> None:
+        self.screen = screen
+        self.bound = bound
+        self.record_bounds = dict(record_bounds)
+        self.judged: dict[str, int] = {}
+        self.exceeding: dict[str, int] = {}
+
+    def count(self, update: Any) -> None:
+        """Count ``update``'s norm (when it has a delta) and each of its screened records' norms against
+        their bounds, before any of them is judged (a reply its record rejects still counts)."""
+        if update.delta is not None:
+            self._add(self.UPDATES, update.norm, self.bound)
+        for kind, norm in getattr(update, "record_norms", {}).items():
+            self._add(kind, norm, self.record_bounds.get(kind, float("inf")))
+
+    def _add(self, what: str, norm: float, bound: float) -> None:
+        self.judged[what] = self.judged.get(what, 0) + 1
+        if self.screen.judge(norm, bound)[0] != "accept":
+            self.exceeding[what] = self.exceeding.get(what, 0) + 1
+
+
+def _of_kind(kind: str) -> str:
+    """``"extra:v"`` -> ``"holders of extra 'v'"``, as the log names a kind."""
+    return "holders of " + kind.replace(":", " '", 1) + "'"
 
 
 #: The smallest accepted norm a saved history may hold: float32 round-off of a real update is far above it.

@@ -14,7 +14,7 @@ import numpy as np
 from flwr.app import MetricRecord
 
 from pollen.strategies.replies import ClientUpdate, ReplyRejected
-from pollen.strategies.screening import UpdateScreen
+from pollen.strategies.screening import StreamedRound, UpdateScreen
 
 #: How client updates are combined: the papers' plain mean, or weighted by ``num-examples``.
 AGGREGATIONS = ("mean", "weighted")
@@ -51,13 +51,19 @@ class ScreenedSink:
 
 
 def records_first(
-    screen: UpdateScreen, bounds: Mapping[str, float], sink: Callable[[ClientUpdate], None]
+    screen: UpdateScreen,
+    bounds: Mapping[str, float],
+    sink: Callable[[ClientUpdate], None],
+    streamed: StreamedRound | None = None,
 ) -> Callable[[ClientUpdate], None]:
     """``sink`` behind the screen of each update's other records (extras, buffers) against ``bounds``,
     their kinds' history bounds: an outlying record rejects the reply (``ReplyRejected``) before
-    ``sink`` sees any of it."""
+    ``sink`` sees any of it. Each update's norms are first counted in ``streamed`` (the round's
+    stale-history decision, :meth:`UpdateScreen.drop_stale`)."""
 
     def take(update: ClientUpdate) -> None:
+        if streamed is not None:
+            streamed.count(update)
         why = screen.screen_records(update, bounds)
         if why is not None:
             raise ReplyRejected(why)
