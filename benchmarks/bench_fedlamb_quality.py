@@ -68,12 +68,15 @@ PARTITIONS = {
     "non-IID (2 shards)": {"partitioner": "shards", "shards-per-partition": 2},
 }
 SEEDS = (1, 2, 3)
+#: Run-config switches that choose a reading, named in the run names (not a rate).
+READINGS = ("round1-denominator", "mime-server-v")
 TARGETS = (0.80, 0.85, 0.90)
 
 
 def run_name(method: str, part: str, rates: dict, seed: int, z: int = 1) -> str:
-    rate = "_".join(f"{k}={v:g}" for k, v in sorted(rates.items()) if k != "round1-denominator")
+    rate = "_".join(f"{k}={v:g}" for k, v in sorted(rates.items()) if k not in READINGS)
     reading = f"-r1{rates['round1-denominator']}" if "round1-denominator" in rates else ""
+    reading += f"-v{rates['mime-server-v']}" if "mime-server-v" in rates else ""
     return f"{method}-{part.split()[0]}-{rate}-z{z}-s{seed}{reading}"
 
 
@@ -267,6 +270,12 @@ def main() -> None:
         default=None,
         help="run-config round1-denominator for every run (default: each method's own; named in the run names)",
     )
+    parser.add_argument(
+        "--mime-server-v",
+        choices=("plain", "bias-corrected"),
+        default=None,
+        help="run-config mime-server-v for Mime's and Mime-LAMB's runs (default: each method's own; in the names)",
+    )
     args = parser.parse_args()
     global REPORT_ONLY
     REPORT_ONLY = args.report_only
@@ -276,6 +285,10 @@ def main() -> None:
         for grid in GRID.values():
             for rates in grid:
                 rates["round1-denominator"] = args.round1
+    if args.mime_server_v is not None:
+        for method in ("mime", "mime-lamb"):
+            for rates in GRID.get(method, ()):
+                rates["mime-server-v"] = args.mime_server_v
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(

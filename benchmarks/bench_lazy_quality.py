@@ -109,6 +109,25 @@ CONFIGS = {  # label: run-config
         "topk-ratio-down": 1 / 8,
         "tau-down": 0.65,
     },
+    # The app's defaults (pollen/app/methods/lazy.py TAUS): no tau given, each method's own threshold.
+    "FedNLAA (defaults)": {"strategy": "fednlaa"},
+    "FedAA (defaults)": {"strategy": "fedaa"},
+    "FedNLACA 1/8 (defaults)": {"strategy": "fednlaca", "compressor": "topk", "topk-ratio": 1 / 8},
+    "FedACA 1/8 (defaults)": {"strategy": "fedaca", "compressor": "topk", "topk-ratio": 1 / 8},
+    "FedBNLACA up 1/128, down 1/8 (defaults)": {
+        "strategy": "fedbnlaca",
+        "compressor": "topk",
+        "topk-ratio": 1 / 128,
+        "compressor-down": "topk",
+        "topk-ratio-down": 1 / 8,
+    },
+    "FedBACA up 1/128, down 1/8 (defaults)": {
+        "strategy": "fedbaca",
+        "compressor": "topk",
+        "topk-ratio": 1 / 128,
+        "compressor-down": "topk",
+        "topk-ratio-down": 1 / 8,
+    },
 }
 
 

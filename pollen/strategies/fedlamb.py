@@ -56,6 +56,8 @@ from pollen.wire.records import arrays_to_record
 SYNC_PHASES = ("first", "last")
 #: What the local step divides by while ``v_hat`` is still its initial ``eps`` (round 1 with ``sync_phase="first"``).
 ROUND1_DENOMINATORS = ("local-v", "eps")
+#: What Mime's server takes into ``v_hat``: its EMA ``v`` as the paper writes it, or ``v / (1 - beta2^k)``.
+SERVER_V_READINGS = ("plain", "bias-corrected")
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -129,12 +131,27 @@ class FedLAMB(AdaptiveStrategy):
         ``sqrt(max(v_hat, v))`` with the client's own running ``v`` (spec ``papers/fedlamb.md`` §9 A4/B5).
         The app's defaults: ``local-v`` for Fed-AMS and Mime (so the baselines do not degenerate),
         ``eps`` for Fed-LAMB and Mime-LAMB (whose trust ratio normalises the jump away).
+    server_v : str (default: "plain")
+        What Mime's and Mime-LAMB's server takes into ``v_hat <- max(v_hat, .)`` after its EMA
+        ``v <- beta2 v + (1 - beta2) mean(G)^2``: ``"plain"``, ``v`` itself (Algorithm 1 lines 22-23, no
+        bias correction: ``v_k ~ (1 - beta2^k) mean(G)^2``, so with beta2 = 0.999 the first rounds' AMSGrad
+        steps are about ``1 / sqrt(1 - beta2^k)`` = 30x an Adam step), or ``"bias-corrected"``,
+        ``v / (1 - beta2^k)`` with k the number of synchronisations so far (Adam's correction; spec
+        ``papers/fedlamb.md`` §9 C3). ``v`` itself is kept uncorrected either way. The app's default:
+        ``bias-corrected`` for Mime (the plain reading makes the baseline degenerate), ``plain`` for
+        Mime-LAMB (its trust ratio normalises the scale away). Unused by the other variants.
     **kwargs
         Sampling and record options of :class:`AdaptiveStrategy`.
     """
 
     streaming = False  # the extras of every reply are needed after the step
-    state_fields = {"v_hat": MOMENT, "v": MOMENT, "v_hat_version": COUNT, "client_versions": COUNTS}
+    state_fields = {
+        "v_hat": MOMENT,
+        "v": MOMENT,
+        "v_syncs": COUNT,
+        "v_hat_version": COUNT,
+        "client_versions": COUNTS,
+    }
 
     def __init__(
         self,
@@ -147,6 +164,7 @@ class FedLAMB(AdaptiveStrategy):
         sync_every: int = 1,
         sync_phase: str = "first",
         round1_denominator: str = "eps",
+        server_v: str = "plain",
         eta: float = 0.003,
         **kwargs: Any,
     ) -> None:
@@ -167,6 +185,8 @@ class FedLAMB(AdaptiveStrategy):
             raise ValueError(
                 f"round1_denominator={round1_denominator!r} is unknown; allowed: {', '.join(ROUND1_DENOMINATORS)}"
             )
+        if server_v not in SERVER_V_READINGS:
+            raise ValueError(f"server_v={server_v!r} is unknown; allowed: {', '.join(SERVER_V_READINGS)}")
         kwargs.setdefault("identify_clients", True)
         chosen = VARIANTS[variant]
         if chosen.server_adam:
@@ -184,6 +204,8 @@ class FedLAMB(AdaptiveStrategy):
         )
         self.sync_every, self.sync_phase = sync_every, sync_phase
         self.round1_denominator = round1_denominator
+        self.server_v = server_v
+        self.v_syncs = 0  # Mime's server EMA updates committed so far (k of the bias correction)
         self.v_hat: np.ndarray | None = None
         self.v: np.ndarray | None = None  # Mime's server EMA of the squared mean gradient
         self.v_hat_version = 0
@@ -262,6 +284,7 @@ class FedLAMB(AdaptiveStrategy):
         if updates and moments is not None:
             v, new_v_hat = moments
             self.v = v
+            self.v_syncs += self.variant.stat == "grad"
             if not np.array_equal(new_v_hat, self.v_hat):
                 self.v_hat = new_v_hat
                 self.v_hat_version += 1
@@ -271,17 +294,20 @@ class FedLAMB(AdaptiveStrategy):
         """``(v, v_hat)`` after this round's statistics, in float64 and checked before they may reach state.
 
         Fed-*: ``v_hat <- max(v_hat, mean v_i)`` (line 20); Mime*: ``v <- beta2 v + (1 - beta2) mean(G)^2``,
-        then the running max (lines 22-23). The mean and its square are formed in float64, where a square
-        of a float32 value cannot overflow; ``FloatingPointError`` when the result is not finite in float32.
+        then the running max (lines 22-23) of ``v`` or, with ``server_v="bias-corrected"``, of
+        ``v / (1 - beta2^k)`` (k counting this synchronisation). The mean and its square are formed in
+        float64, where a square of a float32 value cannot overflow; ``FloatingPointError`` when the result
+        is not finite in float32.
         """
         mean = np.mean(np.stack(stats), axis=0, dtype=np.float64)
         if self.variant.stat == "v":
             v, candidate = self.v, _as_float32(mean, "the mean uploaded second moment")
         else:
-            v = candidate = _as_float32(
-                self.beta_2 * self.v.astype(np.float64) + (1.0 - self.beta_2) * np.square(mean),
-                "Mime's server second moment v",
-            )
+            ema = self.beta_2 * self.v.astype(np.float64) + (1.0 - self.beta_2) * np.square(mean)
+            v = candidate = _as_float32(ema, "Mime's server second moment v")
+            if self.server_v == "bias-corrected":
+                correction = 1.0 - self.beta_2 ** (self.v_syncs + 1)
+                candidate = _as_float32(ema / correction, "Mime's bias-corrected second moment")
         return v, np.maximum(self.v_hat, candidate)
 
     def _asked_train_nodes(self, server_round: int) -> list[int]:
@@ -295,6 +321,7 @@ class FedLAMB(AdaptiveStrategy):
             "variant": f"{self.variant.name} (uploads {self.variant.stat}, {self.variant.local_rule} local step)",
             "v_hat": f"eps={self.eps:g}, synchronised every {self.sync_every} round(s) ({self.sync_phase})",
             "before the first v_hat": f"denominator {self.round1_denominator}",
+            **({"server v": self.server_v} if self.variant.stat == "grad" else {}),
         }
 
     # ------------------------------------------------------------------ state
@@ -315,6 +342,11 @@ class FedLAMB(AdaptiveStrategy):
             index = int(np.argmin(values["v_hat"]))
             raise fields.StateError(
                 at("v_hat"), f"holds {values['v_hat'][index]!r} at index {index}; expected values >= eps={self.eps:g}"
+            )
+        syncs = values.get("v_syncs", 0)
+        if server_round is not None and syncs > server_round:
+            raise fields.StateError(
+                at("v_syncs"), f"is {syncs}; expected at most the checkpoint's round, {server_round}"
             )
         version = values.get("v_hat_version", 0)
         high = fields.MAX_COUNT if server_round is None else server_round + 1

@@ -130,3 +130,77 @@ def test_the_run_config_knows_every_phi_local_lamb_has() -> None:
     from pollen.clientside import lamb
 
     assert family.PHIS == lamb.PHIS
+
+
+def _mime_run(server_v: str, grads: list[float], rounds: int) -> FedLAMB:
+    """Mime over ``rounds`` rounds on the fake grid; each client uploads the gradient ``grads[round - 1]``
+    (the same in every coordinate) and its model unchanged."""
+
+    def client(msg):  # noqa: ANN001, ANN202
+        config = config_of(msg)
+        reply = full_model_reply(msg, global_arrays_of(msg))
+        if config[protocol.CFG_SYNC]:
+            from pollen.wire.records import arrays_to_record
+
+            g = grads[int(config[protocol.CFG_SERVER_ROUND]) - 1]
+            reply.content[protocol.extra_record("grad")] = arrays_to_record(
+                {protocol.EXTRA_ARRAY: np.full(19, g, dtype=np.float32)}
+            )
+        return reply
+
+    strategy = FedLAMB(variant="mime", server_v=server_v, fraction_evaluate=0.0, seed=1)
+    grid = FakeGrid([1, 2], client, client_ids={1: "a", 2: "b"})
+    strategy.start(grid=grid, initial_arrays=model_record(tiny_model()), num_rounds=rounds)
+    return strategy
+
+
+def test_mimes_plain_server_v_is_the_papers_ema_without_correction() -> None:
+    grads = [0.5, 0.1, 0.1]
+    strategy = _mime_run("plain", grads, 3)
+    v, seen = 0.0, [EPS]
+    for g in grads:
+        v = B2 * v + (1 - B2) * g * g  # lines 22-23: v_1 = (1 - beta2) g^2, no correction
+        seen.append(v)
+    np.testing.assert_allclose(strategy.v, v, rtol=1e-5)
+    np.testing.assert_allclose(strategy.v_hat, max(seen), rtol=1e-5)
+    assert strategy.v_syncs == 3
+
+
+def test_mimes_bias_corrected_server_v_divides_by_one_minus_beta2_to_the_k() -> None:
+    grads = [0.5, 0.1, 0.1]
+    strategy = _mime_run("bias-corrected", grads, 3)
+    v, corrected = 0.0, []
+    for k, g in enumerate(grads, start=1):
+        v = B2 * v + (1 - B2) * g * g
+        corrected.append(v / (1 - B2**k))
+    np.testing.assert_allclose(strategy.v, v, rtol=1e-5)  # the EMA itself stays uncorrected
+    np.testing.assert_allclose(strategy.v_hat, max(corrected), rtol=1e-5)
+    np.testing.assert_allclose(corrected[0], 0.25, rtol=1e-12)  # round 1: exactly mean(G)^2
+    assert strategy.v_syncs == 3
+    # Mime's AMSGrad step divides by sqrt(v_hat): the plain reading's is 1/sqrt(1 - beta2) ~ 31.6x larger.
+    plain = _mime_run("plain", grads, 1)
+    ratio = math.sqrt(float(_mime_run("bias-corrected", grads, 1).v_hat[0]) / float(plain.v_hat[0]))
+    assert ratio == pytest.approx(1 / math.sqrt(1 - B2), rel=1e-4)
+
+
+@pytest.mark.parametrize(("strategy", "expected"), [("mime", "bias-corrected"), ("mime-lamb", "plain")])
+def test_mime_corrects_its_server_v_by_default_and_the_papers_reading_is_one_switch_away(
+    strategy: str, expected: str
+) -> None:
+    assert build_strategy(_config(strategy)).server_v == expected
+    assert build_strategy(_config(strategy, **{"mime-server-v": "plain"})).server_v == "plain"
+
+
+def test_an_unknown_server_v_is_refused_and_a_saved_sync_count_past_the_round_is_too() -> None:
+    with pytest.raises(ValueError, match="server_v='adam'.*plain, bias-corrected"):
+        FedLAMB(variant="mime", server_v="adam")
+    strategy = _mime_run("bias-corrected", [0.5, 0.1], 2)
+    state = strategy.state_dict()
+    fresh = FedLAMB(variant="mime", server_v="bias-corrected", fraction_evaluate=0.0, seed=1)
+    fresh.load_state_dict(state, server_round=2)
+    assert fresh.v_syncs == 2
+    state["v_syncs"] = 9
+    with pytest.raises(ValueError, match="v_syncs"):
+        FedLAMB(variant="mime", server_v="bias-corrected", fraction_evaluate=0.0, seed=1).load_state_dict(
+            state, server_round=2
+        )

@@ -36,6 +36,12 @@ def _round1_denominators() -> tuple[str, ...]:
     return ROUND1_DENOMINATORS
 
 
+def _server_v_readings() -> tuple[str, ...]:
+    from pollen.strategies.fedlamb import SERVER_V_READINGS
+
+    return SERVER_V_READINGS
+
+
 #: LocalLAMB's weight-norm scalings (``pollen.clientside.lamb.PHIS``, which imports torch; the config is
 #: checked without it, and a test keeps the two equal).
 PHIS = ("identity", "clip")
@@ -45,6 +51,7 @@ KEYS = {
     "sync-every": pos_int(1),
     "sync-phase": choice(_sync_phases, "first", server_side=True),
     "round1-denominator": choice(_round1_denominators, "eps", server_side=True),
+    "mime-server-v": choice(_server_v_readings, "plain", server_side=True),
     "lamb-zero-norm-guard": flag(True),
     "lamb-phi": choice(PHIS, "identity"),
     "lamb-phi-min": non_negative(0.0),
@@ -67,9 +74,18 @@ _PAPER = {
 #: v_hat_0 = eps makes their plain AMSGrad step a 10^4-fold jump (spec §9 B5); run-config
 #: ``round1-denominator = "eps"`` is the literal reading. The LAMB variants normalise the jump away.
 _AUTHORS_ROUND1 = {"round1-denominator": "local-v"}
+#: Mime's server v without bias correction (the paper's lines 22-23) makes its AMSGrad steps ~30x an Adam
+#: step for the first rounds and the baseline collapses (docs/results/fedlamb-round1.md); Mime corrects it
+#: by default, ``mime-server-v = "plain"`` is the paper's reading (Mime-LAMB's default).
+_MIME_FAIR = {"mime-server-v": "bias-corrected"}
 
 DEFAULTS: dict[str, Mapping[str, Any]] = {
-    variant: {**_PAPER, **(_AUTHORS_ROUND1 if variant in ("fed-ams", "mime") else {})} for variant in VARIANTS
+    variant: {
+        **_PAPER,
+        **(_AUTHORS_ROUND1 if variant in ("fed-ams", "mime") else {}),
+        **(_MIME_FAIR if variant == "mime" else {}),
+    }
+    for variant in VARIANTS
 }
 
 
@@ -89,6 +105,7 @@ def builder(variant: str) -> Callable[[Mapping[str, Any]], Any]:
             sync_every=cfg["sync-every"],
             sync_phase=cfg["sync-phase"],
             round1_denominator=cfg["round1-denominator"],
+            server_v=cfg["mime-server-v"],
             eta=cfg["server-lr"],
         )
 
