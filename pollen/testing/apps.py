@@ -7,6 +7,8 @@ their handlers and add
   ``fault-fraction`` / ``fault-kind`` / ``fault-delay`` or, in a simulation, by the run-config keys of
   the same names, which only this app's config accepts (:data:`TESTING_KEYS`; the product's run-config
   refuses them as unknown);
+- :func:`pollen.testing.placement.placement_mod`, which notes where each train message ran when
+  run-config ``trace-dir`` is set (multi-node Ray tests);
 - the round-protocol example ``relay-demo`` (:mod:`pollen.testing.relay_demo`): a method in the
   ServerApp's table, its client steps in the ClientApp's.
 
@@ -38,9 +40,11 @@ from pollen.app.spec import ConfigError
 from pollen.testing import relay_demo
 from pollen.testing.faults import KEYS as FAULT_KEYS
 from pollen.testing.faults import fault_mod, fault_settings
+from pollen.testing.placement import KEYS as PLACEMENT_KEYS
+from pollen.testing.placement import placement_mod
 
 #: Run-config keys only the testing app accepts (with their defaults and checks).
-TESTING_KEYS = dict(FAULT_KEYS)
+TESTING_KEYS = {**FAULT_KEYS, **PLACEMENT_KEYS}
 
 #: The product's methods plus the harness's demo.
 METHODS = {**PRODUCT_METHODS, **relay_demo.METHODS}
@@ -65,7 +69,7 @@ def product_config_mod(msg: Message, context: Context, call_next: ClientAppCalla
 clientapp = ClientApp()
 
 
-@clientapp.train(mods=[fault_mod, product_config_mod, *client_app.TRAIN_MODS])
+@clientapp.train(mods=[placement_mod, fault_mod, product_config_mod, *client_app.TRAIN_MODS])
 def train(msg: Message, context: Context) -> Message:
     """pollen's train handler with the demo's local steps too."""
     return client_app.run_train(msg, context, STEPS)

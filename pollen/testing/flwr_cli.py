@@ -32,7 +32,9 @@ def free_port() -> int:
 class LocalFlower:
     """A private local SuperLink for ``flwr run`` in simulation mode."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, extra_env: dict[str, str] | None = None) -> None:
+        """``extra_env``: more environment for the SuperLink and what it starts (``RAY_ADDRESS`` joins a
+        running Ray cluster instead of starting a local Ray)."""
         self.home = home
         self._apps: dict[str, Path] = {}
         self.http_port = str(free_port())
@@ -46,6 +48,7 @@ class LocalFlower:
             "FLWR_LOCAL_CONTROL_API_PORT": self.control_port,
             "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
             "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+            **(extra_env or {}),
         }
 
     def app(self, variant: str = "product") -> Path:

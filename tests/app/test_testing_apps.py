@@ -73,7 +73,13 @@ def test_the_testing_pyproject_runs_the_harness_apps_with_the_fault_keys() -> No
         "clientapp": "pollen.testing.apps:clientapp",
     }
     original = tomllib.loads(product)["tool"]["flwr"]["app"]["config"]
-    assert flwr["config"] == {**original, "fault-fraction": 0.0, "fault-kind": "error", "fault-delay": 0.0}
+    assert flwr["config"] == {
+        **original,
+        "fault-fraction": 0.0,
+        "fault-kind": "error",
+        "fault-delay": 0.0,
+        "trace-dir": "",
+    }
     with pytest.raises(ValueError, match="no single 'clientapp = ...' line"):
         apps.testing_pyproject(product.replace('clientapp = "pollen.client_app:app"', ""))
 

@@ -1,0 +1,131 @@
+"""A multi-node Ray cluster on 127.0.0.1 for tests: a head and worker raylets, stopped by process id.
+
+Flower's simulation spreads over machines the Ray way: start a Ray head on one machine, ``ray start
+--address=<head>`` on the others, and give the process that runs the simulation ``RAY_ADDRESS``
+(``docs/ray-cluster.md``). :class:`LocalRayCluster` does the same on one machine with every process
+bound to loopback, so a test can run ``flwr run`` across two raylets:
+
+    with LocalRayCluster(nodes=2, cpus_per_node=1) as cluster:
+        flower = LocalFlower(home, extra_env=cluster.env)   # the SuperLink's simulation joins it
+        ...
+
+Everything Ray starts inherits a marker in its environment (``POLLEN_RAY_CLUSTER=<token>``), which is how
+:meth:`LocalRayCluster.stop` finds the processes (``ray start`` daemonises them) and stops them by id. The
+cluster keeps its files in a private temporary folder (``RAY_TMPDIR``), so the cluster address file Ray
+writes (``ray_current_cluster``) never reaches the machine's default ``/tmp/ray`` where a stale one makes
+the next local simulation wait for a dead cluster; the folder is removed on stop.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from pollen.testing.flwr_cli import _pids_with_environ, free_port
+
+#: The environment variable whose value marks the processes of one cluster.
+MARKER = "POLLEN_RAY_CLUSTER"
+
+
+class LocalRayCluster:
+    """``nodes`` raylets on 127.0.0.1 (the first is the head), ``cpus_per_node`` CPUs each."""
+
+    def __init__(self, nodes: int = 2, cpus_per_node: int = 1, start_timeout: float = 90.0) -> None:
+        if nodes < 1 or cpus_per_node < 1:
+            raise ValueError(f"nodes={nodes}, cpus_per_node={cpus_per_node}; allowed: integers >= 1")
+        self.nodes, self.cpus_per_node, self.start_timeout = nodes, cpus_per_node, start_timeout
+        self.token = uuid.uuid4().hex[:12]
+        # Short: Ray puts unix sockets under it (at most 107 characters a path).
+        self.tmp = Path(tempfile.mkdtemp(prefix="pray-", dir="/tmp"))
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        bin_dir = str(Path(sys.executable).parent)
+        self._ray = shutil.which("ray", path=bin_dir) or shutil.which("ray")
+        if self._ray is None:
+            raise RuntimeError("the 'ray' command is not installed; install flwr[simulation]")
+        self._start_env = {
+            **os.environ,
+            MARKER: self.token,
+            "RAY_TMPDIR": str(self.tmp),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        }
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a process joining this cluster needs in its environment (``RAY_ADDRESS`` and the temp folder)."""
+        return {"RAY_ADDRESS": self.address, "RAY_TMPDIR": str(self.tmp)}
+
+    def start(self) -> LocalRayCluster:
+        """Start the head, then the workers; wait until every node is alive. Stops what it started on failure."""
+        loopback = ["--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus_per_node}", "--num-gpus=0"]
+        head = [self._ray, "start", "--head", f"--port={self.port}", "--include-dashboard=false"]
+        head += ["--disable-usage-stats", f"--temp-dir={self.tmp}", *loopback]
+        worker = [self._ray, "start", f"--address={self.address}", *loopback]
+        try:
+            self._run(head)
+            for _ in range(self.nodes - 1):
+                self._run(worker)
+            self._wait_for_nodes()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _run(self, command: list[str]) -> None:
+        proc = subprocess.run(command, env=self._start_env, capture_output=True, text=True, timeout=self.start_timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"'{' '.join(command[1:3])}' failed ({proc.returncode}): {proc.stderr[-2000:]}")
+
+    def alive_nodes(self) -> list[str]:
+        """The ids of the cluster's live nodes, as the head's GCS reports them (asked from a fresh process)."""
+        code = "import ray, json; ray.init(); print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))"
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**self._start_env, **self.env},
+            capture_output=True,
+            text=True,
+            timeout=self.start_timeout,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"could not ask the Ray cluster at {self.address} for its nodes: {proc.stderr[-2000:]}")
+        import json
+
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def _wait_for_nodes(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            alive = self.alive_nodes()
+            if len(alive) >= self.nodes:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(alive)} of {self.nodes} Ray nodes came up within {self.start_timeout:.0f} s")
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        """Stop every process of this cluster by id (TERM, then KILL), then remove its temporary folder."""
+        marker = f"{MARKER}={self.token}".encode()
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            for pid in _pids_with_environ(marker):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + wait
+            while _pids_with_environ(marker) and time.monotonic() < deadline:
+                time.sleep(0.3)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> LocalRayCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

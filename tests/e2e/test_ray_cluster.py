@@ -1,0 +1,110 @@
+"""``flwr run`` of pollen on a two-node Ray cluster (two raylets on 127.0.0.1), against a one-node run.
+
+The guide (``docs/ray-cluster.md``) spreads a simulation over machines the Flower way: a Ray head, Ray
+workers joining it, ``RAY_ADDRESS`` where the SuperLink runs. Here both raylets run on this machine, bound to
+loopback, one CPU each, so two clients train at once, one on each node. Stateful methods are the point:
+FedCAMS with error feedback (a residual per client) and FedBNLACA (lazy, compressed both ways: a reference,
+a mirror and residuals per client). Their client state lives in Flower's ``context.state``, which the
+simulation engine keeps per node and hands to whichever Ray worker runs the node's next message, so a
+client moved to the other Ray node keeps it, and the final model is bit-identical to a one-node run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pollen.testing.flwr_cli import LocalFlower
+from pollen.testing.placement import read_placements
+from pollen.testing.ray_cluster import LocalRayCluster
+
+pytestmark = pytest.mark.slow
+
+CLIENTS, ROUNDS = 4, 4
+SETTINGS = {
+    "num-server-rounds": ROUNDS,
+    "local-steps": 5,
+    "batch-size": 32,
+    "model": "cnn",
+    "partitioner": "iid",
+    "fraction-train": 1.0,
+    "fraction-evaluate": 0.0,
+    "min-evaluate-nodes": 0,
+    "eval-batch-size": 1000,
+    "eval-every": ROUNDS,
+}
+METHODS = {
+    "fedcams": {"strategy": "fedcams", "compressor": "sign"},
+    "fedbnlaca": {"strategy": "fedbnlaca"},
+}
+
+
+def _run_all(flower: LocalFlower, results: Path, traces: Path) -> None:
+    for name, method in METHODS.items():
+        trace = traces / name
+        trace.mkdir(parents=True)
+        config = {**SETTINGS, **method, "results-dir": str(results), "run-name": name, "trace-dir": str(trace)}
+        proc = flower.run(config, num_supernodes=CLIENTS, variant="testing", client_cpus=1, timeout=500)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        metrics = json.loads((results / name / "metrics.json").read_text())
+        assert [row["round"] for row in metrics["rows"]][-1] == ROUNDS
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Both methods on the usual local simulation (one Ray node, two workers)."""
+    flower = LocalFlower(tmp_path_factory.mktemp("flwr-one"))
+    results, traces = tmp_path_factory.mktemp("one-results"), tmp_path_factory.mktemp("one-traces")
+    try:
+        _run_all(flower, results, traces)
+    finally:
+        flower.stop()
+    return results, traces
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory, one_node: tuple[Path, Path]) -> tuple[Path, Path, list[str]]:
+    """Both methods on a two-node Ray cluster the SuperLink's simulation joins through ``RAY_ADDRESS``."""
+    results, traces = tmp_path_factory.mktemp("two-results"), tmp_path_factory.mktemp("two-traces")
+    with LocalRayCluster(nodes=2, cpus_per_node=1) as cluster:
+        nodes = cluster.alive_nodes()
+        flower = LocalFlower(tmp_path_factory.mktemp("flwr-two"), extra_env=cluster.env)
+        try:
+            _run_all(flower, results, traces)
+        finally:
+            flower.stop()
+    assert not (cluster.tmp / "ray_current_cluster").exists()  # the private folder, address file and all, is gone
+    return results, traces, nodes
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_clients_ran_on_both_nodes_and_carried_their_state_across(
+    two_nodes: tuple[Path, Path, list[str]], method: str
+) -> None:
+    _, traces, nodes = two_nodes
+    placements = read_placements(traces / method)
+    assert len(placements) == CLIENTS * ROUNDS
+    used = {p["ray_node"] for p in placements}
+    assert used == set(nodes) and len(used) == 2, used
+    where = defaultdict(dict)
+    for p in placements:
+        where[p["client"]][p["round"]] = p["ray_node"]
+    moved = [c for c, by_round in where.items() if len(set(by_round.values())) > 1]
+    assert moved, f"no client changed Ray node in {ROUNDS} rounds: {dict(where)}"
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_the_two_node_run_is_bit_identical_to_the_one_node_run(
+    one_node: tuple[Path, Path], two_nodes: tuple[Path, Path, list[str]], method: str
+) -> None:
+    want = np.load(one_node[0] / method / "final_model.npz")
+    got = np.load(two_nodes[0] / method / "final_model.npz")
+    assert sorted(want.files) == sorted(got.files)
+    for name in want.files:
+        assert want[name].tobytes() == got[name].tobytes(), name
+    one = {p["ray_node"] for p in read_placements(one_node[1] / method)}
+    assert len(one) == 1  # the local simulation is one Ray node
