@@ -9,6 +9,7 @@ by record, failures, the method's own counters by name) and hands the row to the
 from __future__ import annotations
 
 import copy
+import os
 import time
 from logging import INFO
 from typing import Any
@@ -103,6 +104,7 @@ class RoundReporter:
             + accounting.cumulative("eval_downlink_bytes", server_round),
             "round_seconds": now - self.last,
             "elapsed_seconds": self.elapsed_before + now - self.started,
+            "server_rss_bytes": resident_bytes(),
         }
         stats = accounting.rounds.get(server_round)
         if stats is not None:
@@ -127,6 +129,19 @@ class RoundReporter:
             )
             row.update({METHOD_PREFIX + name: copy.deepcopy(value) for name, value in stats.method.items()})
         return row
+
+
+def resident_bytes() -> int | str:
+    """The resident memory of the process running the ServerApp (Linux ``/proc``), or ``""`` elsewhere.
+
+    In a simulation this process also holds Flower's per-node contexts, so it is the server side's whole
+    footprint: what must stay flat as rounds go by and grow by no more than the per-client state with N.
+    """
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return ""
 
 
 def _records_in_words(uplink: dict[str, int] | None, downlink: dict[str, int] | None) -> str:

@@ -43,6 +43,7 @@ COLUMNS = (
     "uplink_by_record",
     "downlink_by_record",
     "server_state_bytes",
+    "server_rss_bytes",
     "cum_uplink_bytes",
     "cum_downlink_bytes",
     "round_seconds",

@@ -381,6 +381,8 @@ class FedLazy(FedAMS):
         commits, self._commits = self._commits, {}
         for update in updates:
             self._commit(update.client_key, *commits[update.client_key])
+        if self.book is not None:
+            self.accounting.round(server_round).server_state_bytes = self.book.memory_bytes()
 
     def _resolve(self, server_round: int, update: Any) -> tuple[str, Any, dict[str, Any]]:
         """Turn a reply into the vector the server applies; return what :meth:`_commit` keeps if it is used.

@@ -111,6 +111,19 @@ def test_fast_path_matches_flower_public_api(name):
     assert all(np.array_equal(x, y) for x, y in zip(fast, slow))
 
 
+@pytest.mark.parametrize(("n", "parts"), [(1000, 7), (997, 10), (60, 60), (61, 3)])
+def test_iid_bounds_cut_as_datasets_shard_does(n, parts):
+    import datasets
+
+    table = datasets.Dataset.from_dict({"_idx": np.arange(n)})
+    bounds = P.contiguous_shard_bounds(n, parts)
+    for pid in range(parts):
+        shard = np.asarray(table.shard(num_shards=parts, index=pid, contiguous=True)["_idx"])
+        assert np.array_equal(shard, np.arange(bounds[pid], bounds[pid + 1]))
+    fast = P.make_partitions(np.arange(n) % 10, "iid", num_partitions=parts, seed=3)
+    assert sorted(np.concatenate(fast).tolist()) == list(range(n))
+
+
 def test_more_partitions_than_examples():
     with pytest.raises(ValueError, match=r"num-partitions=11 is more than the 10 training examples"):
         P.make_partitions(np.arange(10) % 2, "iid", num_partitions=11)
