@@ -4,7 +4,7 @@ In a Flower simulation the engine keeps each node's ``Context`` and passes it, w
 whichever Ray worker runs the node's next message; the worker hands back the updated context. pollen keeps
 client state (error-feedback residuals, LAMB moments, lazy references and mirrors) in ``context.state``,
 so it travels with the client through Ray's object store: no shared filesystem needed. This measures that,
-as the engine does it: a two-node Ray cluster on 127.0.0.1 (:class:`pollen.testing.ray_cluster.LocalRayCluster`),
+as the engine does it: a two-node Ray cluster on 127.0.0.1 (:class:`pollen.app.ray_cluster.LocalRayCluster`),
 one worker actor pinned to each node, pollen's real ClientApp on a FedCAMS train message (scaled-sign
 upload with error feedback: a 44.7 MB float32 residual in state) at ResNet-18 size, local SGD replaced
 by a no-op so the transport is what is left. Timed from the driver, per message (medians):
@@ -24,7 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
-from pollen.testing.ray_cluster import LocalRayCluster
+from pollen.app.ray_cluster import LocalRayCluster
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 

@@ -10,11 +10,20 @@ Each run is a real ``flwr run <app> --stream --federation-config num-supernodes=
 stopped. One progress line per run, with an estimate of the time left. The report (``<out>/report.md``,
 ``report.json``, the accuracy plots vs round and vs cumulative uplink / downlink / total bytes, and
 ``commands.sh``) is written by :mod:`pollen.app.compare`, the same engine as ``pollen-compare``.
+
+Start-up is paid once per sweep, not per run: by default the sweep starts one Ray head on 127.0.0.1
+(:class:`pollen.app.ray_cluster.LocalRayCluster`, the machine's CPUs and GPUs) and one private local
+SuperLink that joins it (:class:`pollen.app.local_superlink.LocalSuperLink`, ``RAY_ADDRESS``), runs every
+``flwr run`` against them, and stops both by process id at the end. Partitions come from pollen's disk cache
+after the first run. ``--cold`` runs each ``flwr run`` as a user's plain command would (Flower's local
+SuperLink under ``~/.flwr``, a Ray start and stop in every run).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import shlex
@@ -155,21 +164,37 @@ def flwr_command(run: PlannedRun, app: str, supernodes: int) -> list[str]:
     ]
 
 
-def run_with_flwr(command: list[str], log_path: Path) -> int:
-    """Run one ``flwr run`` and keep its output next to the results; the exit code."""
-    bin_dir = str(Path(sys.executable).parent)  # flwr starts flower-superlink from PATH: this environment's
-    env = {
-        **os.environ,
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-    }
+def run_with_flwr(command: list[str], log_path: Path, env: Mapping[str, str] | None = None) -> int:
+    """Run one ``flwr run`` and keep its output next to the results; the exit code. ``env``: the environment
+    of a warm SuperLink (:func:`warm_flower`); by default this process's, with Flower's per-run install off."""
+    if env is None:
+        bin_dir = str(Path(sys.executable).parent)  # flwr starts flower-superlink from PATH: this environment's
+        env = {
+            **os.environ,
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        }
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         try:
-            return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode
+            return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=dict(env), check=False).returncode
         except OSError as err:  # no flwr executable: say so in the run's log and fail the run
             log.write(f"cannot start {command[0]!r}: {err}\n")
             return 127
+
+
+@contextlib.contextmanager
+def warm_flower(home: Path, say: Callable[[str], None] = print):
+    """One Ray head and one private local SuperLink joined to it, for every run of a sweep; yields the
+    environment ``flwr run`` needs to use them. Both are stopped by process id when the block ends."""
+    from pollen.app.local_superlink import LocalSuperLink
+    from pollen.app.ray_cluster import LocalRayCluster
+
+    started = time.perf_counter()
+    with LocalRayCluster(nodes=1, cpus_per_node=os.cpu_count() or 1, gpus_per_node=None) as cluster:
+        say(f"warm Ray head at {cluster.address} ({time.perf_counter() - started:.0f} s); one SuperLink for all runs")
+        with LocalSuperLink(home, extra_env=cluster.env) as link:
+            yield link.env
 
 
 def execute(
@@ -216,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="default: results/sweeps/<preset>")
     parser.add_argument("--report-only", action="store_true", help="write the report of the finished runs, run nothing")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="no warm Ray head and SuperLink: each run starts and stops its own, as a plain flwr run does",
+    )
     args = parser.parse_args(argv)
     try:
         preset = load_preset(args.preset)
@@ -247,7 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     failures = []
     if not args.report_only:
         app = str(snapshot_app(Path(args.app), out / "app"))
-        failures = execute(runs, app=app, supernodes=supernodes)
+        started = time.perf_counter()
+        if args.cold:
+            failures = execute(runs, app=app, supernodes=supernodes)
+        else:
+            with warm_flower(out / "flwr-home") as env:
+                runner = functools.partial(run_with_flwr, env=env)
+                failures = execute(runs, app=app, supernodes=supernodes, runner=runner)
+        print(f"sweep wall time {time.perf_counter() - started:.0f} s ({'cold' if args.cold else 'warm'})")
     groups: dict[str, list[Path]] = {}
     for run in runs:
         if is_finished(run):

@@ -8,14 +8,12 @@ stops it (and its Ray workers) by process id when the session ends.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
+
+from pollen.app.local_superlink import LocalSuperLink
+from pollen.core.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,33 +21,12 @@ REPO = Path(__file__).resolve().parents[2]
 VARIANTS = ("product", "testing")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class LocalFlower:
-    """A private local SuperLink for ``flwr run`` in simulation mode."""
+class LocalFlower(LocalSuperLink):
+    """A private local SuperLink for ``flwr run`` in simulation mode, with the app snapshots the tests run."""
 
     def __init__(self, home: Path, extra_env: dict[str, str] | None = None) -> None:
-        """``extra_env``: more environment for the SuperLink and what it starts (``RAY_ADDRESS`` joins a
-        running Ray cluster instead of starting a local Ray)."""
-        self.home = home
+        super().__init__(home, extra_env)
         self._apps: dict[str, Path] = {}
-        self.http_port = str(free_port())
-        self.control_port = str(free_port())
-        bin_dir = str(Path(sys.executable).parent)
-        self.env = {
-            **os.environ,
-            "FLWR_HOME": str(home),
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": self.http_port,
-            "FLWR_LOCAL_CONTROL_API_PORT": self.control_port,
-            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-            "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
-            **(extra_env or {}),
-        }
 
     def app(self, variant: str = "product") -> Path:
         """A snapshot of the files ``flwr run`` packs, made once per variant.
@@ -101,34 +78,5 @@ class LocalFlower:
         ]
         return subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
-    def stop(self) -> None:
-        """Stop the SuperLink and everything it started (simulation, Ray workers and agents).
 
-        Every process started through this helper inherits ``FLWR_LOCAL_CONTROL_API_PORT``
-        with this instance's private port, also Ray's agents that outlive their parent, so
-        the environment is what finds them all.
-        """
-        marker = f"FLWR_LOCAL_CONTROL_API_PORT={self.control_port}".encode()
-        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
-            for pid in _pids_with_environ(marker):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + wait
-            while _pids_with_environ(marker) and time.monotonic() < deadline:
-                time.sleep(0.3)
-
-
-def _pids_with_environ(marker: bytes) -> list[int]:
-    """Processes (not this one) whose environment holds ``marker`` (``NAME=value``)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if marker in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
+__all__ = ["VARIANTS", "LocalFlower", "free_port"]

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pollen.app.ray_cluster import LocalRayCluster
 from pollen.testing.flwr_cli import LocalFlower
 from pollen.testing.placement import read_placements
-from pollen.testing.ray_cluster import LocalRayCluster
 
 pytestmark = pytest.mark.slow
 

@@ -1,9 +1,10 @@
-"""A multi-node Ray cluster on 127.0.0.1 for tests: a head and worker raylets, stopped by process id.
+"""A Ray cluster on 127.0.0.1 started and stopped by pollen: a head and worker raylets, stopped by process id.
 
 Flower's simulation spreads over machines the Ray way: start a Ray head on one machine, ``ray start
 --address=<head>`` on the others, and give the process that runs the simulation ``RAY_ADDRESS``
 (``docs/ray-cluster.md``). :class:`LocalRayCluster` does the same on one machine with every process
-bound to loopback, so a test can run ``flwr run`` across two raylets:
+bound to loopback: the tests run ``flwr run`` across two raylets with it, and ``pollen-sweep`` keeps one
+warm Ray head for all the runs of a sweep instead of a Ray start and stop per run.
 
     with LocalRayCluster(nodes=2, cpus_per_node=1) as cluster:
         flower = LocalFlower(home, extra_env=cluster.env)   # the SuperLink's simulation joins it
@@ -18,9 +19,9 @@ the next local simulation wait for a dead cluster; the folder is removed on stop
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,19 +29,26 @@ import time
 import uuid
 from pathlib import Path
 
-from pollen.testing.flwr_cli import _pids_with_environ, free_port
+from pollen.core.processes import free_port, stop_marked
 
 #: The environment variable whose value marks the processes of one cluster.
 MARKER = "POLLEN_RAY_CLUSTER"
 
 
 class LocalRayCluster:
-    """``nodes`` raylets on 127.0.0.1 (the first is the head), ``cpus_per_node`` CPUs each."""
+    """``nodes`` raylets on 127.0.0.1 (the first is the head), ``cpus_per_node`` CPUs and ``gpus_per_node``
+    GPUs each (``None``: what Ray detects on the machine)."""
 
-    def __init__(self, nodes: int = 2, cpus_per_node: int = 1, start_timeout: float = 90.0) -> None:
-        if nodes < 1 or cpus_per_node < 1:
-            raise ValueError(f"nodes={nodes}, cpus_per_node={cpus_per_node}; allowed: integers >= 1")
+    def __init__(
+        self, nodes: int = 2, cpus_per_node: int = 1, gpus_per_node: int | None = 0, start_timeout: float = 90.0
+    ) -> None:
+        if nodes < 1 or cpus_per_node < 1 or (gpus_per_node is not None and gpus_per_node < 0):
+            raise ValueError(
+                f"nodes={nodes}, cpus_per_node={cpus_per_node}, gpus_per_node={gpus_per_node}; "
+                "allowed: nodes and CPUs >= 1, GPUs >= 0 or None"
+            )
         self.nodes, self.cpus_per_node, self.start_timeout = nodes, cpus_per_node, start_timeout
+        self.gpus_per_node = gpus_per_node
         self.token = uuid.uuid4().hex[:12]
         # Short: Ray puts unix sockets under it (at most 107 characters a path).
         self.tmp = Path(tempfile.mkdtemp(prefix="pray-", dir="/tmp"))
@@ -65,7 +73,9 @@ class LocalRayCluster:
 
     def start(self) -> LocalRayCluster:
         """Start the head, then the workers; wait until every node is alive. Stops what it started on failure."""
-        loopback = ["--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus_per_node}", "--num-gpus=0"]
+        loopback = ["--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus_per_node}"]
+        if self.gpus_per_node is not None:
+            loopback.append(f"--num-gpus={self.gpus_per_node}")
         head = [self._ray, "start", "--head", f"--port={self.port}", "--include-dashboard=false"]
         head += ["--disable-usage-stats", f"--temp-dir={self.tmp}", *loopback]
         worker = [self._ray, "start", f"--address={self.address}", *loopback]
@@ -96,8 +106,6 @@ class LocalRayCluster:
         )
         if proc.returncode != 0:
             raise RuntimeError(f"could not ask the Ray cluster at {self.address} for its nodes: {proc.stderr[-2000:]}")
-        import json
-
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     def _wait_for_nodes(self) -> None:
@@ -112,16 +120,7 @@ class LocalRayCluster:
 
     def stop(self) -> None:
         """Stop every process of this cluster by id (TERM, then KILL), then remove its temporary folder."""
-        marker = f"{MARKER}={self.token}".encode()
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            for pid in _pids_with_environ(marker):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + wait
-            while _pids_with_environ(marker) and time.monotonic() < deadline:
-                time.sleep(0.3)
+        stop_marked(f"{MARKER}={self.token}".encode(), term_wait=10.0)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> LocalRayCluster:

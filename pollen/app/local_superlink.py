@@ -1,0 +1,50 @@
+"""Flower's local SuperLink (the one ``flwr run`` starts for a simulation) with a private home and ports.
+
+Flower 1.39's ``flwr run <app>`` starts a detached local SuperLink the first time it is called and keeps it
+for later runs. :class:`LocalSuperLink` is the environment that makes that SuperLink this caller's own: a
+private ``FLWR_HOME``, free ports for its HTTP and control APIs, Flower's per-run dependency install turned
+off (the packages are installed already), this Python's ``bin`` first on ``PATH`` (so the SuperLink is this
+environment's Flower) and, with ``extra_env``, e.g. ``RAY_ADDRESS`` to join a running Ray cluster. Every
+process the SuperLink starts inherits the private control port, which is how :meth:`LocalSuperLink.stop`
+finds them all (the simulation, Ray's workers and agents) and stops them by id.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from pollen.core.processes import free_port, stop_marked
+
+
+class LocalSuperLink:
+    """The environment of a private local SuperLink; run ``flwr run`` with :attr:`env`, then :meth:`stop`."""
+
+    def __init__(self, home: Path, extra_env: dict[str, str] | None = None) -> None:
+        """``extra_env``: more environment for the SuperLink and what it starts (``RAY_ADDRESS`` joins a
+        running Ray cluster instead of starting a local Ray for each run)."""
+        self.home = Path(home)
+        self.http_port = str(free_port())
+        self.control_port = str(free_port())
+        bin_dir = str(Path(sys.executable).parent)
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(self.home),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": self.http_port,
+            "FLWR_LOCAL_CONTROL_API_PORT": self.control_port,
+            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+            "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+            **(extra_env or {}),
+        }
+
+    def stop(self) -> None:
+        """Stop the SuperLink and everything it started (simulation, Ray workers and agents)."""
+        stop_marked(f"FLWR_LOCAL_CONTROL_API_PORT={self.control_port}".encode())
+
+    def __enter__(self) -> LocalSuperLink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
