@@ -359,7 +359,8 @@ KILL_AT_ROUND = 1
 # Run names of equal length: the run's directory name travels in every train message's config
 # (``pollen.run-key``), so names of different lengths would make the downlink bytes differ.
 INTACT, KILLED = "intact", "killed"
-TIMING_KEYS = {"round_seconds", "elapsed_seconds"}
+#: What differs between two runs of the same config: timings and the ServerApp process's memory.
+TIMING_KEYS = {"round_seconds", "elapsed_seconds", "server_rss_bytes"}
 
 
 def test_resume_after_serverapp_killed_equals_uninterrupted_run(federation):
