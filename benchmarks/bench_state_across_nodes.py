@@ -9,7 +9,9 @@ one worker actor pinned to each node, pollen's real ClientApp on a FedCAMS train
 upload with error feedback: a 44.7 MB float32 residual in state) at ResNet-18 size, local SGD replaced
 by a no-op so the transport is what is left. Timed from the driver, per message (medians):
 
-- ``state dropped``: every message gets a fresh, empty context (what a stateless client costs);
+- ``no state``: the same upload without error feedback, so the client keeps nothing (the floor);
+- ``state dropped``: error feedback, but every message gets a fresh, empty context (the state is written
+  and comes back to the driver, but is not sent out again);
 - ``state carried, same node``: the returned context goes with the next message to the same worker;
 - ``state carried, other node``: each message goes to the other node's worker, the state with it.
 
@@ -68,12 +70,12 @@ def build_inputs(model_name: str):  # noqa: ANN201
     buffers = "\n".join(k for k in named if k.endswith(("running_mean", "running_var", "num_batches_tracked")))
     dim = sum(p.numel() for p in model.parameters())
 
-    def message(server_round: int):  # noqa: ANN202
+    def message(server_round: int, feedback: bool = True):  # noqa: ANN202
         config = {
             protocol.CFG_SERVER_ROUND: server_round,
             protocol.CFG_BUFFER_KEYS: buffers,
             protocol.CFG_CODEC: "sign",
-            protocol.CFG_ERROR_FEEDBACK: True,
+            protocol.CFG_ERROR_FEEDBACK: feedback,
         }
         return train_message(named, config)
 
@@ -113,18 +115,20 @@ def main() -> None:
         message, fresh_context, dim = build_inputs(args.model)
         print(f"model {args.model}: d = {dim:,} trainable values; two Ray nodes on 127.0.0.1, one worker each")
 
-        scenarios = {  # name: (which worker runs round r, whether the returned context goes on)
-            "state dropped": (lambda r: workers[0], False),
-            "state carried, same node": (lambda r: workers[0], True),
-            "state carried, other node": (lambda r: workers[r % 2], True),
+        scenarios = {  # name: (which worker runs round r, whether the returned context goes on, error feedback)
+            "no state": (lambda r: workers[0], True, False),
+            "state dropped": (lambda r: workers[0], False, True),
+            "state carried, same node": (lambda r: workers[0], True, True),
+            "state carried, other node": (lambda r: workers[r % 2], True, True),
         }
         contexts = {name: fresh_context() for name in scenarios}
         samples = {name: ([], [], 0) for name in scenarios}
         for server_round in range(1, args.repeats + 2):  # interleaved, so drift in the machine's load hits all
-            msg = message(server_round)
-            for name, (pick_worker, carry) in scenarios.items():
+            msgs = {feedback: message(server_round, feedback) for feedback in (True, False)}
+            for name, (pick_worker, carry, feedback) in scenarios.items():
                 started = time.perf_counter()
-                reply, returned, seconds = ray.get(pick_worker(server_round).run.remote(msg, contexts[name]))
+                remote_call = pick_worker(server_round).run.remote(msgs[feedback], contexts[name])
+                reply, returned, seconds = ray.get(remote_call)
                 elapsed = time.perf_counter() - started
                 assert not reply.has_error(), reply.error
                 driver, inside, carried = samples[name]
@@ -137,8 +141,8 @@ def main() -> None:
             name: (statistics.median(driver), statistics.median(inside), carried)
             for name, (driver, inside, carried) in samples.items()
         }
-        base = rows["state dropped"][0]
-        print("| per message | round trip (driver) | inside the worker | state carried | vs dropped |")
+        base = rows["no state"][0]
+        print("| per message | round trip (driver) | inside the worker | state in the context | vs no state |")
         print("|---|---|---|---|---|")
         for name, (driver, inside, carried) in rows.items():
             print(

@@ -5,7 +5,7 @@ preset's FedAMS and FedCAMS sign, seeds 1 and 2, ``--rounds`` rounds each (4 run
 
 - cold: every ``flwr run`` as a plain user's command runs it (one local SuperLink for the sweep, as Flower
   keeps it, but a Ray start and shutdown inside every run);
-- warm: ``pollen-sweep``'s default, one Ray head on 127.0.0.1 and one SuperLink joined to it for all runs.
+- warm: ``pollen-sweep --warm``, one Ray head on 127.0.0.1 and one SuperLink joined to it for all runs.
 
 Reported: the sweep's wall time, the sum of its runs' training time (the ServerApp's seconds from round 1's
 start to the last round's end, from each run's own rows), and what is left: start-up, imports, partitioning,

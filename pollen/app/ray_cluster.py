@@ -3,8 +3,8 @@
 Flower's simulation spreads over machines the Ray way: start a Ray head on one machine, ``ray start
 --address=<head>`` on the others, and give the process that runs the simulation ``RAY_ADDRESS``
 (``docs/ray-cluster.md``). :class:`LocalRayCluster` does the same on one machine with every process
-bound to loopback: the tests run ``flwr run`` across two raylets with it, and ``pollen-sweep`` keeps one
-warm Ray head for all the runs of a sweep instead of a Ray start and stop per run.
+bound to loopback: the tests run ``flwr run`` across two raylets with it, and ``pollen-sweep --warm`` keeps
+one Ray head for all the runs of a sweep instead of a Ray start and stop per run.
 
     with LocalRayCluster(nodes=2, cpus_per_node=1) as cluster:
         flower = LocalFlower(home, extra_env=cluster.env)   # the SuperLink's simulation joins it

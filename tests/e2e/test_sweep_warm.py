@@ -42,7 +42,7 @@ def test_a_warm_sweep_runs_every_run_on_one_ray_head_and_stops_it(tmp_path: Path
     preset = tmp_path / "warm.toml"
     preset.write_text(PRESET)
     out = tmp_path / "sweep"
-    code = sweep.main([str(preset), "--seeds", "1", "--out", str(out), "--app", str(REPO)])
+    code = sweep.main([str(preset), "--seeds", "1", "--out", str(out), "--app", str(REPO), "--warm"])
     printed = capsys.readouterr().out
     assert code == 0, printed
     head = next(line for line in printed.splitlines() if line.startswith("warm Ray head at "))
