@@ -81,21 +81,26 @@ class ClientSampler:
                 reply.metadata.src_node_id: reply
                 for reply in grid.send_and_receive(queries, timeout=IDENTIFY_TIMEOUT_S)
             }
+            holders: dict[str, list[int]] = {}  # client id -> nodes keyed by it (one pass, not one per node)
+            for other, key in self.node_keys.items():
+                holders.setdefault(key, []).append(other)
             for node in unknown:  # in node order, so which of two claimants wins does not depend on timing
                 if node in replies:
-                    self._note_identity(node, replies[node], connected)
+                    self._note_identity(node, replies[node], connected, holders)
         for node in unknown:
             self.node_keys.setdefault(node, f"node-{node}")
             self.known_clients.add(self.node_keys[node])
 
-    def _note_identity(self, node: int, reply: Message, connected: set[int]) -> None:
+    def _note_identity(self, node: int, reply: Message, connected: set[int], holders_of: dict[str, list[int]]) -> None:
+        """Key ``node`` by the client id its reply claims, unless a connected node holds it; ``holders_of``
+        (client id -> nodes keyed by it) is kept up to date."""
         if reply.has_error() or protocol.IDENTITY_RECORD not in reply.content.config_records:
             return
         record = reply.content.config_records[protocol.IDENTITY_RECORD]
         client_id = record.get(protocol.IDENTITY_CLIENT_ID)
         if not (isinstance(client_id, str) and client_id) or len(client_id) > MAX_CLIENT_ID_LENGTH:
             return
-        holders = [other for other, key in self.node_keys.items() if key == client_id and other != node]
+        holders = [other for other in holders_of.get(client_id, ()) if other != node]
         if any(other in connected for other in holders):
             log(
                 WARNING,
@@ -110,6 +115,7 @@ class ClientSampler:
             del self.node_keys[other]
             self.node_clusters.pop(other, None)
         self.node_keys[node] = client_id
+        holders_of[client_id] = [node]
         cluster = record.get(protocol.IDENTITY_CLUSTER_ID)
         if isinstance(cluster, str) and cluster:
             self.node_clusters[node] = cluster
