@@ -17,9 +17,9 @@ Two stages (``--stage``):
   nothing but the strategy is measured), N = 1,000, 10,000, 100,000 connected clients, 100 per round,
   ``--rounds`` rounds, d = 29,034 (the CNN's size): FedAMS (keeps nothing per client), FedAdaVR Int4
   memory-mapped, FedBNLACA memory-mapped. Server seconds per round (``configure_train`` +
-  ``aggregate_train``, median after round 10), the process's anonymous resident memory at round 10 and at
-  the end less what the harness's clients keep (their ``context.state``, counted), and the table's or
-  book's bytes.
+  ``aggregate_train``, median after round 10), the growth of the process's anonymous resident memory at
+  round 10 and at the end, what the harness's lazy clients keep in their ``context.state`` (in the same
+  process, so part of that growth), and the table's or book's bytes.
 
     python benchmarks/bench_scale_clients.py --stage partition server simulation [--rounds 50]
 
@@ -211,8 +211,8 @@ def _server_run(strategy, clients, n: int, rounds: int) -> tuple[list[float], fl
         grid.sent.clear(), grid.replies.clear(), grid.calls.clear()  # the fake grid's log is not the server's
         del messages, replies
         if r == 10:
-            rss_10 = rss_anon_mb() - harness()
-    return seconds, rss_10, rss_anon_mb() - harness()
+            rss_10 = rss_anon_mb()
+    return seconds, rss_10, rss_anon_mb(), harness()
 
 
 def server_methods(n: int, tmp: str) -> dict:
@@ -238,9 +238,9 @@ def server_methods(n: int, tmp: str) -> dict:
 def stage_server(rounds: int, sizes: list[int]) -> None:
     print(
         f"| method | connected clients (N) | server s / round (median after 10) | RSS anon round 10 "
-        f"| at round {rounds} | table / book |"
+        f"| at round {rounds} | of it, the harness's clients' state | table / book |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for n in sizes:
         with tempfile.TemporaryDirectory(prefix="pollen-scale-") as tmp:
             makes = server_methods(n, tmp)
@@ -248,12 +248,12 @@ def stage_server(rounds: int, sizes: list[int]) -> None:
                 gc.collect()
                 base = rss_anon_mb()
                 strategy, clients = make()
-                seconds, rss_10, rss_end = _server_run(strategy, clients, n, rounds)
+                seconds, rss_10, rss_end, clients_mb = _server_run(strategy, clients, n, rounds)
                 store = getattr(strategy, "table", None) or getattr(strategy, "book", None)
                 stored = f"{store.memory_bytes() / 1e6:.0f} MB" if store is not None else "-"
                 print(
                     f"| {name} | {n:,} | {statistics.median(seconds[10:]):.3f} | {rss_10 - base:+.0f} MB | "
-                    f"{rss_end - base:+.0f} MB | {stored} |",
+                    f"{rss_end - base:+.0f} MB | {clients_mb:.0f} MB | {stored} |",
                     flush=True,
                 )
                 del strategy, clients

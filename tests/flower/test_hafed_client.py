@@ -105,6 +105,8 @@ def test_full_mixing_with_two_uploaders_equals_full_participation_end_to_end():
     two = run_inprocess({**common, "uploaders-per-cluster": 2}, 8, 4)
     everyone = run_inprocess({**common, "uploaders-per-cluster": 4}, 8, 4)
     # Equal up to float32 rounding: the server's running sum of 4 (or 8) equal deltas rounds at 3a
-    # where the sum of 2 does not; one round of training on top turns that into ~1e-6.
-    np.testing.assert_allclose(two, everyone, rtol=0, atol=2e-5)
+    # where the sum of 2 does not; one round of training on top turns that into ~1e-6 in most coordinates
+    # and up to 3.2e-5 in a few (torch 2.14.1's CPU kernels). A real difference in mixing (the ring below)
+    # moves the model by more than 1e-3, ten times this bound.
+    np.testing.assert_allclose(two, everyone, rtol=0, atol=1e-4)
     assert np.abs(two - run_inprocess({**common, "topology": "ring", "uploaders-per-cluster": 2}, 8, 4)).max() > 1e-3
