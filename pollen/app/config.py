@@ -48,6 +48,8 @@ from pollen.app.spec import (
     unit_closed,
     unit_open,
 )
+from pollen.app.trackers.base import TRACKERS, is_tracker_list
+from pollen.app.trackers.mlflow import URI_WORDS, is_tracking_uri
 from pollen.optim.schedule import SCHEDULES, parse_decay_rounds
 from pollen.task.catalog import DATASETS, DEVICES, MODELS, NORMS, PARTITIONERS, is_device
 
@@ -160,6 +162,15 @@ BAD_CLIENTS = {
     "outlier-rule": choice(_outlier_rules, "reject", server_side=True),
     "outlier-factor": Key(float, 10.0, lambda v: v > 1, "a number > 1"),
 }
+#: Experiment trackers (:mod:`pollen.app.trackers`); they change what is tracked, never the run's numbers.
+TRACKING = {
+    "tracker": Key(
+        str, "", is_tracker_list, "empty (none) or a comma-separated list of " + ", ".join(TRACKERS) + ", each once"
+    ),
+    "tracker-dir": text(""),
+    "mlflow-tracking-uri": Key(str, "", is_tracking_uri, URI_WORDS),
+    "mlflow-experiment": Key(str, "pollen", lambda v: bool(v.strip()), "a non-empty MLflow experiment name"),
+}
 
 #: Every key the app's run-config holds: the common keys, then each family's.
 SCHEMA: dict[str, Key] = assemble(
@@ -170,6 +181,7 @@ SCHEMA: dict[str, Key] = assemble(
     LOCAL_TRAINING,
     RESUME,
     BAD_CLIENTS,
+    TRACKING,
     *(family.KEYS for family in FAMILIES),
 )
 
@@ -192,6 +204,7 @@ RESUME_MAY_DIFFER = (
     "data-dir",
     "state-dir",
     "resume-trust-file",
+    *TRACKING,
 )
 
 
