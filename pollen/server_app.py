@@ -2,8 +2,9 @@
 
 Everything a user can set is validated before round 1; a bad value stops the run
 with one line naming the key, the value and what is allowed. Each round the app
-evaluates the global model on the server's test set, logs one progress line and
-appends a row to ``results/<run-name>/metrics.csv`` and ``metrics.json``.
+evaluates the global model on the server's test set, logs one progress line,
+appends a row to ``results/<run-name>/metrics.csv`` and ``metrics.json`` and hands
+that row to the experiment trackers the run-config names (``tracker``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pollen.app.experiment import build_model, build_strategy, client_train_conf
 from pollen.app.registry import Table
 from pollen.app.reporter import RoundReporter
 from pollen.app.results import RunRecorder
+from pollen.app.trackers import open_trackers
+from pollen.app.trackers.base import FAILED, FINISHED, STOPPED
 from pollen.strategies import RunCheckpoint, RunInterrupted
 from pollen.strategies.rounds import SetupError
 from pollen.wire import protocol
@@ -111,6 +114,7 @@ def serve(grid: Grid, context: Context, methods: Table | None = None) -> None:
                     f"run-config 'resume' = {cfg['resume']!r}: that run already finished round {done}; "
                     f"allowed: num-server-rounds > {done}"
                 )
+        trackers = open_trackers(cfg, out_dir)
         model, test_loader, nodes = prepare(cfg, grid)
     except ValueError as err:  # ConfigError, CheckpointError, DataSourceError and the task layer's checks
         log(ERROR, "[pollen] stopped before round 1: %s", err)
@@ -122,10 +126,11 @@ def serve(grid: Grid, context: Context, methods: Table | None = None) -> None:
     recorder = RunRecorder(out_dir, cfg.as_dict(), fresh=not checkpoint.resume)
     log(INFO, "[pollen] %s on %s, %d SuperNodes; results in %s", cfg["strategy"], cfg["dataset"], nodes, out_dir)
     initial = ArrayRecord(model.state_dict())
-    reporter = RoundReporter(cfg, strategy, recorder, model, test_loader)
+    reporter = RoundReporter(cfg, strategy, recorder, model, test_loader, trackers)
     checkpoint.app_state = reporter.app_state
     if checkpoint.resume:
         reporter.restore(checkpoint.read_app_state(type(strategy).__name__))
+    trackers.start(cfg.as_dict(), earlier_rows=list(recorder.rows))
     train_config = client_train_config(cfg)
     train_config[protocol.CFG_RUN_KEY] = out_dir.name
     evaluate_config = {}
@@ -134,6 +139,7 @@ def serve(grid: Grid, context: Context, methods: Table | None = None) -> None:
         train_config[protocol.CFG_GIVEN_KEYS] = evaluate_config[protocol.CFG_GIVEN_KEYS] = protocol.join_keys(
             sorted(given)
         )
+    status = FAILED  # what the trackers are told at the end, unless the rounds finish or stop as asked
     try:
         result = strategy.start(
             grid=grid,
@@ -145,10 +151,12 @@ def serve(grid: Grid, context: Context, methods: Table | None = None) -> None:
             evaluate_fn=reporter,
             checkpoint=checkpoint,
         )
+        status = FINISHED
     except SetupError as err:
         log(ERROR, "[pollen] stopped before round 1: %s", err)
         raise ConfigError(str(err)) from None
     except RunInterrupted as stop:
+        status = STOPPED
         log(
             INFO,
             "[pollen] stopped after round %d as asked; continue with --run-config \"resume='%s'\"",
@@ -156,6 +164,8 @@ def serve(grid: Grid, context: Context, methods: Table | None = None) -> None:
             out_dir,
         )
         return
+    finally:
+        trackers.finish(status)
     # Flower hands back an empty record when no round produced a model
     final = result.arrays if result.arrays is not None and len(result.arrays) > 0 else initial
     last = recorder.rows[-1] if recorder.rows else {}

@@ -3,7 +3,8 @@
 :class:`RoundReporter` is the ServerApp's ``evaluate_fn``: it evaluates the global model on the held-out
 test set every ``eval-every`` rounds (and after the last), logs the round's line (accuracy, bytes each way
 by record, failures, the method's own counters by name) and hands the row to the run's
-:class:`~pollen.app.results.RunRecorder`; it keeps what it needs to resume with the run's checkpoint.
+:class:`~pollen.app.results.RunRecorder` and, as written, to the run's experiment trackers
+(:class:`~pollen.app.trackers.RunTrackers`); it keeps what it needs to resume with the run's checkpoint.
 """
 
 from __future__ import annotations
@@ -19,18 +20,28 @@ from flwr.common import log
 
 from pollen.app.config import AppConfig
 from pollen.app.results import METHOD_PREFIX, RunRecorder, human_bytes
+from pollen.app.trackers import RunTrackers
 from pollen.wire import protocol
 
 
 class RoundReporter:
     """Centralised evaluation plus the per-round row and progress line (Flower's ``evaluate_fn``)."""
 
-    def __init__(self, cfg: AppConfig, strategy: Any, recorder: RunRecorder, model: Any, test_loader: Any) -> None:
+    def __init__(
+        self,
+        cfg: AppConfig,
+        strategy: Any,
+        recorder: RunRecorder,
+        model: Any,
+        test_loader: Any,
+        trackers: RunTrackers | None = None,
+    ) -> None:
         from pollen.task.device import resolve_device
 
         self.cfg = cfg
         self.strategy = strategy
         self.recorder = recorder
+        self.trackers = trackers if trackers is not None else RunTrackers([])
         self.model = model
         self.test_loader = test_loader
         self.device = resolve_device(cfg["device"])
@@ -54,14 +65,14 @@ class RoundReporter:
         due = server_round % self.cfg["eval-every"] == 0 or server_round == total
         if not due:
             now = time.perf_counter()
-            self.recorder.record(self._row(server_round, None, None, now))
+            self._record(self._row(server_round, None, None, now))
             self.last = now
             return None
         self.model.load_state_dict(arrays.to_torch_state_dict())
         loss, accuracy, _ = evaluate(self.model, self.test_loader, self.device)
         now = time.perf_counter()
         row = self._row(server_round, accuracy, loss, now)
-        self.recorder.record(row)
+        self._record(row)
         self.last = now
         log(
             INFO,
@@ -92,6 +103,11 @@ class RoundReporter:
         if counters:
             log(INFO, "[pollen]   round %d method: %s", server_round, counters)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
+
+    def _record(self, row: dict[str, Any]) -> None:
+        """Write the row to the results files, then hand the row as written to the trackers."""
+        self.recorder.record(row)
+        self.trackers.log_round(self.recorder.rows[-1])
 
     def _row(self, server_round: int, accuracy: float | None, loss: float | None, now: float) -> dict[str, Any]:
         accounting = self.strategy.accounting

@@ -11,6 +11,12 @@ stopped. One progress line per run, with an estimate of the time left. The repor
 ``report.json``, the accuracy plots vs round and vs cumulative uplink / downlink / total bytes, and
 ``commands.sh``) is written by :mod:`pollen.app.compare`, the same engine as ``pollen-compare``.
 
+With a tracker (``--set tracker=tensorboard,mlflow``, or a preset that sets one) the sweep groups its runs:
+TensorBoard event files in ``<out>/tensorboard/<run-name>`` (``tensorboard --logdir <out>/tensorboard``),
+and one MLflow experiment ``sweep-<out folder>`` in ``sqlite:///<out>/mlflow.db``, unless ``--set`` names
+``tracker-dir``, ``mlflow-tracking-uri`` or ``mlflow-experiment``. The tracker keys never make a finished
+run run again: a finished run that a tracker has not seen yet is logged into it from its ``metrics.json``.
+
 ``--warm`` starts one Ray head on 127.0.0.1 (:class:`pollen.app.ray_cluster.LocalRayCluster`, the machine's
 CPUs and GPUs) and one private local SuperLink that joins it (:class:`pollen.app.local_superlink.LocalSuperLink`,
 ``RAY_ADDRESS``), runs every ``flwr run`` against them, and stops both by process id at the end. Measured on a
@@ -38,6 +44,10 @@ from typing import Any
 
 from pollen.app.compare import write_report
 from pollen.app.preset import Preset, PresetError, load_preset, tomllib
+from pollen.app.trackers import TRACKER_KEYS, open_trackers, tracker_names
+from pollen.app.trackers.base import FINISHED, TRACKERS, install_hint
+from pollen.app.trackers.factory import missing_library
+from pollen.app.trackers.mlflow import default_tracking_uri
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,15 @@ def parse_assignment(text: str) -> tuple[str, Any]:
         return key, raw
 
 
+def sweep_tracking(out: Path) -> dict[str, str]:
+    """Where a sweep's runs are tracked, all together: one TensorBoard directory, one MLflow experiment."""
+    return {
+        "tracker-dir": str(out / "tensorboard"),
+        "mlflow-tracking-uri": default_tracking_uri(out),
+        "mlflow-experiment": f"sweep-{out.name}",
+    }
+
+
 def plan(
     preset: Preset,
     methods: Sequence[str],
@@ -82,7 +101,11 @@ def plan(
     sweep: tuple[str, list[Any]] | None,
     out: Path,
 ) -> list[PlannedRun]:
-    """Every run of the sweep, method-major within each seed (a partial sweep has every method on seed 1)."""
+    """Every run of the sweep, method-major within each seed (a partial sweep has every method on seed 1).
+
+    A run with a tracker is tracked where the sweep's runs are (:func:`sweep_tracking`), unless the preset or
+    ``settings`` say where.
+    """
     runs = []
     values = sweep[1] if sweep else [None]
     for seed in seeds:
@@ -99,12 +122,18 @@ def plan(
                 }
                 if sweep is not None:
                     config[sweep[0]] = value
+                if config.get("tracker"):
+                    for key, where in sweep_tracking(out).items():
+                        config.setdefault(key, where)
                 runs.append(PlannedRun(group, seed, config, out / "runs" / name))
     return runs
 
 
 def is_finished(run: PlannedRun) -> bool:
-    """Whether the run's folder holds a finished run of exactly this config (else it is run again)."""
+    """Whether the run's folder holds a finished run of exactly this config (else it is run again).
+
+    The tracker keys do not count: they change where a run is shown, not its numbers (:func:`track_finished`).
+    """
     metrics, written = run.run_dir / "metrics.json", run.run_dir / "config.json"
     if not (metrics.is_file() and written.is_file()):
         return False
@@ -113,9 +142,50 @@ def is_finished(run: PlannedRun) -> bool:
         config = json.loads(written.read_text())
     except (ValueError, KeyError):
         return False
-    if any(config.get(key) != value for key, value in run.config.items()):
+    if any(config.get(key) != value for key, value in run.config.items() if key not in TRACKER_KEYS):
         return False  # the same name with other settings (a changed --set): not this run
     return bool(rows) and rows[-1].get("round") == run.rounds
+
+
+def track_finished(run: PlannedRun) -> None:
+    """Show a finished run in this sweep's trackers: its rows from ``metrics.json``, where not logged already.
+
+    The trackers tell for themselves whether they hold the run (the MLflow run recorded in its folder, the
+    event files in its TensorBoard directory) and then add nothing; a tracker that fails says so once.
+    """
+    if not run.config.get("tracker"):
+        return
+    written = json.loads((run.run_dir / "config.json").read_text())
+    config = {**written, **{key: run.config.get(key, written.get(key, "")) for key in TRACKER_KEYS}}
+    rows = json.loads((run.run_dir / "metrics.json").read_text())["rows"]
+    trackers = open_trackers(config, run.run_dir)
+    trackers.start(config, earlier_rows=rows)
+    trackers.finish(FINISHED)
+
+
+def check_trackers(runs: list[PlannedRun]) -> None:
+    """``ValueError`` (one line) for a run whose ``tracker`` is not a list of trackers or is not installed."""
+    for run in runs:
+        try:
+            names = tracker_names(str(run.config.get("tracker", "")))
+        except ValueError as err:
+            raise ValueError(f"tracker = {run.config['tracker']!r}: {err}; allowed: {', '.join(TRACKERS)}") from None
+        missing = missing_library(names)
+        if missing is not None:
+            raise ValueError(f"tracker {missing} is not installed; install it with: {install_hint(missing)}")
+
+
+def where_tracked(run: PlannedRun) -> list[str]:
+    """How to open the trackers a run logs to, one line each (the sweep's runs share them)."""
+    names = tracker_names(str(run.config.get("tracker", "")))
+    lines = []
+    if "tensorboard" in names:
+        lines.append(f"TensorBoard: tensorboard --logdir {shlex.quote(str(run.config['tracker-dir']))}")
+    if "mlflow" in names:
+        uri = str(run.config["mlflow-tracking-uri"])
+        opener = f"mlflow ui --backend-store-uri {shlex.quote(uri)}" if not uri.startswith("http") else uri
+        lines.append(f"MLflow: {opener} (experiment {run.config['mlflow-experiment']!r})")
+    return lines
 
 
 def snapshot_app(app: Path, dest: Path) -> Path:
@@ -208,6 +278,9 @@ def execute(
     """Run what is not finished yet, one progress line per run; returns the failures (one line each)."""
     todo = [run for run in runs if not is_finished(run)]
     say(f"{len(runs)} runs, {len(runs) - len(todo)} already finished, {len(todo)} to run")
+    for run in runs:
+        if run not in todo:
+            track_finished(run)
     failures, spent = [], []
     for index, run in enumerate(todo, start=1):
         command = flwr_command(run, app, supernodes)
@@ -269,6 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     out = (args.out or Path("results") / "sweeps" / preset.name).resolve()
     supernodes = args.supernodes or preset.supernodes
     runs = plan(preset, methods, args.seeds, settings, sweep, out)
+    try:
+        check_trackers(runs)
+    except ValueError as err:
+        print(f"pollen-sweep: {err}", file=sys.stderr)
+        return 2
     commands = [shlex.join(flwr_command(run, args.app, supernodes)) for run in runs]
     if args.dry_run:
         print("\n".join(commands))
@@ -294,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         table = write_report(groups, out, title=title, commands=commands, target=args.target)
         print(table)
         print(f"\nreport: {out / 'report.md'}")
+    for line in where_tracked(runs[0]) if runs else []:
+        print(line)
     for line in failures:
         print(f"failed: {line}", file=sys.stderr)
     return 1 if failures else 0

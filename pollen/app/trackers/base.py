@@ -27,6 +27,11 @@ FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-./ ]")
 
 
+def install_hint(name: str) -> str:
+    """The command that installs tracker ``name``'s library."""
+    return f'pip install "flwr-pollen[{EXTRAS[name]}]"'
+
+
 def tracker_names(text: str) -> tuple[str, ...]:
     """``"tensorboard, mlflow"`` -> ``("tensorboard", "mlflow")``; ``ValueError`` for an unknown or repeated name."""
     names = tuple(part.strip() for part in text.split(",") if part.strip())
@@ -102,9 +107,14 @@ class Tracker(Protocol):
     #: The tracker's name in ``tracker`` (``tensorboard``, ``mlflow``).
     name: str
 
-    def start(self, config: Mapping[str, Any], *, resume_at: int | None = None) -> None:
-        """Open the run and record ``config`` as its hyper-parameters; ``resume_at``: a resumed run's next round
-        (the run continues where its checkpoint left it, and what was logged from that round on is superseded)."""
+    def start(self, config: Mapping[str, Any], *, resume_at: int | None = None) -> bool:
+        """Open the run and record ``config`` as its hyper-parameters; whether it continues an earlier record.
+
+        ``resume_at``: a resumed run's next round. The tracker continues what this run logged before its
+        checkpoint (what was logged from ``resume_at`` on, by a run that crashed later, is superseded) and
+        returns True; it returns False where it has no earlier record (a tracker added on resume), and the
+        rounds before the checkpoint are then logged again.
+        """
 
     def log_round(self, step: int, metrics: Mapping[str, float]) -> None:
         """Record one round's metrics at ``step`` (the round number; 0 is the initial model)."""

@@ -9,7 +9,7 @@ hands each results row to, and what the ServerApp closes; every tracker in it is
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from logging import INFO
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ from typing import Any
 from flwr.common import log
 
 from pollen.app.spec import ConfigError
-from pollen.app.trackers.base import EXTRAS, Tracker, round_metrics, tracker_names
+from pollen.app.trackers.base import Tracker, install_hint, round_metrics, tracker_names
 from pollen.app.trackers.guard import Guarded
 from pollen.app.trackers.mlflow import MLflowTracker, default_tracking_uri
 from pollen.app.trackers.tensorboard import TensorBoardTracker
@@ -38,12 +38,21 @@ class RunTrackers:
     def __bool__(self) -> bool:
         return bool(self.trackers)
 
-    def start(self, config: Mapping[str, Any], *, resume_at: int | None = None) -> None:
-        """Open every tracker with the resolved run-config as hyper-parameters."""
+    def start(self, config: Mapping[str, Any], *, earlier_rows: Sequence[Mapping[str, Any]] = ()) -> None:
+        """Open every tracker with the resolved run-config as hyper-parameters.
+
+        ``earlier_rows``: a resumed run's rows up to its checkpoint; a tracker that has no record of them
+        (one added on resume) gets them now, so it shows the whole run.
+        """
+        resume_at = int(earlier_rows[-1]["round"]) + 1 if earlier_rows else None
         for tracker in self.trackers:
-            tracker.start(config, resume_at=resume_at)
-            if not tracker.failed:
-                log(INFO, "[pollen] tracking with %s: %s", tracker.name, tracker.tracker.where())
+            continued = tracker.start(config, resume_at=resume_at)
+            if tracker.failed:
+                continue
+            log(INFO, "[pollen] tracking with %s: %s", tracker.name, tracker.tracker.where())
+            if not continued:
+                for row in earlier_rows:
+                    tracker.log_round(int(row["round"]), round_metrics(row))
 
     def log_round(self, row: Mapping[str, Any]) -> None:
         """One results row, as written to ``metrics.csv``, at step = its round."""
@@ -82,7 +91,7 @@ def open_trackers(cfg: Mapping[str, Any], out_dir: Path) -> RunTrackers:
     if missing is not None:
         raise ConfigError(
             f"run-config 'tracker' = {cfg['tracker']!r} but {missing} is not installed; "
-            f'install it with: pip install "flwr-pollen[{EXTRAS[missing]}]"'
+            f"install it with: {install_hint(missing)}"
         )
     out_dir = Path(out_dir)
     trackers: list[Tracker] = []

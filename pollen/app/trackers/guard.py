@@ -66,8 +66,11 @@ class Guarded:
         except Exception:  # noqa: BLE001 - only words for the warning
             return "?"
 
-    def start(self, config: Mapping[str, Any], *, resume_at: int | None = None) -> None:
-        self._guard("start", self.tracker.start, config, resume_at=resume_at)
+    def start(self, config: Mapping[str, Any], *, resume_at: int | None = None) -> bool:
+        """The tracker's answer (whether it continues an earlier record); False if it failed."""
+        answer: list[bool] = []
+        self._guard("start", lambda: answer.append(bool(self.tracker.start(config, resume_at=resume_at))))
+        return bool(answer and answer[0])
 
     def log_round(self, step: int, metrics: Mapping[str, float]) -> None:
         self._guard(f"log round {step}", self.tracker.log_round, step, metrics)

@@ -96,7 +96,7 @@ class MLflowTracker:
         run = f", run {self.run_id}" if self.run_id else ""
         return f"{self.tracking_uri}, experiment {self.experiment!r}{run}"
 
-    def start(self, config: Mapping[str, Any], *, resume_at: int | None = None) -> None:
+    def start(self, config: Mapping[str, Any], *, resume_at: int | None = None) -> bool:
         for name, value in QUICK_HTTP.items():
             os.environ.setdefault(name, value)
         from mlflow.entities import Param
@@ -107,7 +107,8 @@ class MLflowTracker:
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment_id = self._experiment_id()
         self.run_id = self._previous_run(experiment_id) if resume_at is not None else None
-        if self.run_id is not None:
+        continued = self.run_id is not None
+        if continued:
             self.client.update_run(self.run_id, status="RUNNING")
         else:
             tags = {"pollen.run-dir": str(self.run_dir)}
@@ -118,6 +119,7 @@ class MLflowTracker:
             json.dumps({"tracking_uri": self.tracking_uri, "experiment_id": experiment_id, "run_id": self.run_id})
             + "\n"
         )
+        return continued
 
     def _experiment_id(self) -> str:
         """The id of ``experiment``, created (or restored from MLflow's bin) if needed."""

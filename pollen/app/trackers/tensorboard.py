@@ -32,16 +32,18 @@ class TensorBoardTracker:
     def where(self) -> str:
         return str(self.log_dir)
 
-    def start(self, config: Mapping[str, Any], *, resume_at: int | None = None) -> None:
+    def start(self, config: Mapping[str, Any], *, resume_at: int | None = None) -> bool:
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
+        continued = resume_at is not None and any(self.log_dir.glob("events.out.tfevents.*"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=resume_at)
         experiment, session_start, _ = hparams(hyperparameters(config), dict.fromkeys(HPARAM_METRICS, 0.0))
         self.writer.file_writer.add_summary(experiment)
         self.writer.file_writer.add_summary(session_start)
         self.writer.flush()
+        return continued
 
     def log_round(self, step: int, metrics: Mapping[str, float]) -> None:
         for tag, value in metrics.items():
