@@ -22,8 +22,8 @@ from typing import Any
 
 try:
     __version__ = metadata.version("flwr-pollen")
-except metadata.PackageNotFoundError:  # a checkout on sys.path without an install
-    __version__ = "0.0.0+unknown"
+except metadata.PackageNotFoundError:  # a checkout on sys.path without an install: pyproject.toml's version
+    __version__ = "0.1.0"
 
 #: Public name -> the module that defines it.
 _PUBLIC = {

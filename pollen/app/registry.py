@@ -30,7 +30,7 @@ class Method:
     build : Builder
         Makes the strategy from the validated run-config.
     implementation : str
-        What it builds, in words (README tables, error messages).
+        What it builds, in words (the docs' method tables, error messages).
     family : str
         The module of :mod:`pollen.app.methods` that declares its keys and builders.
     defaults : Mapping[str, Any]
@@ -65,7 +65,7 @@ def strategy_names(methods: Table | None = None) -> tuple[str, ...]:
 
 
 def implementations(methods: Table | None = None) -> dict[str, str]:
-    """Name -> what it builds, for the README and ``--help``-style listings."""
+    """Name -> what it builds, for the docs and ``--help``-style listings."""
     return {name: method.implementation for name, method in _table(methods).items()}
 
 

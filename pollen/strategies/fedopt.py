@@ -39,7 +39,7 @@ class FedOpt(AdaptiveStrategy):
         adabelief, lamb).
     eta : float (default: 0.01)
         Server learning rate.
-    **settings_and_kwargs
+    **kwargs
         The optimiser's settings in the strategy's spelling (``beta_1``, ``beta_2``, ``eps``,
         ``bias_correction``, ``eps_mode`` for amsgrad, ``layerwise`` for lamb); everything else goes
         to :class:`AdaptiveStrategy` (sampling, ``aggregation``, ``uplink``, screening, ...).

@@ -55,7 +55,7 @@ from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, payload_to_records
 
 #: Below this effective threshold a top-k or sign candidate with error feedback is almost never close enough
-#: to the last one to be skipped or merged (pollen's calibration in the README: relative changes 1.19-1.66,
+#: to the last one to be skipped or merged (pollen's calibration, docs/results/lazy.md: relative changes 1.19-1.66,
 #: none at or below 1.1 on the MLP or the CNN; the spec's numpy one: 1.07-1.54).
 UPLINK_EF_FLOOR = 1.2
 
@@ -87,8 +87,8 @@ class FedLazy(FedAMS):
     up_tau : float (default: 0.0)
         Effective uplink threshold ``C / (alpha |S_t|)`` (NLA) or ``D / (alpha |S_t|)`` (AA), >= 0 (with
         ``tau_scaling="paper"``: ``C`` or ``D`` itself). The paper gives no value; the spec's calibration
-        (§9) and pollen's (README): uncompressed updates fire from about 0.25-0.5, top-k 1/8 with error
-        feedback only from about 1.2-1.4.
+        (§9) and pollen's (``docs/results/lazy.md``): uncompressed updates fire from about 0.25-0.5, top-k 1/8
+        with error feedback only from about 1.2-1.4.
         The app's defaults per method are calibrated ones (:data:`pollen.app.methods.lazy.TAUS`); 0 here
         never fires (a warning says so).
     compressor : str (default: "none")
@@ -215,8 +215,8 @@ class FedLazy(FedAMS):
         elif self.up_rule != "none" and self.error_feedback and up_tau < UPLINK_EF_FLOOR:
             lines.append(
                 f"uplink threshold {up_tau:g} with {self.compressor} and error feedback: a compensated candidate "
-                f"differs from the last by about 1.2-1.7 x its norm (README calibration), so a threshold below "
-                f"{UPLINK_EF_FLOOR:g} rarely fires"
+                f"differs from the last by about 1.2-1.7 x its norm (pollen's calibration, docs/results/lazy.md), so a "
+                f"threshold below {UPLINK_EF_FLOOR:g} rarely fires"
             )
         if self.downlink is not None and self.downlink.rule != "none" and down_tau == 0.0:
             lines.append(f"tau-down = 0: the downlink {self.downlink.rule} rule never fires")

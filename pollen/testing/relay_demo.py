@@ -1,6 +1,6 @@
 """RelayAverage: local SGD with one relayed averaging half-way through the round (server and client side).
 
-The worked example of pollen's round protocol (README, "Write your own strategy"): it uses each
+The worked example of pollen's round protocol (``docs/concepts.md``, "A round"): it uses each
 extension point once, on a method small enough to read in one sitting. It is a demo, not a method of
 the product: the test harness's apps run it (:mod:`pollen.testing.apps`, strategy ``relay-demo``),
 the product's method table does not list it. Round t:

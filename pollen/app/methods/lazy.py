@@ -67,8 +67,8 @@ _DOWN = {"compressor-down": "topk", "topk-ratio-down": 0.125}
 
 
 #: Thresholds that make each method do what its name says with its default codec. The relative change a rule
-#: compares with tau, measured at threshold 0 (README, ``bench_lazy_quality.py --rel``, seed 1; the spec's
-#: numpy calibration, ``papers/fedbaca.md`` §9, agrees for the uncompressed and downlink cases):
+#: compares with tau, measured at threshold 0 (``docs/results/lazy.md``, ``bench_lazy_quality.py --rel``, seed
+#: 1; the spec's numpy calibration, ``papers/fedbaca.md`` §9, agrees for the uncompressed and downlink cases):
 #: uncompressed uploads change by 0.31-0.89 (10%-90%, MLP; CNN 0.38-0.83), so 0.5 fires in about 30% of
 #: uploads in a run (NLA cost 1.8-4.5 points, AA within the spread); top-k 1/8 with error feedback by
 #: 1.19-1.33 (MLP; CNN 1.29-1.40), so the spec's 1.1 never fires in pollen's runs (skip 0.2%) and 1.3 is
