@@ -64,7 +64,10 @@ def _run(  # noqa: PLR0913 - the run's settings, passed through
 
 
 def test_fedams_run_writes_every_results_file(flower: LocalFlower, results_dir: Path) -> None:
-    metrics = _run(flower, results_dir, "fedams", strategy="fedams")
+    """The ServerApp in Flower's simulation also writes TensorBoard event files as it goes (``tracker``)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics = _run(flower, results_dir, "fedams", strategy="fedams", tracker="tensorboard")
     out_dir = results_dir / "fedams"
     for name in (
         "config.json",
@@ -82,6 +85,12 @@ def test_fedams_run_writes_every_results_file(flower: LocalFlower, results_dir: 
     assert last["uplink_bytes"] > 2 * 4 * 29_034  # two full CNN models came back
     assert float(rows[-1]["accuracy"]) > float(rows[0]["accuracy"])
     assert json.loads((out_dir / "config.json").read_text())["strategy"] == "fedams"
+    events = EventAccumulator(str(results_dir / "tensorboard" / "fedams"))
+    events.Reload()
+    for column in ("accuracy", "uplink_bytes", "round_seconds"):
+        logged = [(e.step, e.value) for e in events.Scalars(column)]
+        rows = [r for r in metrics["rows"] if isinstance(r[column], (int, float))]
+        assert logged == [(r["round"], float(np.float32(r[column]))) for r in rows] and len(rows) >= 2, column
 
 
 def test_fedcams_sign_uploads_about_one_32nd_of_fedams(flower: LocalFlower, results_dir: Path) -> None:
