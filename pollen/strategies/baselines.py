@@ -81,6 +81,7 @@ class Metered(RoundLoop):
         group = self.replies.ask(server_round, TRAIN_PHASE, [message.metadata.dst_node_id for message in messages])
         for message in messages:  # the collector knows an earlier round's reply by it
             message.metadata.group_id = group
+        self.replies.note_sent(server_round, TRAIN_PHASE, messages)
         stats = self.accounting.round(server_round)
         stats.sampled = len(messages)
         count_sent(stats, messages)
@@ -220,6 +221,7 @@ class Metered(RoundLoop):
         group = self.replies.ask(server_round, EVALUATE_PHASE, [message.metadata.dst_node_id for message in messages])
         for message in messages:
             message.metadata.group_id = group
+        self.replies.note_sent(server_round, EVALUATE_PHASE, messages)
         return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:

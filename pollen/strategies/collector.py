@@ -10,6 +10,9 @@ a guarantee about replies is written once:
 - every rejection is counted in the round's :class:`~pollen.strategies.accounting.RoundStats` and
   logged with the client's stable id;
 - a node that was asked and did not answer is a failure too ("no reply before the timeout");
+- an error reply the SuperLink writes itself for a message it could not deliver (the node went offline:
+  Flower's ``NODE_UNAVAILABLE``, sent from the SuperLink's own node id) is that node's failure, found by
+  the id of the message it answers (:meth:`ReplyCollector.note_sent`), and counted once;
 - :meth:`ReplyCollector.read` judges each reply once with
   :func:`~pollen.strategies.replies.read_reply` against the method's
   :class:`~pollen.strategies.replies.ReplySpec`; a reply that cannot be trusted never reaches a sink.
@@ -22,8 +25,9 @@ from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import Message, Metadata, MetricRecord, RecordDict
 from flwr.common import log
+from flwr.common.constant import SUPERLINK_NODE_ID
 
 from pollen.core.layout import ModelLayout
 from pollen.strategies.accounting import Accounting
@@ -71,6 +75,8 @@ class ReplyCollector:
         self._phase: dict[int, str] = {}
         self._groups: dict[tuple[int, str], str] = {}
         self._sent: dict[tuple[int, str], int] = {}
+        self._metadata: dict[tuple[int, str], list[Metadata]] = {}
+        self._undelivered: dict[tuple[int, str], set[int]] = {}
         self.client_devices: dict[str, str] = {}
 
     # ------------------------------------------------------------------ the book
@@ -87,6 +93,11 @@ class ReplyCollector:
             self._phase[server_round] = phase
         return group
 
+    def note_sent(self, server_round: int, phase: str, messages: Iterable[Message]) -> None:
+        """Keep the metadata of the messages of ``phase``: the grid writes each one's id into it when it
+        pushes, which is how a reply the SuperLink writes for an undeliverable message is traced to its node."""
+        self._metadata.setdefault((server_round, phase), []).extend(message.metadata for message in messages)
+
     def asked(self, server_round: int, phase: str = TRAIN_PHASE) -> list[int]:
         """The nodes asked in ``phase`` of ``server_round`` (empty when none were)."""
         return list(self._asked.get((server_round, phase), []))
@@ -97,7 +108,7 @@ class ReplyCollector:
 
     def forget(self, server_round: int) -> None:
         """Drop the book of ``server_round`` and every earlier round (a late reply is then unasked)."""
-        for book in (self._asked, self._groups, self._sent):
+        for book in (self._asked, self._groups, self._sent, self._metadata, self._undelivered):
             for key in [key for key in book if key[0] <= server_round]:
                 del book[key]
         for done in [r for r in self._phase if r <= server_round]:
@@ -123,7 +134,12 @@ class ReplyCollector:
         kept, seen = [], set()
         for reply in self.in_fixed_order(replies):
             node = reply.metadata.src_node_id
-            if node not in asked:
+            if node not in asked and (undelivered := self._undelivered_node(server_round, phase, reply)) is not None:
+                if undelivered not in seen:
+                    seen.add(undelivered)
+                    self._undelivered.setdefault((server_round, phase), set()).add(undelivered)
+                    self.reject(server_round, undelivered, f"{phase} message not delivered: {reply.error.reason}")
+            elif node not in asked:
                 self.reject(server_round, node, f"reply from a node not asked in {phase} of round {server_round}")
             elif group is not None and not reply.has_error() and reply.metadata.group_id != group:
                 self.reject(
@@ -139,6 +155,17 @@ class ReplyCollector:
                 kept.append(reply)
         return kept
 
+    def _undelivered_node(self, server_round: int, phase: str, reply: Message) -> int | None:
+        """The asked node of the message ``reply`` answers, when ``reply`` is the SuperLink's own error
+        reply for it (sent from ``SUPERLINK_NODE_ID``); else ``None``."""
+        if not reply.has_error() or reply.metadata.src_node_id != SUPERLINK_NODE_ID:
+            return None
+        answered = reply.metadata.reply_to_message_id
+        for metadata in self._metadata.get((server_round, phase), []):
+            if answered and metadata.message_id == answered:
+                return metadata.dst_node_id
+        return None
+
     def in_fixed_order(self, replies: Iterable[Message]) -> list[Message]:
         """``replies`` ordered by (stable client id, node id): an order that does not depend on arrival."""
         return sorted(replies, key=lambda reply: (self.sampler.key(node := reply.metadata.src_node_id), node))
@@ -146,6 +173,7 @@ class ReplyCollector:
     def missing(self, server_round: int, phase: str, replies: Iterable[Message]) -> None:
         """Count every node asked in ``phase`` that is not among ``replies`` as a failure."""
         answered = {reply.metadata.src_node_id for reply in replies}
+        answered |= self._undelivered.get((server_round, phase), set())  # already a failure, with its reason
         for node in self._asked.get((server_round, phase), []):
             if node not in answered:
                 self.reject(server_round, node, f"no reply before the timeout ({phase})")
@@ -236,7 +264,7 @@ class ReplyCollector:
                     node,
                     reason_of(err),
                 )
-        for book in (self._asked, self._groups, self._sent):
+        for book in (self._asked, self._groups, self._sent, self._metadata, self._undelivered):
             book.pop((server_round, EVALUATE_PHASE), None)
         return records, weights
 

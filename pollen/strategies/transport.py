@@ -57,6 +57,7 @@ class Transport:
         messages = [
             Message(content=content_for(node), message_type="train", dst_node_id=node, group_id=group) for node in nodes
         ]
+        self.replies.note_sent(server_round, "train", messages)
         count_sent(self._accounting().round(server_round), messages)
         return messages
 
@@ -65,10 +66,12 @@ class Transport:
         group = self.replies.ask(server_round, EVALUATE_PHASE, nodes)
         stats = self._accounting().round(server_round)
         stats.eval_downlink_bytes += int(sum(record.count_bytes() for record in content.values())) * len(nodes)
-        return [
+        messages = [
             Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node, group_id=group)
             for node in nodes
         ]
+        self.replies.note_sent(server_round, EVALUATE_PHASE, messages)
+        return messages
 
     def exchange(
         self,
@@ -100,6 +103,7 @@ class Transport:
             messages.append(
                 Message(content=content, message_type=protocol.PHASE_MESSAGE_TYPE, dst_node_id=node, group_id=group)
             )
+        self.replies.note_sent(server_round, phase, messages)
         count_sent(stats, messages, prefix=f"{phase}/")
         stats.exchange_messages += len(messages)
         replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
