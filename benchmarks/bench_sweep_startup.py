@@ -12,6 +12,11 @@ start to the last round's end, from each run's own rows), and what is left: star
 teardown. Both sweeps use the disk cache of partitions, warmed by a first run that is not counted.
 
     python benchmarks/bench_sweep_startup.py [--rounds 5]
+    python benchmarks/bench_sweep_startup.py --timeline [--rounds 5]     # where one run's time goes
+
+``--timeline`` runs one run of the sweep (FedAMS, seed 1) as ``pollen-sweep`` runs it, stamps every line of
+its ``flwr run --stream`` output with the time it arrived, and prints the intervals between the milestones a
+run logs (app submitted, ServerApp up, data and strategy ready, round 0's evaluation, each round, done, exit).
 """
 
 from __future__ import annotations
@@ -59,12 +64,61 @@ def one_sweep(folder: Path, app: str, rounds: int, warm: bool) -> tuple[float, f
     return wall, training_seconds(runs)
 
 
+#: What a run logs at each milestone (the first line containing it), in order.
+MILESTONES = (
+    ("flwr run submitted the app", "Successfully started run"),
+    ("ServerApp process started", "Start `flwr-serverapp`"),
+    ("ServerApp imported, data found", "[pollen] data:"),
+    ("strategy built", "strategy:"),
+    ("round 0 evaluated", "[pollen] round 0/"),
+    ("round 1 done", "[pollen] round 1/"),
+    ("last round done", "[pollen] round {rounds}/"),
+    ("results written", "[pollen] done"),
+)
+
+
+def timeline(folder: Path, app: str, rounds: int) -> list[tuple[str, float]]:
+    """``(milestone, seconds since the command started)`` of one ``flwr run`` in the order reached, then the exit."""
+    import subprocess
+
+    preset = load_preset("fedcams-cpu")
+    run = sweep.plan(preset, ["fedams"], [1], {"num-server-rounds": rounds, "eval-every": rounds}, None, folder)[0]
+    with LocalSuperLink(folder / "flwr-home") as link:
+        started = time.perf_counter()
+        proc = subprocess.Popen(
+            sweep.flwr_command(run, app, preset.supernodes),
+            env=dict(link.env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        needles = {name: needle.format(rounds=rounds) for name, needle in MILESTONES}
+        at: dict[str, float] = {}
+        for line in proc.stdout:
+            for name, needle in needles.items():
+                if name not in at and needle in line:
+                    at[name] = time.perf_counter() - started
+        proc.wait()
+        exited = time.perf_counter() - started
+    seen = sorted(at.items(), key=lambda item: item[1])  # a milestone a run does not log is left out
+    return [*seen, (f"flwr run exited ({proc.returncode})", exited)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--timeline", action="store_true", help="where one run's time goes, milestone by milestone")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pollen-sweep-bench-") as tmp:
         app = str(sweep.snapshot_app(REPO, Path(tmp) / "app"))
+        if args.timeline:
+            timeline(Path(tmp) / "warm-up", app, 1)  # partitions into the disk cache, imports into page cache
+            last = 0.0
+            print("| milestone | s since start | s since the previous |\n|---|---|---|")
+            for name, at in timeline(Path(tmp) / "timeline", app, args.rounds):
+                print(f"| {name} | {at:.1f} | {at - last:.1f} |")
+                last = at
+            return
         one_sweep(Path(tmp) / "warm-up", app, 1, warm=False)  # partitions into the disk cache, imports into page cache
         print(f"{len(METHODS) * len(SEEDS)} runs of the fedcams-cpu preset, {args.rounds} rounds each")
         print("| sweep | wall s | training s (sum over runs) | outside training s | per run |")

@@ -27,13 +27,17 @@ from typing import Any
 import numpy as np
 from flwr.app import Message, Metadata, MetricRecord, RecordDict
 from flwr.common import log
-from flwr.common.constant import SUPERLINK_NODE_ID
 
 from pollen.core.layout import ModelLayout
 from pollen.strategies.accounting import Accounting
 from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec, count_records, read_reply
 from pollen.strategies.sampling import ClientSampler
 from pollen.wire import protocol
+
+try:  # the node id the SuperLink's own replies come from (1 in every Flower this library supports)
+    from flwr.common.constant import SUPERLINK_NODE_ID
+except ImportError:  # pragma: no cover - a Flower that moved the constant
+    SUPERLINK_NODE_ID = 1
 
 TRAIN_PHASE = "train"
 EVALUATE_PHASE = "evaluate"
