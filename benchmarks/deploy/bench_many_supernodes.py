@@ -1,6 +1,6 @@
 """Many SuperNodes over TLS with node authentication: seconds per round and memory against the number of nodes.
 
-    python benchmarks/deploy/bench_many_supernodes.py                                # 10, 20, 40 nodes; ~20 min
+    python benchmarks/deploy/bench_many_supernodes.py                                # 10, 20, 30 nodes; ~25 min
     python benchmarks/deploy/bench_many_supernodes.py --nodes 10 20 --per-round 5 --rounds 4 --kill-at 20
 
 For each node count N: a TLS SuperLink with ``--enable-supernode-auth``, N registered ``flower-supernode``
@@ -17,9 +17,10 @@ round 1 is written a third of the nodes are SIGKILLed and started again (same ke
 state-dir). Reported: each round's replies, failures, resync requests (a client that lost its state asks
 for one) and seconds, and whether the run completed.
 
-All on 127.0.0.1; every process is stopped by id at the end. Two CPU cores run every ClientApp of a
-round at once, so seconds per round here measure this machine's cores as much as pollen; compare the
-rows with each other, not with a real deployment's.
+A node count the machine cannot carry is reported as collapsed (ClientApp processes piling up: see
+:func:`clientapps`) and stops the scan. All on 127.0.0.1; every process is stopped by id at the end.
+Two CPU cores run every ClientApp of a round at once, so seconds per round here measure this machine's
+cores as much as pollen; compare the rows with each other, not with a real deployment's.
 """
 
 from __future__ import annotations
@@ -90,10 +91,26 @@ def supernodes_rss(fed: SecureFederation) -> int:
     return sum(resident_bytes(proc.pid) for proc in fed.nodes.values() if proc.poll() is None)
 
 
+class Collapsed(RuntimeError):
+    """The machine could not carry the nodes: ClientApp processes piled up (see :func:`clientapps`)."""
+
+
+def clientapps(fed: SecureFederation) -> int:
+    """Live ``flwr-clientapp`` processes of the SuperNodes.
+
+    Flower 1.39's SuperExec hands a message back to "pending" when its ClientApp has not started within
+    30 s, and starts another one for it: on a machine too loaded to start a ClientApp in 30 s the processes
+    pile up (500 of them at 40 SuperNodes on 2 cores) until memory runs out.
+    """
+    return sum(len(lf.find_in_tree(proc, "flwr-clientapp")) for proc in fed.nodes.values() if proc.poll() is None)
+
+
 def wait_run(fed: SecureFederation, run: lf.Proc, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while run.poll() is None and time.monotonic() < deadline:
         fed.superlink.remember_tree()
+        if (count := clientapps(fed)) > 2 * len(fed.nodes):
+            raise Collapsed(f"{count} flwr-clientapp processes for {len(fed.nodes)} SuperNodes")
         time.sleep(1)
     if run.poll() != 0 or "[pollen] done" not in run.output():
         raise RuntimeError(f"flwr run did not complete (exit {run.poll()}):\n{lf.tail(run.output())}")
@@ -178,6 +195,9 @@ def report(scale: list[dict[str, Any]], kill: dict[str, Any] | None, args: argpa
         f"{'ServerApp MB':>12} {'SuperNodes MB':>13}  each round (s)",
     ]
     for r in scale:
+        if "collapsed" in r:
+            lines.append(f"{r['nodes']:>5} collapsed: {r['collapsed']} (Flower's SuperExec relaunch, see clientapps())")
+            continue
         lines.append(
             f"{r['nodes']:>5} {r['bring_up_seconds']:>7.1f} {r['seconds_per_round']:>12.2f} "
             f"{r['superlink_rss_idle'] / mb:>9.0f}/{r['superlink_rss_peak'] / mb:.0f}/{r['superlink_rss_end'] / mb:.0f}"
@@ -199,7 +219,7 @@ def report(scale: list[dict[str, Any]], kill: dict[str, Any] | None, args: argpa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, nargs="+", default=[10, 20, 40])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[10, 20, 30])
     parser.add_argument("--per-round", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--local-steps", type=int, default=2)
@@ -211,7 +231,14 @@ def main() -> None:
     scale, kill = [], None
     with tempfile.TemporaryDirectory(prefix="pollen-many-") as tmp:
         for nodes in args.nodes:
-            scale.append(measure_scale(Path(tmp) / f"n{nodes}", nodes, args.per_round, args.rounds, args.local_steps))
+            try:
+                scale.append(
+                    measure_scale(Path(tmp) / f"n{nodes}", nodes, args.per_round, args.rounds, args.local_steps)
+                )
+            except Collapsed as err:
+                scale.append({"nodes": nodes, "collapsed": str(err)})
+                print(f"[bench] {nodes} nodes: collapsed ({err}); larger counts skipped", file=sys.stderr, flush=True)
+                break
             print(f"[bench] {nodes} nodes: {scale[-1]['seconds_per_round']:.2f} s/round", file=sys.stderr, flush=True)
         if args.kill_at:
             kill = measure_kill_restart(Path(tmp) / "kill", args.kill_at, args.rounds, args.local_steps)

@@ -31,6 +31,9 @@ from pollen.testing.secure_federation import SecureFederation, rounds_written
 
 pytestmark = [
     pytest.mark.slow,
+    # with the other deployment tests, on one worker: nine SuperNodes starting ClientApps beside another
+    # federation could leave a ClientApp unstarted for Flower's 30 s, and Flower then starts it again
+    pytest.mark.xdist_group("deploy-e2e"),
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process helpers read /proc"),
     pytest.mark.skipif(shutil.which("openssl") is None, reason="make_certs.sh needs openssl"),
 ]
