@@ -22,7 +22,12 @@ from pollen.app.ray_cluster import LocalRayCluster
 from pollen.testing.flwr_cli import LocalFlower
 from pollen.testing.placement import read_placements
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    # one worker for the module: its fixtures (a two-node cluster, both methods on it and on one node) are
+    # module-scoped, and split over two workers they were built twice (about 10 minutes of CI instead of 5)
+    pytest.mark.xdist_group("ray-cluster"),
+]
 
 CLIENTS, ROUNDS = 4, 4
 SETTINGS = {
