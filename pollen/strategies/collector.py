@@ -136,9 +136,16 @@ class ReplyCollector:
         asked = set(self._asked.get((server_round, phase), []))
         group = self._groups.get((server_round, phase))
         kept, seen = [], set()
+        sent_to: dict[str, int] | None = None  # message id -> its node, built at the first SuperLink error reply
         for reply in self.in_fixed_order(replies):
             node = reply.metadata.src_node_id
-            if node not in asked and (undelivered := self._undelivered_node(server_round, phase, reply)) is not None:
+            if node not in asked and reply.has_error() and node == SUPERLINK_NODE_ID:
+                if sent_to is None:
+                    sent_to = self._sent_to(server_round, phase)
+                undelivered = sent_to.get(reply.metadata.reply_to_message_id)
+            else:
+                undelivered = None
+            if undelivered is not None:
                 if undelivered not in seen:
                     seen.add(undelivered)
                     self._undelivered.setdefault((server_round, phase), set()).add(undelivered)
@@ -159,16 +166,9 @@ class ReplyCollector:
                 kept.append(reply)
         return kept
 
-    def _undelivered_node(self, server_round: int, phase: str, reply: Message) -> int | None:
-        """The asked node of the message ``reply`` answers, when ``reply`` is the SuperLink's own error
-        reply for it (sent from ``SUPERLINK_NODE_ID``); else ``None``."""
-        if not reply.has_error() or reply.metadata.src_node_id != SUPERLINK_NODE_ID:
-            return None
-        answered = reply.metadata.reply_to_message_id
-        for metadata in self._metadata.get((server_round, phase), []):
-            if answered and metadata.message_id == answered:
-                return metadata.dst_node_id
-        return None
+    def _sent_to(self, server_round: int, phase: str) -> dict[str, int]:
+        """Message id -> destination node of the messages of ``phase`` the grid has pushed (ids set on push)."""
+        return {m.message_id: m.dst_node_id for m in self._metadata.get((server_round, phase), []) if m.message_id}
 
     def in_fixed_order(self, replies: Iterable[Message]) -> list[Message]:
         """``replies`` ordered by (stable client id, node id): an order that does not depend on arrival."""
