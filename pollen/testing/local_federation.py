@@ -286,6 +286,18 @@ class Processes:
         return "\n".join(f"===== {p.name} ({p.log_path}) =====\n{tail(p.output(), lines)}" for p in self.procs)
 
 
+def wait_for_superlink(superlink: Proc, *ports: int, timeout: float = 90) -> None:
+    """Wait until ``superlink`` listens on every one of ``ports``; ``RuntimeError`` with its log if it exits."""
+
+    def listening() -> bool:
+        if superlink.poll() is not None:
+            raise RuntimeError(f"flower-superlink exited with {superlink.poll()}:\n{tail(superlink.output())}")
+        superlink.remember_tree()
+        return all(port_is_open(port) for port in ports)
+
+    wait_until(listening, timeout, f"the SuperLink to listen on ports {', '.join(map(str, ports))}")
+
+
 # --------------------------------------------------------------------------- environment and files
 
 

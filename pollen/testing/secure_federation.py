@@ -59,19 +59,11 @@ class SecureFederation:
             ),
             env=lf.flower_env(self.root / "home-superlink"),
         )
-        lf.wait_until(self._superlink_up, 120, "the SuperLink to listen on its HTTP and Fleet ports")
+        lf.wait_for_superlink(self.superlink, self.http_port, self.fleet_port, timeout=120)
         self.nodes: dict[int, lf.Proc] = {}
 
     def node_names(self) -> list[str]:
         return [f"supernode-{i}" for i in range(self.num_nodes)]
-
-    def _superlink_up(self) -> bool:
-        if self.superlink.poll() is not None:
-            raise RuntimeError(
-                f"flower-superlink exited with {self.superlink.poll()}:\n{lf.tail(self.superlink.output())}"
-            )
-        self.superlink.remember_tree()
-        return lf.port_is_open(self.http_port) and lf.port_is_open(self.fleet_port)
 
     def register_all(self) -> None:
         """``deploy/scripts/register_supernodes.sh`` with every node's public key."""

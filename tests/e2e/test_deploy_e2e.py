@@ -84,15 +84,7 @@ class Federation:
             ),
             env=lf.flower_env(root / "home-superlink"),
         )
-        lf.wait_until(self._superlink_up, 90, "the SuperLink to listen on its HTTP and Fleet ports")
-
-    def _superlink_up(self) -> bool:
-        if self.superlink.poll() is not None:
-            raise RuntimeError(
-                f"flower-superlink exited with {self.superlink.poll()}:\n{lf.tail(self.superlink.output())}"
-            )
-        self.superlink.remember_tree()
-        return lf.port_is_open(self.http_port) and lf.port_is_open(self.fleet_port)
+        lf.wait_for_superlink(self.superlink, self.http_port, self.fleet_port, timeout=90)
 
     def port(self) -> int:
         return self.spare_ports.pop(0) if self.spare_ports else lf.free_ports(1)[0]
