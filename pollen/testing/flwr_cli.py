@@ -57,9 +57,11 @@ class LocalFlower(LocalSuperLink):
         timeout: float = 400,
         variant: str = "product",
         client_cpus: float | None = None,
+        client_gpus: float | None = None,
     ) -> subprocess.CompletedProcess:
         """``flwr run`` of the app with ``run_config``; ``client_cpus`` sets the simulation's
-        ``client-resources-num-cpus`` (1 on a two-core machine: two clients train at once)."""
+        ``client-resources-num-cpus`` (1 on a two-core machine: two clients train at once), ``client_gpus``
+        its ``client-resources-num-gpus`` (0.25: four clients share one GPU)."""
         overrides = " ".join(
             f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
             for k, v in run_config.items()
@@ -72,7 +74,8 @@ class LocalFlower(LocalSuperLink):
             "--stream",
             "--federation-config",
             f"num-supernodes={num_supernodes}"
-            + ("" if client_cpus is None else f" client-resources-num-cpus={client_cpus:g}"),
+            + ("" if client_cpus is None else f" client-resources-num-cpus={client_cpus:g}")
+            + ("" if client_gpus is None else f" client-resources-num-gpus={client_gpus:g}"),
             "--run-config",
             overrides,
         ]
