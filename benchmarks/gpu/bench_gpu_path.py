@@ -239,8 +239,9 @@ def pollen_run(
         wall = time.perf_counter() - started
     written = load_rows(run_dir) if (run_dir / "metrics.json").exists() else []
     rows = [row for row in written if row.get("round", 0) >= 1]
-    if proc.returncode != 0 or len(rows) < rounds:
-        return {"failed": (proc.stdout[-1000:] + proc.stderr[-1500:]), "wall_s": round(wall, 1)}
+    if proc.returncode != 0 or len(rows) < rounds or any(not row.get("replies") for row in rows):
+        why = f"rounds written {len(rows)}, replies {[row.get('replies') for row in rows]}; "
+        return {"failed": why + proc.stdout[-1000:] + proc.stderr[-1500:], "wall_s": round(wall, 1)}
     steady = [row["round_seconds"] for row in rows[1:]]
     return {
         "supernodes": nodes,
@@ -248,6 +249,8 @@ def pollen_run(
         "round1_s": round(rows[0]["round_seconds"], 2),
         "s_per_round": round(statistics.median(steady), 2) if steady else None,
         "accuracy_last": rows[-1].get("accuracy"),
+        "replies": [row.get("replies") for row in rows],
+        "failures": [row.get("failures") for row in rows],
         "wall_s": round(wall, 1),
         **sampler.summary(since=round1_done[0] if round1_done else None),
     }
