@@ -24,9 +24,10 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
 }
 
 
-def _images(n: int, channels: int, side: int, classes: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+def _images(n: int, prototypes: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """``n`` images around the class ``prototypes`` (one per class, shared by both splits) and their labels."""
+    classes, channels, side = prototypes.shape[0], prototypes.shape[1], prototypes.shape[2]
     labels = rng.integers(0, classes, size=n, dtype=np.uint8)
-    prototypes = rng.integers(0, 256, size=(classes, channels, side, side)).astype(np.float32)
     noise = rng.normal(0.0, 48.0, size=(n, channels, side, side)).astype(np.float32)
     images = np.clip(prototypes[labels] * 0.6 + 50.0 + noise, 0, 255).astype(np.uint8)
     return images, labels
@@ -49,8 +50,9 @@ def write_synthetic(data_dir: str | Path, dataset: str, seed: int = 0, scale: fl
     channels, side, classes, n_train, n_test = SHAPES[dataset]
     n_train, n_test = max(classes, int(n_train * scale)), max(classes, int(n_test * scale))
     rng = np.random.default_rng(seed)
-    x_train, y_train = _images(n_train, channels, side, classes, rng)
-    x_test, y_test = _images(n_test, channels, side, classes, rng)
+    prototypes = rng.integers(0, 256, size=(classes, channels, side, side)).astype(np.float32)
+    x_train, y_train = _images(n_train, prototypes, rng)
+    x_test, y_test = _images(n_test, prototypes, rng)
     root = Path(data_dir)
     if dataset == "cifar10":
         folder = root / "cifar-10-batches-bin"
