@@ -9,7 +9,8 @@ Two stages (``--stage``):
   two workers of one CPU each), N = 1,000 and 10,000 SuperNodes, 100 sampled per round, ``--rounds``
   (50) rounds, the MLP on Fashion-MNIST (IID, 2 local steps of batch 8). Methods: FedAdaVR with its
   stored-update table in Int4, memory-mapped (``table-path``), and FedBNLACA, whose per-client book
-  (references, mirrors, downlink residuals) is memory-mapped (``bookkeeping-dir``). From the run's own
+  (references, mirrors, downlink residuals) is memory-mapped (``bookkeeping-dir``), with its clients' own state
+  in Flower's node contexts (the default) and in files (``client-state-in-memory=false``). From the run's own
   results rows: median seconds per round after round 1, round 1 (start-up, partitioning included), the
   resident memory of the process that runs the ServerApp (with Flower's per-node contexts) at round 10
   and at the last round, and the table's or book's bytes (on disk).
@@ -97,10 +98,18 @@ def sim_methods(folder: Path, n: int) -> dict[str, dict]:
             "table-path": str(folder / f"table-{n}.bin"),
         },
         "FedBNLACA (book memory-mapped)": {"strategy": "fedbnlaca", "bookkeeping-dir": str(folder / f"book-{n}")},
+        # the clients' own state (a model mirror, increments, residuals) in files instead of Flower's node
+        # contexts, which a simulation keeps for every node in the process that runs the ServerApp
+        "FedBNLACA (book memory-mapped, client state in files)": {
+            "strategy": "fedbnlaca",
+            "bookkeeping-dir": str(folder / f"book-files-{n}"),
+            "state-dir": str(folder / f"client-state-{n}"),
+            "client-state-in-memory": False,
+        },
     }
 
 
-def stage_simulation(rounds: int, sizes: list[int]) -> None:
+def stage_simulation(rounds: int, sizes: list[int], only: list[str] | None = None) -> None:
     from pollen.testing.flwr_cli import LocalFlower
 
     with tempfile.TemporaryDirectory(prefix="pollen-scale-") as tmp:
@@ -114,7 +123,9 @@ def stage_simulation(rounds: int, sizes: list[int]) -> None:
         try:
             for n in sizes:
                 for name, method in sim_methods(folder, n).items():
-                    run_name = f"{method['strategy']}-{n}"
+                    if only and not any(word.lower() in name.lower() for word in only):
+                        continue
+                    run_name = f"{method['strategy']}-{n}" + ("-files" if "state-dir" in method else "")
                     config = {
                         **SIM_SETUP,
                         **method,
@@ -266,13 +277,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--sim-clients", type=int, nargs="+", default=[1_000, 10_000])
     parser.add_argument("--server-clients", type=int, nargs="+", default=[1_000, 10_000, 100_000])
+    parser.add_argument(
+        "--sim-methods", nargs="*", default=None, help="run only the simulation methods whose names hold one of these"
+    )
     args = parser.parse_args()
     if "partition" in args.stage:
         stage_partition()
     if "server" in args.stage:
         stage_server(args.rounds, args.server_clients)
     if "simulation" in args.stage:
-        stage_simulation(args.rounds, args.sim_clients)
+        stage_simulation(args.rounds, args.sim_clients, args.sim_methods)
 
 
 if __name__ == "__main__":

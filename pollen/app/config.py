@@ -152,6 +152,9 @@ RESUME = {
     "resume": text(""),
     "stop-after-round": non_neg_int(0),
     "state-dir": text(""),
+    # false (with a state-dir): client state only in its state-dir file, none in Flower's context.state, so a
+    # simulation of many stateful clients keeps flat memory (each message reads and writes its file).
+    "client-state-in-memory": Key(bool, True, allowed="true or false"),
     # Resume from a checkpoint whose sha256 is not the one the run directory recorded when it was written
     # (checkpoint.npz.sha256): a file you edited or copied in on purpose. Every field is still checked.
     "resume-trust-file": Key(bool, False, allowed="true or false"),
@@ -203,6 +206,7 @@ RESUME_MAY_DIFFER = (
     "results-dir",
     "data-dir",
     "state-dir",
+    "client-state-in-memory",
     "resume-trust-file",
     *TRACKING,
 )
@@ -277,6 +281,11 @@ class AppConfig:
             raise ConfigError("run-config 'lr-schedule' = 'step' needs 'lr-decay-rounds', e.g. \"30,70\"; it is empty")
         if values["min-evaluate-nodes"] == 0 and values["fraction-evaluate"] > 0:
             raise ConfigError("run-config 'min-evaluate-nodes' = 0 with 'fraction-evaluate' > 0; allowed: >= 1")
+        if run_config["client-state-in-memory"] is False and not run_config["state-dir"]:
+            raise ConfigError(
+                "run-config 'client-state-in-memory' = false needs 'state-dir' (where the state then lives; a "
+                "SuperNode's node-config state-dir, where set, wins); set state-dir, or keep it true"
+            )
         return cls(values, methods)
 
     def __getitem__(self, key: str) -> Any:

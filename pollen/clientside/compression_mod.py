@@ -78,11 +78,13 @@ def client_state_for(context: Context, config: ConfigRecord, *, first_message: b
 
     Node-config ``state-dir`` (else run-config ``state-dir``; presets do not set it) keeps it in a file that survives a
     SuperNode restart or a resumed run; ``client-id`` (else ``partition-<id>``) names the file and
-    the strategy's ``pollen.run-key`` the run it belongs to.
+    the strategy's ``pollen.run-key`` the run it belongs to. ``client-state-in-memory`` = false (node-config, else
+    run-config) keeps it in that file only, none in ``context.state``.
     """
     node = context.node_config
     state_dir = str(node.get("state-dir") or context.run_config.get("state-dir") or "")
     client_id = str(node.get("client-id") or f"partition-{int(node.get('partition-id', 0))}")
+    in_memory = node.get("client-state-in-memory", context.run_config.get("client-state-in-memory", True))
     return ClientState(
         context,
         server_round=int(config.get(protocol.CFG_SERVER_ROUND, 0)),
@@ -90,6 +92,7 @@ def client_state_for(context: Context, config: ConfigRecord, *, first_message: b
         state_dir=state_dir or None,
         client_id=client_id,
         run_key=str(config.get(protocol.CFG_RUN_KEY, "")),
+        in_memory=in_memory is not False,
     )
 
 

@@ -157,12 +157,17 @@ class ClientState:
         Names the sub-directory (``"default"`` when empty), so that different
         experiments sharing ``state_dir`` do not share state. A resumed run must use
         the same key as the run it resumes.
+    in_memory : bool, default True
+        ``False`` (needs ``state_dir``): the state lives in the file only; ``context.state``
+        holds none (what an earlier message left there is removed at commit), so a
+        simulation of many stateful clients, whose contexts all live in one process,
+        keeps flat memory. Every message then reads and writes the file.
 
     Raises
     ------
     ValueError
-        ``server_round`` is not a non-negative integer, or ``client_id`` is empty
-        while ``state_dir`` is set.
+        ``server_round`` is not a non-negative integer, ``client_id`` is empty
+        while ``state_dir`` is set, or ``in_memory`` is ``False`` without ``state_dir``.
 
     Notes
     -----
@@ -181,12 +186,18 @@ class ClientState:
         state_dir: str | os.PathLike[str] | None = None,
         client_id: str = "",
         run_key: str = "",
+        in_memory: bool = True,
     ) -> None:
         if isinstance(server_round, bool) or not isinstance(server_round, (int, np.integer)) or server_round < 0:
             raise ValueError(f"server_round must be a non-negative integer, got {server_round!r}")
         self._context = context
         self._round = int(server_round)
         self._path = state_file_path(state_dir, client_id, run_key) if state_dir not in (None, "") else None
+        if not in_memory and self._path is None:
+            raise ValueError(
+                "client-state-in-memory = false needs a state directory (node-config or run-config state-dir)"
+            )
+        self._in_memory = bool(in_memory)
         loaded = self._load(first_message)
         self._base_round = loaded.round
         self._arrays: dict[str, np.ndarray] = dict(loaded.arrays)
@@ -275,11 +286,14 @@ class ClientState:
         if self._path is not None:
             old = _load_file(self._path)
             _write_file(self._path, _roll(old, snapshot, self._path))
-        _write_context(self._context, snapshot)
+        if self._in_memory:
+            _write_context(self._context, snapshot)
+        else:
+            _clear_context(self._context)
 
     # -- inner
     def _load(self, first_message: bool) -> StateSnapshot:
-        in_context = _read_context(self._context)
+        in_context = _read_context(self._context) if self._in_memory else None
         if self._path is None:
             return in_context or _FRESH
         if not first_message and in_context is not None and in_context.round == self._round:
@@ -332,6 +346,12 @@ def _read_context(context: Context) -> StateSnapshot | None:
     # Flower's own reader (np.load, allow_pickle=False): writable copies. context.state is this
     # node's own memory, written by _write_context, not bytes from the wire.
     return StateSnapshot(round_, {name: array.numpy() for name, array in record.items()})
+
+
+def _clear_context(context: Context) -> None:
+    for key in (STATE_KEY, META_KEY):
+        if key in context.state:
+            del context.state[key]
 
 
 def _write_context(context: Context, snapshot: StateSnapshot) -> None:

@@ -480,3 +480,50 @@ def test_a_vector_of_the_wrong_shape_or_dtype_starts_fresh_with_one_line(tmp_pat
     state = load(2, tmp_path)
     assert state.get("m", shape=(4,), dtype=np.float64) is None
     assert load(2, tmp_path).get("m", shape=(4,), dtype=np.float32) is not None
+
+
+# ----------------------------------------------------------------------------- client-state-in-memory = false
+def test_file_only_state_keeps_nothing_in_context_and_comes_back_from_the_file(tmp_path):
+    """A simulation of many stateful clients keeps every node's context in one process: file-only state
+    leaves those contexts empty, and the next round (same context) still finds the state."""
+    context = make_context(1)
+    context.state["user-key"] = ConfigRecord({"kept": 1})
+    first = ClientState(context, server_round=1, state_dir=tmp_path, client_id="c1", in_memory=True)
+    first.set("m", vec(1.0))
+    first.commit()
+    assert STATE_KEY in context.state  # the default keeps a copy in memory
+    second = ClientState(context, server_round=2, state_dir=tmp_path, client_id="c1", in_memory=False)
+    assert second.base_round == 1 and np.array_equal(second.get("m"), vec(1.0))
+    second.set("m", vec(2.0))
+    second.commit()
+    assert STATE_KEY not in context.state and META_KEY not in context.state  # the earlier copy is gone too
+    assert context.state.config_records["user-key"]["kept"] == 1  # nothing else touched
+    third = ClientState(context, server_round=3, state_dir=tmp_path, client_id="c1", in_memory=False)
+    assert third.base_round == 2 and np.array_equal(third.get("m"), vec(2.0))
+
+
+def test_file_only_state_serves_a_mid_round_message_from_the_file(tmp_path):
+    context = make_context(1)
+    start = ClientState(context, server_round=4, state_dir=tmp_path, client_id="c1", in_memory=False)
+    start.set("m", vec(4.0))
+    start.commit()
+    later = ClientState(
+        context, server_round=4, first_message=False, state_dir=tmp_path, client_id="c1", in_memory=False
+    )
+    assert later.base_round == 4 and np.array_equal(later.get("m"), vec(4.0))
+
+
+def test_file_only_state_without_a_state_dir_is_refused():
+    with pytest.raises(ValueError, match="client-state-in-memory = false needs a state directory"):
+        ClientState(make_context(1), server_round=1, in_memory=False)
+
+
+def test_run_config_refuses_file_only_state_without_state_dir():
+    from pollen.app.config import AppConfig, ConfigError, defaults_from_pyproject
+    from pollen.testing.flwr_cli import REPO
+
+    defaults = defaults_from_pyproject(str(REPO / "pyproject.toml"))
+    with pytest.raises(ConfigError, match="'client-state-in-memory' = false needs 'state-dir'"):
+        AppConfig.from_run_config({**defaults, "client-state-in-memory": False})
+    cfg = AppConfig.from_run_config({**defaults, "client-state-in-memory": False, "state-dir": "/tmp/x"})
+    assert cfg["client-state-in-memory"] is False
