@@ -63,11 +63,17 @@ def _run(  # noqa: PLR0913 - the run's settings, passed through
     return json.loads((out_dir / "metrics.json").read_text())
 
 
-def test_fedams_run_writes_every_results_file(flower: LocalFlower, results_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def fedams_metrics(flower: LocalFlower, results_dir: Path) -> dict:
+    """One FedAMS run for the module: its files are checked once, its uplink is the dense reference."""
+    return _run(flower, results_dir, "fedams", strategy="fedams", tracker="tensorboard")
+
+
+def test_fedams_run_writes_every_results_file(results_dir: Path, fedams_metrics: dict) -> None:
     """The ServerApp in Flower's simulation also writes TensorBoard event files as it goes (``tracker``)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    metrics = _run(flower, results_dir, "fedams", strategy="fedams", tracker="tensorboard")
+    metrics = fedams_metrics
     out_dir = results_dir / "fedams"
     for name in (
         "config.json",
@@ -93,8 +99,10 @@ def test_fedams_run_writes_every_results_file(flower: LocalFlower, results_dir: 
         assert logged == [(r["round"], float(np.float32(r[column]))) for r in rows] and len(rows) >= 2, column
 
 
-def test_fedcams_sign_uploads_about_one_32nd_of_fedams(flower: LocalFlower, results_dir: Path) -> None:
-    dense = _run(flower, results_dir, "dense", strategy="fedams")["rows"][-1]
+def test_fedcams_sign_uploads_about_one_32nd_of_fedams(
+    flower: LocalFlower, results_dir: Path, fedams_metrics: dict
+) -> None:
+    dense = fedams_metrics["rows"][-1]
     sign = _run(flower, results_dir, "sign", strategy="fedcams", compressor="sign")["rows"][-1]
     ratio = dense["uplink_update_bytes"] / sign["uplink_update_bytes"]
     print(
@@ -175,13 +183,11 @@ def test_parallel_workers_end_bit_identical_to_one_client_at_a_time(
     flower: LocalFlower, results_dir: Path, tmp_path: Path
 ) -> None:
     """Two clients train at once (one CPU each) and finish in whatever order: the run is bit-identical to
-    another such run and to pollen's in-process runner training one client at a time with one thread."""
+    pollen's in-process runner training one client at a time with one thread (so any two such runs are too)."""
     from pollen.testing.inprocess import run_inprocess
 
     config = {"strategy": "fedcams", "compressor": "sign", "num-server-rounds": 3, "fraction-train": 1.0}
-    for name in ("parallel-a", "parallel-b"):
-        _run(flower, results_dir, name, client_cpus=1, **config)
-    _same_models(results_dir / "parallel-a", results_dir / "parallel-b")
+    _run(flower, results_dir, "parallel-a", client_cpus=1, **config)
     run_inprocess({**TINY, **config, "results-dir": str(tmp_path), "run-name": "sequential"}, 4, threads=1)
     _same_models(results_dir / "parallel-a", tmp_path / "sequential")
 
@@ -243,29 +249,31 @@ FED_LAMB_FAMILY = {  # name: (record of its statistic or None, learning rates th
 }
 
 
-@pytest.mark.parametrize("name", list(FED_LAMB_FAMILY))
-def test_fed_lamb_family_moves_its_moments_on_the_wire(flower: LocalFlower, results_dir: Path, name: str) -> None:
-    """Fed-* upload v next to the model and get v_hat; Mime* upload a full-batch gradient; SGD ones only the model."""
-    extra, rates = FED_LAMB_FAMILY[name]
+#: One of each wire shape goes through ``flwr run`` (v up, a gradient up, nothing extra); the rest of the family
+#: runs the same real ServerApp and ClientApp in-process (:func:`pollen.testing.inprocess.run_inprocess`), where a
+#: process start-up does not dominate, with the same checks.
+FED_LAMB_ON_FLOWER = ("fed-lamb", "mime-lamb", "adp-fed")
+
+
+def _fed_lamb_config(name: str) -> dict:
     # 16 SuperNodes, 2 sampled, batch 256: Mime's full local pass over 1/16 of Fashion-MNIST is 15 batches
-    metrics = _run(
-        flower,
-        results_dir,
-        name,
-        num_supernodes=16,
-        strategy=name,
-        **{
-            "beta2": 0.999,
-            "eps": 1e-8,
-            "fraction-train": 0.125,
-            "fraction-evaluate": 0.0,
-            "min-evaluate-nodes": 0,
-            "eval-every": 2,
-            "batch-size": 256,
-            **rates,
-        },
-    )
-    first, last = metrics["rows"][1], metrics["rows"][-1]
+    return {
+        "strategy": name,
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "fraction-train": 0.125,
+        "fraction-evaluate": 0.0,
+        "min-evaluate-nodes": 0,
+        "eval-every": 2,
+        "batch-size": 256,
+        **FED_LAMB_FAMILY[name][1],
+    }
+
+
+def _check_fed_lamb_family(name: str, rows: list[dict]) -> None:
+    """Fed-* upload v next to the model and get v_hat; Mime* upload a full-batch gradient; SGD ones only the model."""
+    extra = FED_LAMB_FAMILY[name][0]
+    first, last = rows[1], rows[-1]
     assert last["failures"] == 0 and last["replies"] == 2, last
     assert last["grad_evals"] >= 2 * 5
     if extra is None:
@@ -275,7 +283,21 @@ def test_fed_lamb_family_moves_its_moments_on_the_wire(flower: LocalFlower, resu
         assert first["downlink_by_record"]["pollen.x.v_hat"] >= 4 * 29_034
     if extra == "pollen.x.grad":  # the full local pass shows in the gradient count
         assert last["grad_evals"] > 2 * 5
-    assert last["accuracy"] > metrics["rows"][0]["accuracy"]
+    assert last["accuracy"] > rows[0]["accuracy"]
+
+
+@pytest.mark.parametrize("name", FED_LAMB_ON_FLOWER)
+def test_fed_lamb_family_moves_its_moments_on_the_wire(flower: LocalFlower, results_dir: Path, name: str) -> None:
+    metrics = _run(flower, results_dir, name, num_supernodes=16, **_fed_lamb_config(name))
+    _check_fed_lamb_family(name, metrics["rows"])
+
+
+@pytest.mark.parametrize("name", [n for n in FED_LAMB_FAMILY if n not in FED_LAMB_ON_FLOWER])
+def test_rest_of_fed_lamb_family_in_process(tmp_path: Path, name: str) -> None:
+    from pollen.testing.inprocess import run_inprocess
+
+    config = {**TINY, **_fed_lamb_config(name), "results-dir": str(tmp_path), "run-name": name}
+    _check_fed_lamb_family(name, run_inprocess(config, 16))
 
 
 def test_hafed_gossips_in_two_clusters_of_four(flower: LocalFlower, results_dir: Path) -> None:
@@ -312,34 +334,33 @@ def test_hafed_gossips_in_two_clusters_of_four(flower: LocalFlower, results_dir:
 LAZY_FAMILY = ("fednlaa", "fedaa", "fednlaca", "fedaca", "fedbnlaca", "fedbaca")
 
 
-@pytest.mark.parametrize("name", LAZY_FAMILY)
-def test_lazy_family_runs_with_its_flags_and_increments_on_the_wire(
-    flower: LocalFlower, results_dir: Path, name: str
-) -> None:
-    """All 4 SuperNodes train each round; the bidirectional ones get the full model once, then top-k 1/8 increments."""
-    metrics = _run(
-        flower,
-        results_dir,
-        name,
-        strategy=name,
-        **{
-            "fraction-train": 1.0,
-            "min-train-nodes": 4,
-            "fraction-evaluate": 0.0,
-            "min-evaluate-nodes": 0,
-            "model": "mlp",
-            "eval-every": 2,
-            "local-lr": 0.05,
-            "server-lr": 0.01,
-            "compressor": "topk",
-            "topk-ratio": 0.125,
-            "compressor-down": "topk",
-            "topk-ratio-down": 0.125,
-            "tau-up": 0.5,
-            "tau-down": 0.5,
-        },
-    )
-    first, last = metrics["rows"][1], metrics["rows"][-1]
+#: One unidirectional (accelerated) and one bidirectional (lazy) member through ``flwr run``; the rest in-process.
+LAZY_ON_FLOWER = ("fedaa", "fedbnlaca")
+
+
+def _lazy_config(name: str) -> dict:
+    return {
+        "strategy": name,
+        "fraction-train": 1.0,
+        "min-train-nodes": 4,
+        "fraction-evaluate": 0.0,
+        "min-evaluate-nodes": 0,
+        "model": "mlp",
+        "eval-every": 2,
+        "local-lr": 0.05,
+        "server-lr": 0.01,
+        "compressor": "topk",
+        "topk-ratio": 0.125,
+        "compressor-down": "topk",
+        "topk-ratio-down": 0.125,
+        "tau-up": 0.5,
+        "tau-down": 0.5,
+    }
+
+
+def _check_lazy_family(name: str, rows: list[dict]) -> None:
+    """All 4 clients train each round; the bidirectional ones get the full model once, then top-k 1/8 increments."""
+    first, last = rows[1], rows[-1]
     for row in (first, last):
         assert row["failures"] == 0 and row["replies"] == 4, row
         events = row["method.lazy_events"]
@@ -356,4 +377,19 @@ def test_lazy_family_runs_with_its_flags_and_increments_on_the_wire(
         )  # top-k 1/8: k values + k indices
     else:
         assert last["downlink_by_record"]["arrays"] == dense_model and last["method.lazy_events"]["down-dense"] == 4
-    assert last["accuracy"] > metrics["rows"][0]["accuracy"]
+    assert last["accuracy"] > rows[0]["accuracy"]
+
+
+@pytest.mark.parametrize("name", LAZY_ON_FLOWER)
+def test_lazy_family_runs_with_its_flags_and_increments_on_the_wire(
+    flower: LocalFlower, results_dir: Path, name: str
+) -> None:
+    _check_lazy_family(name, _run(flower, results_dir, name, **_lazy_config(name))["rows"])
+
+
+@pytest.mark.parametrize("name", [n for n in LAZY_FAMILY if n not in LAZY_ON_FLOWER])
+def test_rest_of_lazy_family_in_process(tmp_path: Path, name: str) -> None:
+    from pollen.testing.inprocess import run_inprocess
+
+    config = {**TINY, **_lazy_config(name), "results-dir": str(tmp_path), "run-name": name}
+    _check_lazy_family(name, run_inprocess(config, 4))

@@ -24,8 +24,8 @@ from pollen.testing.placement import read_placements
 
 pytestmark = [
     pytest.mark.slow,
-    # one worker for the module: its fixtures (a two-node cluster, both methods on it and on one node) are
-    # module-scoped, and split over two workers they were built twice (about 10 minutes of CI instead of 5)
+    # one worker for the module: its fixtures (a two-node cluster, both methods on it, the one-process
+    # reference) are module-scoped, and split over two workers they were built twice
     pytest.mark.xdist_group("ray-cluster"),
 ]
 
@@ -60,19 +60,25 @@ def _run_all(flower: LocalFlower, results: Path, traces: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_node(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Both methods on the usual local simulation (one Ray node, two workers)."""
-    flower = LocalFlower(tmp_path_factory.mktemp("flwr-one"))
-    results, traces = tmp_path_factory.mktemp("one-results"), tmp_path_factory.mktemp("one-traces")
-    try:
-        _run_all(flower, results, traces)
-    finally:
-        flower.stop()
-    return results, traces
+def one_node(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both methods in one process, clients one at a time (:func:`pollen.testing.inprocess.run_inprocess`).
+
+    The reference for "bit-identical to a one-node run": the one-node local simulation (two Ray workers,
+    clients finishing in either order) equals this runner bit for bit, which
+    ``tests/e2e/test_flwr_run.py::test_parallel_workers_end_bit_identical_to_one_client_at_a_time`` checks
+    through ``flwr run``; here it saves two more simulations of the same thing.
+    """
+    from pollen.testing.inprocess import run_inprocess
+
+    results = tmp_path_factory.mktemp("one-results")
+    for name, method in METHODS.items():
+        rows = run_inprocess({**SETTINGS, **method, "results-dir": str(results), "run-name": name}, CLIENTS)
+        assert rows[-1]["round"] == ROUNDS
+    return results
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory: pytest.TempPathFactory, one_node: tuple[Path, Path]) -> tuple[Path, Path, list[str]]:
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[str]]:
     """Both methods on a two-node Ray cluster the SuperLink's simulation joins through ``RAY_ADDRESS``."""
     results, traces = tmp_path_factory.mktemp("two-results"), tmp_path_factory.mktemp("two-traces")
     with LocalRayCluster(nodes=2, cpus_per_node=1) as cluster:
@@ -104,12 +110,10 @@ def test_clients_ran_on_both_nodes_and_carried_their_state_across(
 
 @pytest.mark.parametrize("method", list(METHODS))
 def test_the_two_node_run_is_bit_identical_to_the_one_node_run(
-    one_node: tuple[Path, Path], two_nodes: tuple[Path, Path, list[str]], method: str
+    one_node: Path, two_nodes: tuple[Path, Path, list[str]], method: str
 ) -> None:
-    want = np.load(one_node[0] / method / "final_model.npz")
+    want = np.load(one_node / method / "final_model.npz")
     got = np.load(two_nodes[0] / method / "final_model.npz")
     assert sorted(want.files) == sorted(got.files)
     for name in want.files:
         assert want[name].tobytes() == got[name].tobytes(), name
-    one = {p["ray_node"] for p in read_placements(one_node[1] / method)}
-    assert len(one) == 1  # the local simulation is one Ray node
