@@ -1,13 +1,20 @@
-"""Test-suite set-up: modules that need torch are skipped where torch is not installed.
+"""Test-suite set-up: modules that need torch are skipped where torch is not installed, and xdist groups hold.
 
 CI runs the library tests (``-m flower_compat``) a second time against the newest
 Flower in an environment without torch; there any test module that imports torch or
 the task layer cannot be imported, so it is not collected.
+
+``xdist_group`` keeps tests that share an expensive session fixture (a Ray cluster, a federation) on one
+worker. pytest-xdist marks a grouped test by appending ``@group`` to its node id; pytest 9.2 keeps node ids
+elsewhere, so that append silently does nothing and every group was split over both workers (each building
+its fixtures again). The check below stops such a run at collection instead.
 """
 
 import importlib.util
 import re
 from pathlib import Path
+
+import pytest
 
 _NEEDS_TORCH = re.compile(r"^\s*(import torch|from torch|from pollen\.task|import pollen\.task)", re.MULTILINE)
 # Modules that need torch only through what they run (the app), not through an import.
@@ -21,3 +28,16 @@ if importlib.util.find_spec("torch") is None:
         for path in here.rglob("test_*.py")
         if path.name in _RUNS_THE_APP or _NEEDS_TORCH.search(path.read_text())
     )
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """On an xdist worker with ``--dist loadgroup``: every ``xdist_group`` test must carry its group in its id."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"xdist_group is not honoured by this pytest / pytest-xdist pair ({lost[0]} has no '@group' in its "
+            f"node id; pytest {pytest.__version__}): install the test extra's pins (pytest < 9.2)"
+        )

@@ -3,9 +3,10 @@
 Skipped, with the reason stated, on machines without a CUDA device (like CI's). Five SGD steps: on an H200
 (torch 2.11, 2026-11-27) the tensors measured (the first convolution and its batch norm) then agree to
 2.3e-6 absolute. Twenty steps do not: float32 rounding differences (about 1e-7 per step) grow through the
-ReLUs and max-pools, and after 20 steps the first convolution's weights differ by up to 6.5e-4 against a total movement of 1.3e-2 (9.5% of its elements beyond
-1e-4 + 1e-3 relative); that is divergence of two valid float32 runs, not a device-dependent path, so the check
-stops where the two still agree element by element (``benchmarks/reports/gpu-h200-2026-11-27.json``).
+ReLUs and max-pools, and after 20 steps the first convolution's weights differ by up to 6.5e-4 against a
+total movement of 1.3e-2 (9.5% of its elements beyond 1e-4 + 1e-3 relative); that is divergence of two valid
+float32 runs, not a device-dependent path, so the check stops where the two still agree element by element
+(``benchmarks/reports/gpu-h200-2026-11-27.json``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ TINY = {
 }
 
 
-@pytest.fixture(scope="module")
+# Session scope: one SuperLink per xdist worker for this module's runs; a module-scoped fixture is rebuilt each
+# time the worker comes back to this module after another module's test.
+@pytest.fixture(scope="session")
 def flower(tmp_path_factory: pytest.TempPathFactory):
     local = LocalFlower(tmp_path_factory.mktemp("flwr-home"))
     try:
@@ -38,7 +40,7 @@ def flower(tmp_path_factory: pytest.TempPathFactory):
         local.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("results")
 
@@ -63,12 +65,13 @@ def _run(  # noqa: PLR0913 - the run's settings, passed through
     return json.loads((out_dir / "metrics.json").read_text())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fedams_metrics(flower: LocalFlower, results_dir: Path) -> dict:
     """One FedAMS run for the module: its files are checked once, its uplink is the dense reference."""
     return _run(flower, results_dir, "fedams", strategy="fedams", tracker="tensorboard")
 
 
+@pytest.mark.xdist_group("flwr-run-fedams")  # both users of the one FedAMS run on one worker
 def test_fedams_run_writes_every_results_file(results_dir: Path, fedams_metrics: dict) -> None:
     """The ServerApp in Flower's simulation also writes TensorBoard event files as it goes (``tracker``)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -99,6 +102,7 @@ def test_fedams_run_writes_every_results_file(results_dir: Path, fedams_metrics:
         assert logged == [(r["round"], float(np.float32(r[column]))) for r in rows] and len(rows) >= 2, column
 
 
+@pytest.mark.xdist_group("flwr-run-fedams")
 def test_fedcams_sign_uploads_about_one_32nd_of_fedams(
     flower: LocalFlower, results_dir: Path, fedams_metrics: dict
 ) -> None:

@@ -24,8 +24,9 @@ from pollen.testing.placement import read_placements
 
 pytestmark = [
     pytest.mark.slow,
-    # one worker for the module: its fixtures (a two-node cluster, both methods on it, the one-process
-    # reference) are module-scoped, and split over two workers they were built twice
+    # one worker for the module, and its fixtures (a two-node cluster, both methods on it, the one-process
+    # reference) session-scoped: a module-scoped one is torn down whenever the worker runs another module's
+    # test in between, and was built once per test (CI paid 2 x 160 s of setup)
     pytest.mark.xdist_group("ray-cluster"),
 ]
 
@@ -59,7 +60,7 @@ def _run_all(flower: LocalFlower, results: Path, traces: Path) -> None:
         assert [row["round"] for row in metrics["rows"]][-1] == ROUNDS
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_node(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Both methods in one process, clients one at a time (:func:`pollen.testing.inprocess.run_inprocess`).
 
@@ -77,7 +78,7 @@ def one_node(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return results
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[str]]:
     """Both methods on a two-node Ray cluster the SuperLink's simulation joins through ``RAY_ADDRESS``."""
     results, traces = tmp_path_factory.mktemp("two-results"), tmp_path_factory.mktemp("two-traces")
