@@ -22,6 +22,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from pollen.app.config import RESUME_MAY_DIFFER, AppConfig, ConfigError, clients_need_given_keys
 from pollen.app.experiment import build_model, build_strategy, client_train_config, data_config
+from pollen.app.prompt_grid import prompt
 from pollen.app.registry import Table
 from pollen.app.reporter import RoundReporter
 from pollen.app.results import RunRecorder
@@ -101,6 +102,7 @@ def main(grid: Grid, context: Context) -> None:
 
 def serve(grid: Grid, context: Context, methods: Table | None = None) -> None:
     """The ServerApp's work with a method table (default: the product's; the test harness adds its demos)."""
+    grid = prompt(grid)
     try:
         given = given_keys(grid)
         cfg = AppConfig.from_run_config(context.run_config, given=given, methods=methods)
