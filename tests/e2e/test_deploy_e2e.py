@@ -166,10 +166,10 @@ def test_federated_run_over_tls_with_node_auth(federation):
             assert f"[pollen] partition-{i} trained 5 steps on cpu" in node.output(), node.output()
 
         # The same SuperNodes then run one Fed-LAMB round (v up, v_hat down, beside the model) and
-        # one HA-Fed round (their node-config cluster, a gossip step relayed by the server).
+        # one HA-Fed round (their node-config cluster, a gossip step relayed by the server). The lazy
+        # family's downlink over TLS is checked by test_many_supernodes.py (FedBNLACA, six nodes).
         run_fed_lamb_round(fed, results)
         run_hafed_round(fed, results)
-        run_fedbnlaca_rounds(fed, results)
 
 
 def run_fed_lamb_round(fed, results):
@@ -220,40 +220,6 @@ def run_hafed_round(fed, results):
     assert row["replies"] == 2 and row["failures"] == 0, row  # the 2 uploaders of the one cluster
     assert row["exchange_messages"] == NUM_NODES and row["grad_evals"] == 2 * NUM_NODES, row
     assert row["downlink_by_record"]["hafed-gossip/arrays"] > 0 and row["method.relayed_bytes"] > 0, row
-
-
-def run_fedbnlaca_rounds(fed, results):
-    """FedBNLACA for two rounds: the full model once, then top-k 1/8 increments against each SuperNode's copy."""
-    from pollen.compression import make_codec
-
-    config = dict(
-        RUN_CONFIG,
-        **{
-            "results-dir": str(results),
-            "strategy": "fedbnlaca",
-            "run-name": "e2e-fedbnlaca",
-            "compressor": "topk",
-            "topk-ratio": 0.125,
-            "compressor-down": "topk",
-            "topk-ratio-down": 0.125,
-        },
-    )
-    _, out = _flwr_run(fed, "flwr-run-fedbnlaca", config)
-    assert "[pollen] done" in out, out
-    first, second = lf.load_metrics(results, "e2e-fedbnlaca")["rows"][1:]
-    for row in (first, second):
-        assert row["replies"] == NUM_NODES and row["failures"] == 0, row
-    assert first["method.lazy_events"]["down-full"] == NUM_NODES and "pollen.down" not in first["downlink_by_record"], (
-        first
-    )
-    assert second["method.lazy_events"]["down-send"] == NUM_NODES and "arrays" not in second["downlink_by_record"], (
-        second
-    )
-    d = 29_034
-    payload = make_codec("topk", topk_ratio=0.125).payload_bytes(d)
-    per_node_down = second["downlink_by_record"]["pollen.down"] / NUM_NODES
-    assert payload <= per_node_down < payload + 512, second  # the codec's bytes and the record's framing
-    assert per_node_down < 0.3 * first["downlink_by_record"]["arrays"] / NUM_NODES, (first, second)
 
 
 def test_supernode_with_unregistered_key_is_refused(federation):
@@ -339,7 +305,7 @@ def _checkpoint_round(path) -> int:
 
 RESUME_CONFIG = {
     "strategy": "fedams",
-    "num-server-rounds": 3,
+    "num-server-rounds": 2,  # killed after round 1's checkpoint, resumed for round 2
     "local-steps": 3,
     "model": "cnn",
     "fraction-train": 0.67,  # 2 of 3 nodes: the sampler's state must survive the kill
@@ -356,7 +322,7 @@ TIMING_KEYS = {"round_seconds", "elapsed_seconds", "server_rss_bytes"}
 
 
 def test_resume_after_serverapp_killed_equals_uninterrupted_run(federation):
-    """SIGKILL the ``flwr-serverapp`` process after round 2's checkpoint, resume with ``resume=<run dir>``.
+    """SIGKILL the ``flwr-serverapp`` process after round 1's checkpoint, resume with ``resume=<run dir>``.
 
     The resumed run must end with the same model (every array, bit for bit) as an uninterrupted run
     with the same run-config, and the same results row per round (accuracy, sampling, bytes; only
@@ -373,8 +339,8 @@ def test_resume_after_serverapp_killed_equals_uninterrupted_run(federation):
         intact_id, out = _flwr_run(fed, "flwr-run-intact", dict(config, **{"run-name": INTACT}), app=app)
         assert "[pollen] done" in out, out
 
-        # b) the same run, its ServerApp killed as soon as a checkpoint of round >= 2 is on disk
-        # (while it sends round 3: messages registered at the SuperLink, their objects not all pushed)
+        # b) the same run, its ServerApp killed as soon as a checkpoint of round >= 1 is on disk
+        # (while it sends round 2: messages registered at the SuperLink, their objects not all pushed)
         killed = results / KILLED
         checkpoint = killed / "checkpoint.npz"
         lf.wait_until(

@@ -10,6 +10,8 @@ SuperLink refuses the new process until the dead one's heartbeat window ends (up
 node's one failure of the round. The run must complete; the restarted nodes train again from the state
 they find in ``state-dir`` (no client asks for a resync: without its state a restarted client of this
 method replies ``lazy-resync`` and gets the full model again), and the last round hears from every client.
+The downlink's bytes are checked on the way: the full model to every node in round 1, top-k increments
+against each node's copy in the last.
 
 The nodes are killed between their messages, so no round waits for a reply that will never come
 (``round-timeout``); ``benchmarks/deploy/bench_many_supernodes.py`` kills them in the middle of a round.
@@ -26,6 +28,7 @@ import time
 
 import pytest
 
+from pollen.compression import make_codec
 from pollen.testing import local_federation as lf
 from pollen.testing.secure_federation import SecureFederation, rounds_written
 
@@ -39,6 +42,7 @@ pytestmark = [
 ]
 
 NUM_NODES = 6
+CNN_TRAINABLE = 29_034  # the CNN's trainable values
 KILLED = range(NUM_NODES // 3)
 ROUNDS = 3
 KILL_AFTER_ROUND = 1
@@ -70,6 +74,19 @@ def rejected_by_round(log: str) -> dict[int, list[tuple[str, str]]]:
         server_round = int(part.split("/", 1)[0])
         out[server_round] = re.findall(r"rejected reply from (\S+) \(node \d+\): ([^\n]*)", part)
     return out
+
+
+def check_lazy_downlink(first: dict, last: dict) -> None:
+    """Round 1 sends every node the full model; the last round top-k 1/8 increments against each node's copy
+    (the restarted nodes' copies included: they came back from ``state-dir``)."""
+    events, down = first["method.lazy_events"], first["downlink_by_record"]
+    assert events["down-full"] == NUM_NODES and "pollen.down" not in down, first
+    events, down = last["method.lazy_events"], last["downlink_by_record"]
+    assert events["down-send"] == NUM_NODES and "arrays" not in down, last
+    payload = make_codec("topk", topk_ratio=0.125).payload_bytes(CNN_TRAINABLE)
+    per_node_down = down["pollen.down"] / NUM_NODES
+    assert payload <= per_node_down < payload + 512, last  # the codec's bytes and the record's framing
+    assert per_node_down < 0.3 * first["downlink_by_record"]["arrays"] / NUM_NODES, (first, last)
 
 
 def test_a_third_of_the_supernodes_killed_and_restarted_rejoin_with_their_state(tmp_path):
@@ -115,6 +132,7 @@ def test_a_third_of_the_supernodes_killed_and_restarted_rejoin_with_their_state(
                 assert set(clients) <= killed_clients, rejected
             last = rows[ROUNDS]
             assert last["replies"] == NUM_NODES and last["failures"] == 0, last
+            check_lazy_downlink(rows[1], last)
             for index in KILLED:  # the restarted process answered train messages from the state it found
                 assert fed.trained_messages(index, since_start=1) >= 1, f"restarted node {index} never trained"
             assert fed.superlink.poll() is None, "the SuperLink must outlive its SuperNodes' crashes"
