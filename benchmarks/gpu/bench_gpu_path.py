@@ -74,6 +74,11 @@ class GpuSampler:
         if self._thread is not None:
             self._thread.join()
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the sampling has ended (the ``with`` block was left)."""
+        return self._stop.is_set()
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
@@ -224,7 +229,7 @@ def pollen_run(
     with GpuSampler() as sampler:
 
         def watch() -> None:  # the wall-clock end of round 1, from the rows the run writes as it goes
-            while not round1_done and not sampler._stop.is_set():
+            while not round1_done and not sampler.stopped:
                 try:
                     if any(row.get("round") == 1 for row in load_rows(run_dir)):
                         round1_done.append(time.monotonic())
