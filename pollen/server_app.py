@@ -77,7 +77,7 @@ def prepare(cfg: AppConfig, grid: Grid) -> tuple[Any, Any, int]:
     data_cfg = data_config(cfg, num_partitions=max(nodes, 1))
     validate_data_config(data_cfg)
     log(INFO, "[pollen] data: %s", describe_source(data_cfg))
-    test_loader = load_test_set(data_cfg, cfg["eval-batch-size"])
+    test_loader = load_test_set(data_cfg, cfg["eval-batch-size"], cfg["test-examples"])
     model = build_model(cfg)
     return model, test_loader, nodes
 
@@ -125,7 +125,7 @@ def serve(grid: Grid, context: Context, methods: Table | None = None) -> None:
     # Flower's own baselines sample with the global `random`; seed it too. (pollen's
     # strategies use their own seeded generator over stable client ids.)
     random.seed(cfg["seed"])
-    recorder = RunRecorder(out_dir, cfg.as_dict(), fresh=not checkpoint.resume)
+    recorder = RunRecorder(out_dir, cfg.as_dict(), fresh=not checkpoint.resume, plots=cfg["plots"])
     log(INFO, "[pollen] %s on %s, %d SuperNodes; results in %s", cfg["strategy"], cfg["dataset"], nodes, out_dir)
     initial = ArrayRecord(model.state_dict())
     reporter = RoundReporter(cfg, strategy, recorder, model, test_loader, trackers)

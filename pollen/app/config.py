@@ -100,6 +100,7 @@ EXPERIMENT = {
     "run-name": text(""),
     "preset": text(""),
     "results-dir": Key(str, "results", lambda v: bool(v), "a non-empty path"),
+    "plots": Key(bool, True, allowed="true or false"),
     "seed": non_neg_int(42),
     "num-server-rounds": pos_int(10),
 }
@@ -147,6 +148,7 @@ LOCAL_TRAINING = {
     "device": Key(str, "auto", is_device, ", ".join(DEVICES)),
     "eval-batch-size": pos_int(512),
     "eval-every": pos_int(1),
+    "test-examples": non_neg_int(0),
 }
 RESUME = {
     "resume": text(""),
@@ -204,6 +206,7 @@ RESUME_MAY_DIFFER = (
     "device",
     "eval-batch-size",
     "results-dir",
+    "plots",
     "data-dir",
     "state-dir",
     "client-state-in-memory",

@@ -69,10 +69,15 @@ def human_bytes(n: float) -> str:
 
 
 class RunRecorder:
-    """Writes rows as they come, so a crashed or running job still has its numbers on disk."""
+    """Writes rows as they come, so a crashed or running job still has its numbers on disk.
 
-    def __init__(self, out_dir: Path, config: Mapping[str, Any], *, fresh: bool = True) -> None:
+    ``plots``: :meth:`finish` also draws the accuracy plots (PNG, :func:`plot_runs`); without them a run
+    ends with its metrics files only, which ``pollen-compare`` plots later.
+    """
+
+    def __init__(self, out_dir: Path, config: Mapping[str, Any], *, fresh: bool = True, plots: bool = True) -> None:
         self.out_dir = Path(out_dir)
+        self.plots = plots
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, Any]] = []
         self.columns: list[str] = list(COLUMNS)
@@ -116,7 +121,8 @@ class RunRecorder:
         self.summary = dict(summary)
         write_npz_atomic(self.out_dir / "final_model.npz", {k: np.asarray(v) for k, v in final_arrays.items()})
         self._write_json()
-        plot_runs({self.out_dir.name: self.rows}, self.out_dir)
+        if self.plots:
+            plot_runs({self.out_dir.name: self.rows}, self.out_dir)
 
     def _write_json(self) -> None:
         payload = {"rows": self.rows, "summary": self.summary}

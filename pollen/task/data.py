@@ -255,7 +255,7 @@ def _test_dataset(dataset: str, data_dir: str) -> BatchTensorDataset:
 def clear_caches() -> None:
     """Forget every dataset, partition table and tensor cached in this process (for tests and
     long-lived processes); the on-disk partition cache stays (see :func:`partition_cache_dir`)."""
-    for fn in (_raw, _partition_table, _partition_datasets, _test_dataset):
+    for fn in (_raw, _partition_table, _partition_datasets, _test_dataset, _test_subset):
         fn.cache_clear()
 
 
@@ -439,12 +439,35 @@ def load_partition(
     return train, val
 
 
-def load_test_set(cfg: DataConfig, batch_size: int) -> DataLoader:
-    """Loader over the dataset's whole test split (the server's centralised evaluation)."""
+def load_test_set(cfg: DataConfig, batch_size: int, examples: int = 0) -> DataLoader:
+    """Loader over the dataset's test split (the server's centralised evaluation).
+
+    ``examples`` > 0 keeps that many test examples, drawn at random without replacement from
+    ``cfg.seed`` and kept in the split's order: the same subset every round and in every run with that
+    seed, for quick runs whose evaluation would otherwise cost more than their training. 0 keeps the
+    whole split.
+    """
     validate_data_config(cfg)
     _check_batch_size(batch_size)
+    if not _is_int(examples) or examples < 0:
+        raise ValueError(f"test-examples={examples!r} is not allowed; allowed: an integer >= 0 (0: the whole split)")
     dataset = _test_dataset(cfg.dataset, cfg.data_dir)
+    if examples:
+        dataset = _test_subset(cfg.dataset, cfg.data_dir, examples, cfg.seed)
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=BatchCollate())
+
+
+@functools.lru_cache(maxsize=8)
+def _test_subset(dataset: str, data_dir: str, examples: int, seed: int) -> BatchTensorDataset:
+    whole = _test_dataset(dataset, data_dir)
+    size = len(whole)
+    if examples > size:
+        raise ValueError(
+            f"test-examples={examples} but {dataset}'s test split has {size} examples; "
+            f"allowed: 0 (the whole split) or 1 to {size}"
+        )
+    keep = torch.from_numpy(np.sort(np.random.default_rng(seed).choice(size, size=examples, replace=False)))
+    return BatchTensorDataset(whole.tensors[0][keep], whole.tensors[1][keep])
 
 
 def config_keys() -> tuple[str, ...]:

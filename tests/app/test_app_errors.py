@@ -73,3 +73,8 @@ def test_dataset_with_no_reachable_source(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     message = run_main(tmp_path, dataset="cifar10", model="cnn")
     assert "cifar10" in message and "data-dir" in message
+
+
+def test_more_test_examples_than_the_test_split(tmp_path):
+    message = run_main(tmp_path, **{"test-examples": 10**6})
+    assert "test-examples=1000000" in message and "allowed: 0 (the whole split) or 1 to" in message

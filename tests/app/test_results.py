@@ -58,6 +58,17 @@ def record_run(out_dir: Path, config: dict, rows: list[dict]) -> RunRecorder:
     return recorder
 
 
+def test_without_plots_a_run_ends_with_its_metrics_files_only(tmp_path):
+    """Run-config ``plots = false``: the numbers are all there; no PNG is drawn (pollen-compare draws them)."""
+    out = tmp_path / "quiet"
+    recorder = RunRecorder(out, {"strategy": "fedams"}, plots=False)
+    for row in fake_rows(3, 1000, 0.2):
+        recorder.record(row)
+    recorder.finish({"w": np.zeros(2, dtype=np.float32)}, {"final_accuracy": 0.5})
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "final_model.npz", "metrics.csv", "metrics.json"]
+    assert len(load_rows(out)) == 4
+
+
 def test_run_recorder_writes_every_file(tmp_path):
     config = {"strategy": "fedams", "server-lr": 0.1, "seed": 42}
     rows = fake_rows(3, 1000, 0.2)

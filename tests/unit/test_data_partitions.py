@@ -166,6 +166,32 @@ def test_load_partition_on_embedded_subset():
     assert len(allidx) == len(np.unique(allidx)) == 12_000
 
 
+def test_test_examples_keep_a_seeded_subset_of_the_split_in_its_order():
+    cfg = D.DataConfig(num_partitions=10, seed=3)
+    whole = D.load_test_set(cfg, batch_size=500).dataset
+    subset = D.load_test_set(cfg, batch_size=64, examples=300).dataset
+    assert len(subset) == 300
+    # the same subset for every call with this seed (and batch size), a different one for another seed
+    assert torch.equal(D.load_test_set(cfg, batch_size=7, examples=300).dataset.tensors[1], subset.tensors[1])
+    other = D.load_test_set(dataclasses.replace(cfg, seed=4), batch_size=64, examples=300).dataset
+    assert not torch.equal(other.tensors[0], subset.tensors[0])
+    # each kept example is the split's own, in the split's order
+    rows = {bytes(x.numpy().tobytes()): i for i, x in enumerate(whole.tensors[0])}
+    positions = [rows[bytes(x.numpy().tobytes())] for x in subset.tensors[0]]
+    assert positions == sorted(positions) and len(set(positions)) == 300
+    assert torch.equal(whole.tensors[1][positions], subset.tensors[1])
+    assert len(D.load_test_set(cfg, 64, examples=len(whole)).dataset) == len(whole)
+    assert D.load_test_set(cfg, 64, examples=0).dataset is whole
+
+
+@pytest.mark.parametrize(
+    ("examples", "allowed"), [(-1, "an integer >= 0"), (2.5, "an integer >= 0"), (2001, "1 to 2000")]
+)
+def test_test_examples_outside_the_split_are_refused(examples, allowed):
+    with pytest.raises(ValueError, match=f"test-examples={examples}.*allowed: .*{allowed}"):
+        D.load_test_set(D.DataConfig(), 64, examples=examples)
+
+
 def test_partition_cache_hit():
     cfg = D.DataConfig(partitioner="dirichlet", num_partitions=20, alpha=0.3, seed=5)
     a_train, a_val = D.load_partition(cfg, 7, 32)
