@@ -54,6 +54,8 @@ RUN_CONFIG = {
     "min-train-nodes": 3,
     "fraction-evaluate": 0.0,
     "min-evaluate-nodes": 0,
+    "test-examples": 1000,
+    "plots": False,
 }
 FLWR_RUN_TIMEOUT_S = 600
 BOUNDED_EXIT_S = 90  # a refused SuperNode must give up within this
@@ -312,6 +314,8 @@ RESUME_CONFIG = {
     "min-train-nodes": 2,
     "fraction-evaluate": 0.0,
     "min-evaluate-nodes": 0,
+    "test-examples": 1000,
+    "plots": False,
 }
 KILL_AT_ROUND = 1
 # Run names of equal length: the run's directory name travels in every train message's config

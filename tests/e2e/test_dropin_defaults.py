@@ -312,7 +312,12 @@ def references() -> dict[str, float]:
     return {"FedAvg()": score(lambda: FedAvg(**SAMPLING))[0], "FedAdam()": score(lambda: FedAdam(**SAMPLING))[0]}
 
 
+#: The two tests that use :func:`references` run on one xdist worker, so its six runs are made once.
+REFERENCES_GROUP = pytest.mark.xdist_group("dropin-references")
+
+
 @pytest.mark.slow
+@REFERENCES_GROUP
 def test_the_project_learns_with_flowers_strategies_without_saturating() -> None:
     """The bar is meaningful: Flower's strategies learn (chance is 0.1) and leave room to fall behind."""
     for name, value in references().items():
@@ -336,6 +341,7 @@ def test_the_quickstart_evaluate_answers() -> None:
 
 
 @pytest.mark.slow  # 12 strategies x 3 seeds x 10 rounds: about 3 minutes on 2 cores
+@REFERENCES_GROUP
 def test_every_strategy_with_its_defaults_keeps_up_with_flowers_fedadam() -> None:
     bar = references()["FedAdam()"]
     rows = [(name, value, []) for name, value in references().items()]

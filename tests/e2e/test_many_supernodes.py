@@ -61,6 +61,8 @@ RUN_CONFIG = {
     "fraction-evaluate": 0.0,
     "min-evaluate-nodes": 0,
     "eval-every": ROUNDS,
+    "test-examples": 1000,
+    "plots": False,
     "round-timeout": 600.0,  # never reached: no message is lost
     "node-wait-seconds": 300.0,
     "run-name": "many",

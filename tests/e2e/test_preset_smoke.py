@@ -47,6 +47,7 @@ def test_a_two_round_smoke_version_of_each_preset_runs(name: str, tmp_path: Path
             "local-steps": 2,
             "eval-every": 2,
             "eval-batch-size": 2000,
+            "test-examples": 1000,
             "fraction-train": 0.05,
             "min-train-nodes": 2,
             "results-dir": str(tmp_path),

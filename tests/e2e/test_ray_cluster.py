@@ -42,6 +42,8 @@ SETTINGS = {
     "min-evaluate-nodes": 0,
     "eval-batch-size": 1000,
     "eval-every": ROUNDS,
+    "test-examples": 1000,
+    "plots": False,
 }
 METHODS = {
     "fedcams": {"strategy": "fedcams", "compressor": "sign"},
