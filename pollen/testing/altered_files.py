@@ -148,23 +148,36 @@ def field_name(path: tuple) -> str:
     return keys[-1] if keys else "round"
 
 
+def _copy_along(tree: Any, path: tuple) -> tuple[Any, Any]:
+    """``(copy of tree, the copy's container at path)``: only the containers on ``path`` are copied.
+
+    An altered tree shares every other branch (arrays included) with ``tree``; nothing here or in
+    :func:`write_altered` changes a value in place, so the original stays as it was, and a copy of the
+    whole checkpoint per alteration (most of the corpus's time) is not needed.
+    """
+    out = copy.copy(tree)
+    node = out
+    for key in path:
+        child = copy.copy(node[key])
+        node[key] = child
+        node = child
+    return out, node
+
+
 def _set(tree: Any, path: tuple, value: Any) -> Any:
-    out = copy.deepcopy(tree)
-    parent = get(out, path[:-1])
+    out, parent = _copy_along(tree, path[:-1])
     parent[path[-1]] = value
     return out
 
 
 def _remove(tree: Any, path: tuple) -> Any:
-    out = copy.deepcopy(tree)
-    parent = get(out, path[:-1])
+    out, parent = _copy_along(tree, path[:-1])
     del parent[path[-1]]
     return out
 
 
 def _rename(tree: Any, path: tuple) -> Any | None:
-    out = copy.deepcopy(tree)
-    parent = get(out, path[:-1])
+    out, parent = _copy_along(tree, path[:-1])
     key = path[-1]
     if isinstance(parent, dict):
         items = [(k + "_renamed" if k == key else k, v) for k, v in parent.items()]
