@@ -61,6 +61,18 @@ def _real(key: str, value: Any, allowed: str) -> float:
     return float(value)
 
 
+def _without_compiler_guard(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.optim.Optimizer``'s ``method`` without its ``torch._disable_dynamo`` wrapper.
+
+    The wrapper imports ``torch._dynamo`` (the compiler) at its first call, to keep the compiler out of the
+    method: 1.5 to 5 s of a small machine's CPU in a process that compiles nothing, which a deployed
+    ClientApp (a fresh process per message) paid on every Fed-LAMB message. The body does the same work
+    either way. ``functools.wraps`` keeps it as ``__wrapped__``; a torch without the wrapper has none, and
+    the method is used as it is.
+    """
+    return getattr(method, "__wrapped__", method)
+
+
 def _check_settings(s: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming the first setting of one parameter group that is out of range."""
     lr = _real("lr", s["lr"], "a finite number >= 0")
@@ -212,7 +224,7 @@ class LocalLAMB(torch.optim.Optimizer):
                     raise ValueError(
                         f"{_NAME}: parameter {i} of the group has dtype {t.dtype}; allowed: a real floating-point dtype"
                     )
-        super().add_param_group({**param_group, "params": params})
+        _without_compiler_guard(torch.optim.Optimizer.add_param_group)(self, {**param_group, "params": params})
         group = self.param_groups[-1]
         for key in ("betas", "phi_clip"):
             if isinstance(group[key], list):
@@ -232,6 +244,14 @@ class LocalLAMB(torch.optim.Optimizer):
 
     def _params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         return [(p, g) for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim``'s state dict: ``{"state": {index: {"m", "v_hat"[, "v"]}}, "param_groups": [...]}``."""
+        return _without_compiler_guard(torch.optim.Optimizer.state_dict)(self)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every parameter's gradient (``None``, or zeros with ``set_to_none=False``), as ``torch.optim``."""
+        _without_compiler_guard(torch.optim.Optimizer.zero_grad)(self, set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict`; the state is checked first and copied (never shared with the dict).
@@ -261,7 +281,7 @@ class LocalLAMB(torch.optim.Optimizer):
                         f"{_NAME}: state_dict state of parameter {n} has {key}={got}; allowed: a tensor of "
                         f"shape {tuple(p.shape)}"
                     )
-        super().load_state_dict(state_dict)
+        _without_compiler_guard(torch.optim.Optimizer.load_state_dict)(self, state_dict)
         for state in self.state.values():
             for key, value in list(state.items()):
                 if isinstance(value, torch.Tensor):

@@ -564,3 +564,40 @@ def test_cuda_matches_cpu_without_host_syncs():
     for a, b in zip(cpu_p, gpu_p):
         torch.testing.assert_close(b, a, rtol=0.0, atol=1e-5)
     torch.testing.assert_close(gpu_v, cpu_v, rtol=1e-5, atol=0.0)
+
+
+_FRESH_PROCESS = """
+import sys, torch
+from torch.utils.data import DataLoader, TensorDataset
+from pollen.clientside.lamb import LocalLAMB
+from pollen.task.train import train
+model = torch.nn.Linear(6, 3)
+optimizer = LocalLAMB(model.parameters(), lr=0.01, weight_decay=0.01)
+data = TensorDataset(torch.randn(16, 6), torch.randint(0, 3, (16,)))
+train(model, DataLoader(data, batch_size=4, shuffle=True), lr=0.01, local_steps=3, optimizer=optimizer)
+optimizer.zero_grad(set_to_none=False)
+LocalLAMB(model.parameters(), lr=0.01).load_state_dict(optimizer.state_dict())
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_lamb_local_training_in_a_fresh_process_does_not_import_the_compiler():
+    """A deployed ClientApp is one process per message: torch.optim's methods import torch._dynamo (1.5-5 s) at
+    their first call to keep the compiler out; LocalLAMB is never compiled and must not pay for it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_zero_grad_keeps_torchs_two_behaviours():
+    params = _layers()
+    optimizer = LocalLAMB(params, lr=0.01)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in params)
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in params)
