@@ -9,7 +9,9 @@ Each run is a real ``flwr run <app> --stream --federation-config num-supernodes=
 ``metrics.json`` already reaches the last round is not run again, so an interrupted sweep resumes where it
 stopped. One progress line per run, with an estimate of the time left. The report (``<out>/report.md``,
 ``report.json``, the accuracy plots vs round and vs cumulative uplink / downlink / total bytes, and
-``commands.sh``) is written by :mod:`pollen.app.compare`, the same engine as ``pollen-compare``.
+``commands.sh``) is written by :mod:`pollen.app.compare`, the same engine as ``pollen-compare``. Since the
+report plots every run together, a run draws no plots of its own (run-config ``plots=false``, about 2 s of each
+run's ServerApp) unless the preset or ``--set plots=true`` asks; ``plots`` never makes a finished run run again.
 
 With a tracker (``--set tracker=tensorboard,mlflow``, or a preset that sets one) the sweep groups its runs:
 TensorBoard event files in ``<out>/tensorboard/<run-name>`` (``tensorboard --logdir <out>/tensorboard``),
@@ -104,7 +106,7 @@ def plan(
     """Every run of the sweep, method-major within each seed (a partial sweep has every method on seed 1).
 
     A run with a tracker is tracked where the sweep's runs are (:func:`sweep_tracking`), unless the preset or
-    ``settings`` say where.
+    ``settings`` say where. A run draws no plots of its own unless the preset or ``settings`` set ``plots``.
     """
     runs = []
     values = sweep[1] if sweep else [None]
@@ -114,6 +116,7 @@ def plan(
                 group = method if sweep is None else f"{method} {sweep[0]}={value}"
                 name = f"{method}-s{seed}" if sweep is None else f"{method}-{sweep[0]}-{value}-s{seed}"
                 config = {
+                    "plots": False,  # the report plots every run together
                     **preset.method_config(method),
                     **settings,
                     "seed": seed,
@@ -129,10 +132,15 @@ def plan(
     return runs
 
 
+#: Run-config keys a finished run may differ in and still be this sweep's run.
+NOT_COMPARED = (*TRACKER_KEYS, "plots")
+
+
 def is_finished(run: PlannedRun) -> bool:
     """Whether the run's folder holds a finished run of exactly this config (else it is run again).
 
-    The tracker keys do not count: they change where a run is shown, not its numbers (:func:`track_finished`).
+    The tracker keys and ``plots`` do not count: they change where a run is shown and which files it draws,
+    not its numbers (:func:`track_finished`).
     """
     metrics, written = run.run_dir / "metrics.json", run.run_dir / "config.json"
     if not (metrics.is_file() and written.is_file()):
@@ -142,7 +150,7 @@ def is_finished(run: PlannedRun) -> bool:
         config = json.loads(written.read_text())
     except (ValueError, KeyError):
         return False
-    if any(config.get(key) != value for key, value in run.config.items() if key not in TRACKER_KEYS):
+    if any(config.get(key) != value for key, value in run.config.items() if key not in NOT_COMPARED):
         return False  # the same name with other settings (a changed --set): not this run
     return bool(rows) and rows[-1].get("round") == run.rounds
 

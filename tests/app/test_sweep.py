@@ -175,3 +175,19 @@ def test_a_finished_run_with_other_settings_is_run_again(preset_file: Path, tmp_
     assert not sweep.is_finished(changed[0]) and sweep.is_finished(first[0])
     sweep.execute(changed, app=".", supernodes=6, runner=runner, say=lambda line: None)
     assert len(calls) == 2 and sweep.is_finished(changed[0])
+
+
+def test_runs_draw_no_plots_of_their_own_unless_asked_and_plots_never_rerun_a_run(
+    preset_file: Path, tmp_path: Path
+) -> None:
+    """The report plots every run together; a run's own PNGs (about 2 s of its ServerApp) only on request."""
+    preset = load_preset(str(preset_file))
+    out = tmp_path / "sweep"
+    calls: list[list[str]] = []
+    runner = fake_flwr({"fedams": 0.2, "fedcams": 0.1}, calls)
+    quiet = sweep.plan(preset, ["fedams"], [1], {}, None, out)
+    assert quiet[0].config["plots"] is False
+    sweep.execute(quiet, app=".", supernodes=6, runner=runner, say=lambda line: None)
+    assert "plots=false" in calls[0][-1]
+    drawn = sweep.plan(preset, ["fedams"], [1], {"plots": True}, None, out)
+    assert drawn[0].config["plots"] is True and sweep.is_finished(drawn[0])  # a finished run stays finished
