@@ -451,9 +451,10 @@ def load_test_set(cfg: DataConfig, batch_size: int, examples: int = 0) -> DataLo
     _check_batch_size(batch_size)
     if not _is_int(examples) or examples < 0:
         raise ValueError(f"test-examples={examples!r} is not allowed; allowed: an integer >= 0 (0: the whole split)")
-    dataset = _test_dataset(cfg.dataset, cfg.data_dir)
     if examples:
         dataset = _test_subset(cfg.dataset, cfg.data_dir, examples, cfg.seed)
+    else:
+        dataset = _test_dataset(cfg.dataset, cfg.data_dir)
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=BatchCollate())
 
 
