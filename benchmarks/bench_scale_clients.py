@@ -6,11 +6,14 @@ Two stages (``--stage``):
   Dirichlet(0.5)), which every simulation worker pays once per dataset and N (then the partition cache
   serves it), for N = 1,000, 10,000, 100,000.
 - ``simulation``: ``flwr run`` of pollen's app on Flower's local simulation (Ray, the local SuperLink,
-  two workers of one CPU each), N = 1,000 and 10,000 SuperNodes, 100 sampled per round, ``--rounds``
-  (50) rounds, the MLP on Fashion-MNIST (IID, 2 local steps of batch 8). Methods: FedAdaVR with its
-  stored-update table in Int4, memory-mapped (``table-path``), and FedBNLACA, whose per-client book
-  (references, mirrors, downlink residuals) is memory-mapped (``bookkeeping-dir``), with its clients' own state
-  in Flower's node contexts (the default) and in files (``client-state-in-memory=false``). From the run's own
+  two workers of one CPU each), N = 1,000 and 10,000 clients, 100 sampled per round, ``--rounds`` (50)
+  rounds, the MLP on Fashion-MNIST (IID, 2 local steps of batch 8). ``--sim-mode population`` (the default):
+  run-config ``population`` = N played by ``--sim-workers`` (100) simulated SuperNodes, bound anew each round,
+  the clients' own state in files under ``state-dir``; ``--sim-mode nodes``: N simulated SuperNodes, one client
+  each (Flower's simulation engine scans every node's queue each sweep, so this stops scaling in N). Methods:
+  FedAdaVR with its stored-update table in Int4, memory-mapped (``table-path``), and FedBNLACA, whose
+  per-client book (references, mirrors, downlink residuals) is memory-mapped (``bookkeeping-dir``); in node
+  mode also FedBNLACA with its clients' state in files (``client-state-in-memory=false``). From the run's own
   results rows: median seconds per round after round 1, round 1 (start-up, partitioning included), the
   resident memory of the process that runs the ServerApp (with Flower's per-node contexts) at round 10
   and at the last round, and the table's or book's bytes (on disk).
@@ -23,6 +26,7 @@ Two stages (``--stage``):
   process, so part of that growth), and the table's or book's bytes.
 
     python benchmarks/bench_scale_clients.py --stage partition server simulation [--rounds 50]
+        [--sim-mode population|nodes] [--sim-workers 100] [--sim-clients 1000 10000]
 
 MB = 10**6 bytes.
 """
@@ -90,42 +94,55 @@ SIM_SETUP = {
 }
 
 
-def sim_methods(folder: Path, n: int) -> dict[str, dict]:
-    return {
+def sim_methods(folder: Path, n: int, mode: str) -> dict[str, dict]:
+    methods = {
         "FedAdaVR Int4 (memory-mapped)": {
             "strategy": "fedadavr",
             "table-precision": "int4",
-            "table-path": str(folder / f"table-{n}.bin"),
+            "table-path": str(folder / f"table-{mode}-{n}.bin"),
         },
-        "FedBNLACA (book memory-mapped)": {"strategy": "fedbnlaca", "bookkeeping-dir": str(folder / f"book-{n}")},
-        # the clients' own state (a model mirror, increments, residuals) in files instead of Flower's node
-        # contexts, which a simulation keeps for every node in the process that runs the ServerApp
-        "FedBNLACA (book memory-mapped, client state in files)": {
+        "FedBNLACA (book memory-mapped)": {
             "strategy": "fedbnlaca",
-            "bookkeeping-dir": str(folder / f"book-files-{n}"),
-            "state-dir": str(folder / f"client-state-{n}"),
-            "client-state-in-memory": False,
+            "bookkeeping-dir": str(folder / f"book-{mode}-{n}"),
         },
     }
+    if mode == "population":  # the clients' own state follows them in files (the only way in this mode)
+        for name, method in methods.items():
+            method.update({"population": n, "state-dir": str(folder / f"client-state-{mode}-{name[:8]}-{n}")})
+        return methods
+    # the clients' own state (a model mirror, increments, residuals) in files instead of Flower's node
+    # contexts, which a simulation keeps for every node in the process that runs the ServerApp
+    methods["FedBNLACA (book memory-mapped, client state in files)"] = {
+        "strategy": "fedbnlaca",
+        "bookkeeping-dir": str(folder / f"book-files-{n}"),
+        "state-dir": str(folder / f"client-state-{n}"),
+        "client-state-in-memory": False,
+    }
+    return methods
 
 
-def stage_simulation(rounds: int, sizes: list[int], only: list[str] | None = None) -> None:
+def stage_simulation(
+    rounds: int, sizes: list[int], only: list[str] | None = None, mode: str = "population", workers: int = M
+) -> None:
     from pollen.testing.flwr_cli import LocalFlower
 
     with tempfile.TemporaryDirectory(prefix="pollen-scale-") as tmp:
         folder = Path(tmp)
         flower = LocalFlower(folder / "flwr-home")
         print(
-            "| method | SuperNodes (N) | s / round (median, rounds 2+) | round 1 s | ServerApp RSS round 10 | "
+            f"mode {mode}" + (f", {workers} simulated SuperNodes play the clients" if mode == "population" else ""),
+        )
+        print(
+            "| method | clients (N) | s / round (median, rounds 2+) | round 1 s | ServerApp RSS round 10 | "
             "at round {0} | table / book | final accuracy |".format(rounds)
         )
         print("|---|---|---|---|---|---|---|---|")
         try:
             for n in sizes:
-                for name, method in sim_methods(folder, n).items():
+                for name, method in sim_methods(folder, n, mode).items():
                     if only and not any(word.lower() in name.lower() for word in only):
                         continue
-                    run_name = f"{method['strategy']}-{n}" + ("-files" if "state-dir" in method else "")
+                    run_name = f"{method['strategy']}-{mode}-{n}" + ("-files" if "state-dir" in method else "")
                     config = {
                         **SIM_SETUP,
                         **method,
@@ -136,7 +153,8 @@ def stage_simulation(rounds: int, sizes: list[int], only: list[str] | None = Non
                         "run-name": run_name,
                     }
                     started = time.perf_counter()
-                    proc = flower.run(config, num_supernodes=n, client_cpus=1, timeout=3600)
+                    supernodes = workers if mode == "population" else n
+                    proc = flower.run(config, num_supernodes=supernodes, client_cpus=1, timeout=3600)
                     wall = time.perf_counter() - started
                     if proc.returncode != 0:
                         print(f"| {name} | {n:,} | failed: {proc.stderr[-500:]!r} |", flush=True)
@@ -280,13 +298,15 @@ def main() -> None:
     parser.add_argument(
         "--sim-methods", nargs="*", default=None, help="run only the simulation methods whose names hold one of these"
     )
+    parser.add_argument("--sim-mode", choices=("population", "nodes"), default="population")
+    parser.add_argument("--sim-workers", type=int, default=M, help="population mode: simulated SuperNodes")
     args = parser.parse_args()
     if "partition" in args.stage:
         stage_partition()
     if "server" in args.stage:
         stage_server(args.rounds, args.server_clients)
     if "simulation" in args.stage:
-        stage_simulation(args.rounds, args.sim_clients, args.sim_methods)
+        stage_simulation(args.rounds, args.sim_clients, args.sim_methods, args.sim_mode, args.sim_workers)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from pollen.app.config import AppConfig, effective_run_config
 from pollen.app.experiment import build_model, data_config
 from pollen.clientside import compression_mod
 from pollen.clientside.compression_mod import client_state_for, compress_update, wants_compression
+from pollen.clientside.identity import message_client_id, node_client_id, played_partition
 from pollen.clientside.lazy_mod import lazy_mod
 from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, Step, StepOutcome, lookup, model_arrays
 from pollen.core.layout import ModelLayout
@@ -54,12 +55,16 @@ def node_setting(context: Context, key: str, default: Any) -> Any:
 
 
 def client_id(context: Context) -> str:
-    configured = node_setting(context, "client-id", "")
-    return str(configured) if configured else f"partition-{int(node_setting(context, 'partition-id', 0))}"
+    """The node's own client id (node-config ``client-id``, else ``partition-<partition-id>``)."""
+    return node_client_id(context.node_config)
 
 
 class LocalTask:
-    """This node's config, data loaders, model and device for one message."""
+    """The config, data loaders, model and device of the client a message is for.
+
+    That client is the node's own, or the partition the message names (population mode,
+    :mod:`pollen.clientside.identity`): then its data is partition ``p`` of run-config ``population``.
+    """
 
     def __init__(self, context: Context, config: ConfigRecord | None = None) -> None:
         from pollen.task.data import load_partition
@@ -67,15 +72,21 @@ class LocalTask:
 
         given = protocol.split_keys(str(config.get(protocol.CFG_GIVEN_KEYS, ""))) if config is not None else ()
         self.cfg = AppConfig.from_run_config(context.run_config, check_strategy=False, given=given)
-        self.partition_id = int(node_setting(context, "partition-id", 0))
-        num_partitions = int(node_setting(context, "num-partitions", 1))
+        played = played_partition(config)
+        if played is not None and not played < self.cfg["population"]:
+            raise ValueError(
+                f"message config '{protocol.CFG_PARTITION}' = {played} but run-config 'population' = "
+                f"{self.cfg['population']}; allowed: a partition in 0..population-1"
+            )
+        self.partition_id = int(node_setting(context, "partition-id", 0)) if played is None else played
+        num_partitions = int(node_setting(context, "num-partitions", 1)) if played is None else self.cfg["population"]
         data_dir = str(node_setting(context, "data-dir", self.cfg["data-dir"]))
         self.device = resolve_device(str(node_setting(context, "device", self.cfg["device"])))
         self.data_cfg = data_config(self.cfg, num_partitions=num_partitions, data_dir=data_dir)
         self.batch_size = self.cfg["batch-size"]
         self.loaders = lambda batch_size: load_partition(self.data_cfg, self.partition_id, batch_size)
         self.model = _model_for(self.cfg)
-        self.client_id = client_id(context)
+        self.client_id = message_client_id(context.node_config, config)
 
     def load_global(self, msg: Message) -> None:
         self.model.load_state_dict(msg.content.array_records[protocol.ARRAYS_RECORD].to_torch_state_dict())

@@ -64,17 +64,36 @@ def given_keys(grid: Grid) -> set[str]:
         return set()
 
 
-def prepare(cfg: AppConfig, grid: Grid) -> tuple[Any, Any, int]:
+def nodes_to_play(strategy: Any) -> int:
+    """Population mode: the most clients one round samples (training or evaluation), each needing a node."""
+    sampler = strategy.sampler
+    needed = sampler.sample_size(strategy.fraction_train, strategy.min_train_nodes)
+    if strategy.fraction_evaluate > 0:
+        needed = max(needed, sampler.sample_size(strategy.fraction_evaluate, strategy.min_evaluate_nodes))
+    return needed
+
+
+def prepare(cfg: AppConfig, grid: Grid, strategy: Any) -> tuple[Any, Any, int]:
     """Everything that can fail before round 1: nodes, data source, model."""
     from pollen.task.data import describe_source, load_test_set, validate_data_config
 
-    nodes = _wait_for_nodes(grid, cfg["min-train-nodes"], cfg["node-wait-seconds"])
-    if nodes < cfg["min-train-nodes"]:
-        raise ConfigError(
-            f"run-config 'min-train-nodes' = {cfg['min-train-nodes']} but only {nodes} SuperNodes "
-            f"(partitions) are connected; allowed: at most {nodes}"
-        )
-    data_cfg = data_config(cfg, num_partitions=max(nodes, 1))
+    if cfg["population"]:
+        needed = nodes_to_play(strategy)
+        nodes = _wait_for_nodes(grid, needed, cfg["node-wait-seconds"])
+        if nodes < needed:
+            raise ConfigError(
+                f"run-config 'population' = {cfg['population']}: a round samples {needed} clients, each played by "
+                f"a node of its own, but only {nodes} SuperNodes are connected; allowed: at least {needed} "
+                "(simulation: options.num-supernodes), or smaller fraction-train / fraction-evaluate"
+            )
+    else:
+        nodes = _wait_for_nodes(grid, cfg["min-train-nodes"], cfg["node-wait-seconds"])
+        if nodes < cfg["min-train-nodes"]:
+            raise ConfigError(
+                f"run-config 'min-train-nodes' = {cfg['min-train-nodes']} but only {nodes} SuperNodes "
+                f"(partitions) are connected; allowed: at most {nodes}"
+            )
+    data_cfg = data_config(cfg, num_partitions=cfg["population"] or max(nodes, 1))
     validate_data_config(data_cfg)
     log(INFO, "[pollen] data: %s", describe_source(data_cfg))
     test_loader = load_test_set(data_cfg, cfg["eval-batch-size"], cfg["test-examples"])
@@ -117,7 +136,7 @@ def serve(grid: Grid, context: Context, methods: Table | None = None) -> None:
                     f"allowed: num-server-rounds > {done}"
                 )
         trackers = open_trackers(cfg, out_dir)
-        model, test_loader, nodes = prepare(cfg, grid)
+        model, test_loader, nodes = prepare(cfg, grid, strategy)
     except ValueError as err:  # ConfigError, CheckpointError, DataSourceError and the task layer's checks
         log(ERROR, "[pollen] stopped before round 1: %s", err)
         raise ConfigError(str(err)) from None

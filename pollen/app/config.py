@@ -111,6 +111,9 @@ SAMPLING = {
     "min-train-nodes": pos_int(2),
     "min-evaluate-nodes": non_neg_int(2),
     "node-wait-seconds": non_negative(30.0),
+    # N > 0: N logical clients (partitions 0..N-1) played by the connected nodes, bound anew each round (a
+    # simulation of many clients on a few simulated SuperNodes); the fractions are of N. 0: one client per node.
+    "population": non_neg_int(0),
     "aggregation": choice(_aggregations, "mean", server_side=True),
     "aggregator": choice(AGGREGATORS, "mean"),
     "trim-fraction": Key(float, DEFAULT_TRIM_FRACTION, lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
@@ -284,6 +287,12 @@ class AppConfig:
             raise ConfigError("run-config 'lr-schedule' = 'step' needs 'lr-decay-rounds', e.g. \"30,70\"; it is empty")
         if values["min-evaluate-nodes"] == 0 and values["fraction-evaluate"] > 0:
             raise ConfigError("run-config 'min-evaluate-nodes' = 0 with 'fraction-evaluate' > 0; allowed: >= 1")
+        if values["population"] > 0 and not values["state-dir"]:
+            raise ConfigError(
+                f"run-config 'population' = {values['population']} needs 'state-dir': each node plays many clients, "
+                "so a client's state (error-feedback residuals, moments, lazy references) lives in a file there and "
+                "follows the client to whichever node plays it next; set state-dir (a directory every node reaches)"
+            )
         if run_config["client-state-in-memory"] is False and not run_config["state-dir"]:
             raise ConfigError(
                 "run-config 'client-state-in-memory' = false needs 'state-dir' (where the state then lives; a "

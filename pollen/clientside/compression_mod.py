@@ -28,6 +28,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
 from pollen.clientside.feedback import settle
+from pollen.clientside.identity import message_client_id, played_partition
 from pollen.clientside.state import ClientState
 from pollen.compression import decode_payload, make_codec
 from pollen.compression.error_feedback import ErrorFeedback, compress_with_feedback
@@ -78,13 +79,23 @@ def client_state_for(context: Context, config: ConfigRecord, *, first_message: b
 
     Node-config ``state-dir`` (else run-config ``state-dir``; presets do not set it) keeps it in a file that survives a
     SuperNode restart or a resumed run; ``client-id`` (else ``partition-<id>``) names the file and
-    the strategy's ``pollen.run-key`` the run it belongs to. ``client-state-in-memory`` = false (node-config, else
-    run-config) keeps it in that file only, none in ``context.state``.
+    the strategy's ``pollen.run-key`` the run it belongs to. A message that names the partition its node
+    plays (population mode, :mod:`pollen.clientside.identity`) is that partition's client, whose state lives
+    in its file only (``state-dir`` required): the node plays other clients between its messages.
+    ``client-state-in-memory`` = false (node-config, else run-config) keeps it in that file only, none in
+    ``context.state``.
     """
     node = context.node_config
     state_dir = str(node.get("state-dir") or context.run_config.get("state-dir") or "")
-    client_id = str(node.get("client-id") or f"partition-{int(node.get('partition-id', 0))}")
+    client_id = message_client_id(node, config)
     in_memory = node.get("client-state-in-memory", context.run_config.get("client-state-in-memory", True))
+    if played_partition(config) is not None:  # population mode: this node plays many clients; state follows the client
+        if not state_dir:
+            raise ValueError(
+                f"this node plays {client_id} (population mode), whose state must live in a file under state-dir; "
+                "set run-config or node-config state-dir"
+            )
+        in_memory = False
     return ClientState(
         context,
         server_round=int(config.get(protocol.CFG_SERVER_ROUND, 0)),

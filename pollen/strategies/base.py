@@ -149,6 +149,12 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         ids make sampling reproducible across runs and survive a SuperNode
         reconnecting. Off by default so a ClientApp without that action sees no
         query it cannot answer; pollen's app turns it on.
+    population : int (default: 0)
+        0: one client per connected node. N > 0: N logical clients (``partition-0`` ..
+        ``partition-<N-1>``) played by the connected nodes, bound anew each round; the
+        fractions are of N and each message names the partition its node plays
+        (:mod:`pollen.strategies.sampling`). Needs pollen's ClientApp (or one that reads
+        ``pollen.partition``) and at least as many nodes as a round samples.
     arrayrecord_key, configrecord_key : str
         Record names in train/evaluate messages (Flower's defaults).
     outlier_rule : str (default: "reject")
@@ -200,6 +206,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         buffer_keys: Iterable[str] | None = None,
         seed: int = 0,
         identify_clients: bool = False,
+        population: int = 0,
         arrayrecord_key: str = protocol.ARRAYS_RECORD,
         configrecord_key: str = protocol.CONFIG_RECORD,
         outlier_rule: str = "reject",
@@ -241,7 +248,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         self.server_step = ServerStep(optimizer)
         self.model = GlobalModel(buffer_keys)
         self.sampler = ClientSampler(
-            seed=seed, min_available_nodes=min_available_nodes, identify_clients=identify_clients
+            seed=seed, min_available_nodes=min_available_nodes, identify_clients=identify_clients, population=population
         )
         self.screen = UpdateScreen(
             rule=outlier_rule, factor=outlier_factor, window=outlier_window, max_abs=max_abs_update

@@ -168,6 +168,12 @@ class HAFed(AdaptiveStrategy):
             raise ValueError(
                 f"clustered=False has no clusters to gossip in; allowed: topology='identity' (got {topology!r})"
             )
+        if clustered and kwargs.get("population"):
+            raise ValueError(
+                f"population={kwargs['population']} does not fit HA-Fed's clusters: every client of every cluster "
+                "trains and gossips within the round, so each needs a node of its own; allowed: population=0 "
+                "(one SuperNode per client), or clustered=False (fedamsgrad-uniform)"
+            )
         kwargs.setdefault("identify_clients", True)
         optimizer = amsgrad(
             eta=eta, beta1=beta_1, beta2=beta_2, eps=eps, eps_mode=eps_mode, bias_correction=bias_correction

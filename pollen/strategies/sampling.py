@@ -6,6 +6,15 @@ its stable client id (pollen's ClientApp answers ``query.pollen_identify`` with 
 ``client-id``, else ``partition-<id>``, and optionally a ``cluster-id``), orders the connected nodes by
 that id and draws from its own seeded generator. Its state (generator, known ids) is saved and loaded
 with the strategy, so a resumed run samples the same clients as an uninterrupted one.
+
+**Population mode** (``population`` = N > 0, run-config ``population``): the clients are N logical ones,
+``partition-0`` .. ``partition-<N-1>``, known from the start (no identity round), and the connected nodes
+are the workers that play them. Each round draws its clients from the N, exactly as the node mode draws
+from N identified nodes (the same order by client id, the same generator), and binds them one to one to
+connected nodes for that round; each message then names the partition its node plays
+(:data:`pollen.wire.protocol.CFG_PARTITION`). A simulation of 10,000 clients then needs only as many
+simulated SuperNodes as a round samples: Flower's simulation engine scans every node's queue each sweep, so
+its cost grows with the number of nodes, not with the population.
 """
 
 from __future__ import annotations
@@ -27,6 +36,12 @@ IDENTIFY_TIMEOUT_S = 60.0
 MAX_CLIENT_ID_LENGTH = 256
 
 
+def partition_client_id(partition: int) -> str:
+    """The client id of simulation partition ``partition`` (what pollen's ClientApp answers without node-config
+    ``client-id``)."""
+    return f"partition-{partition}"
+
+
 class ClientSampler:
     """Seeded sampling over the connected nodes, ordered by their stable client ids.
 
@@ -39,16 +54,30 @@ class ClientSampler:
     identify_clients : bool
         Ask new nodes for their client id (and cluster id) with ``query.pollen_identify``. Nodes that
         cannot answer are keyed ``node-<id>``.
+    population : int
+        0: one client per connected node. N > 0: N logical clients played by the connected nodes, bound
+        anew each time clients are sampled (module docstring); no identity round.
     """
 
-    def __init__(self, *, seed: int = 0, min_available_nodes: int = 2, identify_clients: bool = False) -> None:
+    def __init__(
+        self, *, seed: int = 0, min_available_nodes: int = 2, identify_clients: bool = False, population: int = 0
+    ) -> None:
+        if isinstance(population, bool) or not isinstance(population, int) or population < 0:
+            raise ValueError(
+                f"population={population!r} is invalid; allowed: 0 (one client per node) or an integer > 0"
+            )
         self.seed = seed
         self.min_available_nodes = min_available_nodes
         self.identify_clients = identify_clients
+        self.population = population
         self.rng = np.random.default_rng(seed)
         self.node_keys: dict[int, str] = {}
         self.node_clusters: dict[int, str] = {}
-        self.known_clients: set[str] = set()
+        self.known_clients: set[str] = {partition_client_id(i) for i in range(population)}
+        # Population mode: the partitions in client-id order (as the node mode orders identified nodes), and
+        # the partition each node plays in the current binding.
+        self._population_order: np.ndarray | None = None
+        self.node_partitions: dict[int, int] = {}
         # The last connected node list and its order by client id: reused while neither changes (sorting
         # 100,000 nodes by a Python key each round was most of a round's server time).
         self._ordered: tuple[list[int], list[int]] | None = None
@@ -69,8 +98,14 @@ class ClientSampler:
             time.sleep(1.0)
         return nodes
 
+    def partition(self, node: int) -> int | None:
+        """The partition ``node`` plays in the current binding (population mode), else ``None``."""
+        return self.node_partitions.get(node)
+
     def identify(self, grid: Grid, nodes: Iterable[int]) -> None:
         """Ask nodes seen for the first time for their stable client id (and cluster id)."""
+        if self.population:
+            return  # the clients are the population's, not the nodes'
         connected = set(nodes)
         unknown = sorted(node for node in connected if node not in self.node_keys)
         if not unknown:
@@ -134,14 +169,51 @@ class ClientSampler:
         return list(self._ordered[1])
 
     def sample(self, grid: Grid, fraction: float, minimum: int) -> list[int]:
-        """``max(floor(fraction * n), minimum)`` nodes (at most all), uniformly without replacement."""
+        """``max(floor(fraction * n), minimum)`` nodes (at most all), uniformly without replacement.
+
+        ``n`` is the number of connected nodes, or the population in population mode, where the sampled
+        clients are bound to connected nodes (:meth:`bind`) and those nodes are returned.
+        """
+        if self.population:
+            size = self.sample_size(fraction, minimum)
+            picks = self.rng.choice(self.population, size=size, replace=False)
+            return self.bind(grid, [int(self._order()[i]) for i in sorted(picks)])
         ordered = self.connected(grid, minimum)
         size = min(max(int(len(ordered) * fraction), minimum), len(ordered))
         picks = self.rng.choice(len(ordered), size=size, replace=False)
         return [ordered[i] for i in sorted(picks)]
 
+    def sample_size(self, fraction: float, minimum: int) -> int:
+        """How many clients :meth:`sample` draws in population mode: ``max(floor(fraction * N), minimum)``, at
+        most N."""
+        return min(max(int(self.population * fraction), minimum), self.population)
+
+    def _order(self) -> np.ndarray:
+        """The population's partitions ordered by client id (``partition-10`` before ``partition-2``, as the
+        node mode orders identified nodes), so both modes draw the same clients from one seed."""
+        if self._population_order is None:
+            ids = np.array([partition_client_id(i) for i in range(self.population)])
+            self._population_order = np.argsort(ids, kind="stable")
+        return self._population_order
+
+    def bind(self, grid: Grid, partitions: list[int]) -> list[int]:
+        """Bind ``partitions`` (in this order) one to one to connected nodes for the current round; their nodes.
+
+        The lowest node ids play the partitions, in order; every earlier binding is dropped, so a node's
+        key is the client it plays now. Waits, as the node mode does, until enough nodes are connected (the
+        ServerApp refuses before round 1 a run that can never have them).
+        """
+        nodes = self.wait_for_nodes(grid, max(self.min_available_nodes, len(partitions)))
+        chosen = nodes[: len(partitions)]
+        self.node_partitions = dict(zip(chosen, partitions, strict=True))
+        self.node_keys = {node: partition_client_id(part) for node, part in self.node_partitions.items()}
+        self._ordered = None
+        return chosen
+
     def clusters(self, grid: Grid, minimum: int = 0) -> dict[str, list[int]]:
         """Connected nodes grouped by the cluster id they reported, each group ordered by client id."""
+        if self.population:
+            raise ValueError("population mode binds clients to nodes per round; clusters need one node per client")
         groups: dict[str, list[int]] = {}
         for node in self.connected(grid, minimum):
             cluster = self.cluster(node)
@@ -162,11 +234,15 @@ class ClientSampler:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Generator state and the identities seen (node id -> client id and cluster id)."""
+        """Generator state and the identities seen (node id -> client id and cluster id).
+
+        In population mode the known clients are the population's (not written) and ``node_keys`` is the
+        last binding.
+        """
         return {
             "seed": self.seed,
             "rng": self.rng.bit_generator.state,
-            "known_clients": sorted(self.known_clients),
+            "known_clients": [] if self.population else sorted(self.known_clients),
             "node_keys": {str(node): key for node, key in self.node_keys.items()},
             "node_clusters": {str(node): cluster for node, cluster in self.node_clusters.items()},
         }
@@ -197,6 +273,10 @@ class ClientSampler:
             fields.text(key, fields.join(known_where, i), most=MAX_CLIENT_ID_LENGTH)
             for i, key in enumerate(fields.sequence(state["known_clients"], known_where))
         }
+        if self.population:
+            if known:
+                raise fields.StateError(known_where, "lists clients; a population run's clients are its population's")
+            known = self.known_clients
         node_keys = fields.one_to_one(state["node_keys"], fields.join(where, "node_keys"), most=MAX_CLIENT_ID_LENGTH)
         strangers = sorted(set(node_keys.values()) - known)
         if strangers:
@@ -215,12 +295,17 @@ class ClientSampler:
         except (TypeError, ValueError) as err:
             raise fields.StateError(fields.join(where, "rng"), f"is not a usable generator state ({err})") from None
 
+        partitions = (
+            {node: int(key.removeprefix("partition-")) for node, key in node_keys.items()} if self.population else {}
+        )
+
         def commit() -> None:
             self.seed = seed
             self.rng = rng
             self.known_clients = known
             self.node_keys = node_keys
             self.node_clusters = node_clusters
+            self.node_partitions = partitions
             self._ordered = None
 
         return commit

@@ -3,7 +3,9 @@
 :class:`Transport` builds a round's train messages from one shared ``RecordDict`` (or per-node
 content), sends the further messages of a multi-phase round (:meth:`Transport.exchange`), records
 whom it asked in the :class:`~pollen.strategies.collector.ReplyCollector`, and counts the bytes of
-every record it sends (a record shared by several messages is measured once).
+every record it sends (a record shared by several messages is measured once). In population mode
+(:mod:`pollen.strategies.sampling`) every message also names the partition its node plays
+(:data:`~pollen.wire.protocol.CFG_PARTITION`, in a config record of the message's own).
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ class Transport:
         """One train message per node with ``content_for(node)``; asked nodes recorded, bytes counted."""
         group = self.replies.ask(server_round, "train", nodes)
         messages = [
-            Message(content=content_for(node), message_type="train", dst_node_id=node, group_id=group) for node in nodes
+            Message(
+                content=self._played(node, content_for(node)), message_type="train", dst_node_id=node, group_id=group
+            )
+            for node in nodes
         ]
         self.replies.note_sent(server_round, "train", messages)
         count_sent(self._accounting().round(server_round), messages)
@@ -65,11 +70,18 @@ class Transport:
         """One evaluate message per node, all with ``content``; asked nodes recorded, bytes counted."""
         group = self.replies.ask(server_round, EVALUATE_PHASE, nodes)
         stats = self._accounting().round(server_round)
-        stats.eval_downlink_bytes += int(sum(record.count_bytes() for record in content.values())) * len(nodes)
         messages = [
-            Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node, group_id=group)
+            Message(
+                content=self._played(node, content), message_type=MessageType.EVALUATE, dst_node_id=node, group_id=group
+            )
             for node in nodes
         ]
+        measured: dict[int, int] = {}
+        for message in messages:
+            for record in message.content.values():
+                if id(record) not in measured:
+                    measured[id(record)] = int(record.count_bytes())
+                stats.eval_downlink_bytes += measured[id(record)]
         self.replies.note_sent(server_round, EVALUATE_PHASE, messages)
         return messages
 
@@ -100,6 +112,7 @@ class Transport:
             config[protocol.CFG_PHASE_INDEX] = phase_index
             config[protocol.CFG_SERVER_ROUND] = server_round
             content[self.configrecord_key] = config
+            content = self._played(node, content)
             messages.append(
                 Message(content=content, message_type=protocol.PHASE_MESSAGE_TYPE, dst_node_id=node, group_id=group)
             )
@@ -108,6 +121,20 @@ class Transport:
         stats.exchange_messages += len(messages)
         replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
         return self.replies.from_asked(server_round, phase, replies)
+
+    def _played(self, node: int, content: RecordDict) -> RecordDict:
+        """``content`` naming the partition ``node`` plays (population mode); ``content`` itself otherwise.
+
+        The copy shares every record but the config record, which is the node's own.
+        """
+        partition = self.replies.sampler.partition(node)
+        if partition is None:
+            return content
+        played = RecordDict(dict(content.items()))
+        config = ConfigRecord(dict(content.config_records.get(self.configrecord_key, ConfigRecord())))
+        config[protocol.CFG_PARTITION] = partition
+        played[self.configrecord_key] = config
+        return played
 
     def forget(self, server_round: int) -> None:
         """Drop the phase counter of ``server_round`` (the round is over)."""

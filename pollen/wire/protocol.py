@@ -54,6 +54,7 @@ CFG_PHASE = "pollen.phase"
 CFG_PHASE_INDEX = "pollen.phase-index"
 CFG_LOCAL_STEP = "pollen.local-step"
 CFG_RUN_KEY = "pollen.run-key"
+CFG_PARTITION = "pollen.partition"  # population mode: the partition (client) the receiving node plays for this message
 CFG_GIVEN_KEYS = "pollen.given-keys"  # run-config keys the user set over a preset (the ClientApp resolves it alike)
 # The Fed-LAMB family's train config (pollen.strategies.fedlamb <-> pollen.clientside.steps.fedlamb).
 CFG_VHAT_VERSION = "pollen.v-hat-version"

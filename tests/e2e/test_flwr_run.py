@@ -227,6 +227,36 @@ def test_resume_in_simulation_equals_the_uninterrupted_run(
     _same_models(tmp_path / "uninterrupted", crashed)
 
 
+def test_a_population_on_few_supernodes_equals_one_supernode_per_client(
+    flower: LocalFlower, results_dir: Path, tmp_path: Path
+) -> None:
+    """Twelve clients of FedBNLACA (lazy references, mirrors, residuals on both sides), half sampled a round,
+    played by six simulated SuperNodes (run-config ``population``; two train at once, in any order, on whichever
+    node they are bound to): bit-identical to twelve in-process nodes, one client each, one at a time."""
+    from pollen.testing.inprocess import run_inprocess
+
+    config = {"strategy": "fedbnlaca", "num-server-rounds": 3, "fraction-train": 0.5, "fraction-evaluate": 0.0}
+    run_inprocess(
+        {**TINY, **config, "results-dir": str(tmp_path), "run-name": "per-node", "state-dir": str(tmp_path / "a")},
+        12,
+        threads=1,
+    )
+    metrics = _run(
+        flower,
+        results_dir,
+        "population",
+        num_supernodes=6,
+        client_cpus=1,
+        **config,
+        population=12,
+        **{"state-dir": str(tmp_path / "played")},
+    )
+    _same_models(tmp_path / "per-node", results_dir / "population")
+    assert [row["round"] for row in metrics["rows"]] == [0, 1, 2, 3]
+    files = sorted(path.name for path in (tmp_path / "played").rglob("*.npz"))
+    assert len(files) > 6 and all(name.startswith("partition-") for name in files)  # more clients than nodes
+
+
 def test_a_third_of_clients_failing_every_round_does_not_stop_the_run(flower: LocalFlower, results_dir: Path) -> None:
     """fault-fraction (the test harness's apps): seeded clients raise or send NaN models each round;
     every round completes."""

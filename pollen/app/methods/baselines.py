@@ -27,6 +27,11 @@ DEFAULTS: dict[str, Mapping[str, Any]] = {
 def _flower_kwargs(cfg: Mapping[str, Any], name: str) -> dict[str, Any]:
     """Sampling and screening; a robust ``aggregator`` is refused (Flower's code aggregates these)."""
     refuse_robust(cfg, f"Flower's own {name}", "Flower's strategy computes its weighted mean inside Flower")
+    if cfg["population"]:
+        raise ValueError(
+            f"run-config 'population' = {cfg['population']} does not fit Flower's own {name}: it samples the "
+            "connected nodes itself, one client each; allowed: population = 0, or one of pollen's strategies"
+        )
     return {**sampling_kwargs(cfg), **screening_kwargs(cfg)}
 
 

@@ -51,5 +51,6 @@ def adaptive_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "aggregation": cfg["aggregation"],
         "seed": cfg["seed"],
         "identify_clients": True,
+        "population": cfg["population"],
         "min_replies": cfg["min-replies"],
     }

@@ -99,6 +99,7 @@ def builder(name: str) -> Callable[[Mapping[str, Any]], Any]:
             table_precision=cfg["table-precision"] if own_table else None,
             table_path=cfg["table-path"] or None,
             num_clients=cfg["num-clients"] or None,
+            population=cfg["population"],
             seed=cfg["seed"],
             min_replies=cfg["min-replies"],
             uplink=uplink_of(cfg),

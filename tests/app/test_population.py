@@ -1,0 +1,269 @@
+"""Population mode: N logical clients played by fewer nodes, bound anew each round.
+
+A simulation of 10,000 clients cannot have 10,000 simulated SuperNodes (Flower's engine scans every node's
+queue each sweep); with run-config ``population`` the server samples clients from N and binds them to the
+connected nodes for the round, every message names the partition its node plays, and a client's state
+follows it through its ``state-dir`` file. What must hold: the same clients are drawn as with one node per
+client, each message names its node's partition, and a whole run ends bit-identical to one node per client.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+from pollen.app.config import AppConfig, ConfigError, defaults_from_pyproject
+from pollen.app.registry import build_strategy, strategy_names
+from pollen.client_app import LocalTask
+from pollen.clientside.compression_mod import client_state_for
+from pollen.strategies.sampling import ClientSampler
+from pollen.testing.fakes import FakeGrid, capture_flwr_logs, messages_text, model_record, tiny_model
+from pollen.testing.inprocess import run_inprocess
+from pollen.wire import protocol
+
+pytestmark = pytest.mark.flower_compat
+
+DEFAULTS = defaults_from_pyproject("pyproject.toml")
+
+
+def _partition_of(message: Message) -> int | None:
+    config = message.content.config_records.get(protocol.CONFIG_RECORD)
+    return None if config is None else config.get(protocol.CFG_PARTITION)
+
+
+# ------------------------------------------------------------------ the sampler
+def test_population_draws_the_clients_one_node_per_client_would_draw():
+    """Same seed, same order by client id ("partition-10" before "partition-2"): the same clients each round."""
+    population = 12
+    nodes = list(range(501, 513))
+    per_node = FakeGrid(nodes, lambda m: None, client_ids={n: f"partition-{n - 501}" for n in nodes})
+    by_node = ClientSampler(seed=5, identify_clients=True)
+    by_population = ClientSampler(seed=5, identify_clients=True, population=population)
+    workers = FakeGrid([7, 3, 9, 4], lambda m: None)
+    for _ in range(6):
+        want = sorted(by_node.key(n) for n in by_node.sample(per_node, 0.25, 2))
+        played = by_population.sample(workers, 0.25, 2)
+        assert sorted(by_population.key(n) for n in played) == want
+        assert played == [3, 4, 7]  # the lowest node ids, one client each
+        assert {by_population.partition(n) for n in played} == {int(k.split("-")[1]) for k in want}
+    assert workers.sent == []  # no identity round: the clients are the population's
+    assert len(by_population.known_clients) == population
+
+
+def test_a_new_binding_replaces_the_last_one():
+    sampler = ClientSampler(seed=1, population=100)
+    grid = FakeGrid([1, 2, 3, 4, 5], lambda m: None)
+    sampler.sample(grid, 0.05, 1)
+    sampler.sample(grid, 0.03, 1)
+    assert sorted(sampler.node_keys) == [1, 2, 3]
+    assert sampler.partition(4) is None and sampler.key(4) == "node-4"
+    assert sorted(sampler.node_partitions.values()) == sorted(int(k.split("-")[1]) for k in sampler.node_keys.values())
+
+
+def test_the_sample_size_is_a_fraction_of_the_population():
+    sampler = ClientSampler(seed=0, population=10_000)
+    assert sampler.sample_size(0.01, 2) == 100
+    assert sampler.sample_size(0.0001, 2) == 2
+    assert ClientSampler(population=3).sample_size(1.0, 5) == 3
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "10"])
+def test_a_bad_population_is_refused(bad):
+    with pytest.raises(ValueError, match="population=.* is invalid; allowed: 0 .* or an integer > 0"):
+        ClientSampler(population=bad)
+
+
+def test_population_state_round_trip_continues_the_same_draws_and_stays_small():
+    grid = FakeGrid(list(range(1, 11)), lambda m: None)
+    first = ClientSampler(seed=4, population=50_000)
+    first.sample(grid, 0.0002, 2)
+    saved = first.state_dict()
+    assert saved["known_clients"] == []  # the population's 50,000 ids are not written every round
+    restored = ClientSampler(seed=4, population=50_000)
+    restored.load_state_dict(saved)
+    assert restored.node_partitions == first.node_partitions
+    draws = [[first.key(n) for n in first.sample(grid, 0.0002, 2)] for _ in range(3)]
+    assert draws == [[restored.key(n) for n in restored.sample(grid, 0.0002, 2)] for _ in range(3)]
+    saved["known_clients"] = ["partition-1"]
+    with pytest.raises(ValueError, match="known_clients.*a population run's clients are its population's"):
+        ClientSampler(seed=4, population=50_000).load_state_dict(saved)
+
+
+def test_clusters_are_refused_in_population_mode():
+    with pytest.raises(ValueError, match="clusters need one node per client"):
+        ClientSampler(population=8).clusters(FakeGrid([1, 2], lambda m: None))
+
+
+# ------------------------------------------------------------------ messages
+def _strategy(**overrides):
+    cfg = AppConfig.from_run_config({**DEFAULTS, "state-dir": "/tmp/unused", **overrides})
+    return build_strategy(cfg)
+
+
+def test_every_train_and_evaluate_message_names_the_partition_its_node_plays():
+    strategy = _strategy(strategy="fedcams", population=40, **{"fraction-train": 0.1, "fraction-evaluate": 0.05})
+    grid = FakeGrid([11, 12, 13, 14, 15], lambda m: None)
+    model = model_record(tiny_model())
+    train = list(strategy.configure_train(1, model, ConfigRecord(), grid))
+    assert [m.metadata.dst_node_id for m in train] == [11, 12, 13, 14]
+    assert [_partition_of(m) for m in train] == [strategy.sampler.partition(n) for n in (11, 12, 13, 14)]
+    assert len({_partition_of(m) for m in train}) == 4
+    assert all(0 <= _partition_of(m) < 40 for m in train)
+    evaluate = list(strategy.configure_evaluate(1, model, ConfigRecord(), grid))
+    assert [m.metadata.dst_node_id for m in evaluate] == [11, 12]
+    assert [_partition_of(m) for m in evaluate] == [strategy.sampler.partition(n) for n in (11, 12)]
+    # each message's config is its own; the model record is shared, not copied
+    assert evaluate[0].content[protocol.ARRAYS_RECORD] is evaluate[1].content[protocol.ARRAYS_RECORD]
+
+
+def test_without_a_population_messages_name_no_partition():
+    strategy = _strategy(strategy="fedams", **{"fraction-train": 1.0})
+    grid = FakeGrid([1, 2, 3], lambda m: None, client_ids={n: f"partition-{n - 1}" for n in (1, 2, 3)})
+    train = list(strategy.configure_train(1, model_record(tiny_model()), ConfigRecord(), grid))
+    assert [_partition_of(m) for m in train] == [None, None, None]
+
+
+# ------------------------------------------------------------------ refusals, one line each
+def test_population_needs_a_state_dir():
+    with pytest.raises(ConfigError, match="'population' = 10 needs 'state-dir'.*follows the client"):
+        AppConfig.from_run_config({**DEFAULTS, "population": 10})
+
+
+@pytest.mark.parametrize(
+    ("strategy", "words"),
+    [
+        ("fedavg", "does not fit Flower's own FedAvg: it samples the connected nodes itself"),
+        ("hafed", "does not fit HA-Fed's clusters: every client of every cluster trains and gossips"),
+    ],
+)
+def test_methods_that_need_one_node_per_client_refuse_a_population(strategy, words):
+    with pytest.raises(ValueError, match=words):
+        _strategy(strategy=strategy, population=16, **{"cluster-size": 4})
+
+
+def test_a_run_with_too_few_nodes_for_a_round_stops_before_round_1(tmp_path: Path):
+    with capture_flwr_logs() as records, pytest.raises(ConfigError, match="a round samples 5 clients"):
+        run_inprocess(
+            {
+                "population": 50,
+                "fraction-train": 0.1,
+                "fraction-evaluate": 0.0,
+                "state-dir": str(tmp_path / "s"),
+                "results-dir": str(tmp_path),
+                "run-name": "few",
+                "node-wait-seconds": 0.2,
+                "model": "mlp",
+            },
+            3,
+        )
+    assert "stopped before round 1" in messages_text(records)
+    assert "allowed: at least 5 (simulation: options.num-supernodes)" in messages_text(records)
+
+
+def _context(node_config=None, **run_config) -> Context:
+    return Context(
+        run_id=1,
+        node_id=1,
+        node_config=node_config or {"partition-id": 0, "num-partitions": 2},
+        state=RecordDict(),
+        run_config={**DEFAULTS, **run_config},
+    )
+
+
+def test_the_client_plays_the_partition_the_message_names(tmp_path: Path):
+    context = _context(population=30, **{"state-dir": str(tmp_path), "model": "mlp"})
+    task = LocalTask(context, ConfigRecord({protocol.CFG_PARTITION: 17}))
+    assert (task.partition_id, task.data_cfg.num_partitions, task.client_id) == (17, 30, "partition-17")
+    own = LocalTask(context, ConfigRecord())
+    assert (own.partition_id, own.data_cfg.num_partitions, own.client_id) == (0, 2, "partition-0")
+    state = client_state_for(context, ConfigRecord({protocol.CFG_PARTITION: 17, protocol.CFG_SERVER_ROUND: 1}))
+    state.set("x", np.arange(3, dtype=np.float32))
+    state.commit()
+    assert state.path.name == "partition-17.npz" and state.path.is_file()
+    assert len(context.state) == 0  # the node plays other clients: nothing of partition 17 stays with it
+
+
+@pytest.mark.parametrize(
+    ("partition", "words"),
+    [(30, "'pollen.partition' = 30 but run-config 'population' = 30"), (-2, "allowed: an integer >= 0")],
+)
+def test_a_partition_outside_the_population_is_a_clear_error(tmp_path: Path, partition, words):
+    context = _context(population=30, **{"state-dir": str(tmp_path)})
+    with pytest.raises(ValueError, match=words):
+        LocalTask(context, ConfigRecord({protocol.CFG_PARTITION: partition}))
+
+
+def test_a_played_client_without_a_state_dir_is_a_clear_error():
+    context = _context()
+    with pytest.raises(ValueError, match="plays partition-4 .*must live in a file under state-dir"):
+        client_state_for(context, ConfigRecord({protocol.CFG_PARTITION: 4, protocol.CFG_SERVER_ROUND: 1}))
+
+
+# ------------------------------------------------------------------ whole runs
+SMALL = {
+    "num-server-rounds": 3,
+    "local-steps": 2,
+    "batch-size": 16,
+    "model": "mlp",
+    "partitioner": "iid",
+    "fraction-train": 0.5,
+    "fraction-evaluate": 0.5,
+    "min-evaluate-nodes": 1,
+    "eval-every": 3,
+    "test-examples": 300,
+}
+
+
+#: One of each kind of client state, run in the fast layer; every other method of the table in the slow one.
+FAST = ("fedcams", "fedbnlaca", "fedadavr", "mime-lamb")
+#: The methods that need one node per client, and why they say so.
+REFUSING = {
+    **{name: "it samples the connected nodes itself" for name in ("fedavg", "fedadam", "fedyogi", "fedadagrad")},
+    **{name: "HA-Fed's clusters" for name in ("hafed", "fedamsgrad-stratified")},
+}
+
+
+def _table_params() -> list:
+    return [
+        pytest.param(name, marks=() if name in FAST or name in REFUSING else pytest.mark.slow)
+        for name in strategy_names()
+    ]
+
+
+@pytest.mark.parametrize("strategy", _table_params())
+def test_a_population_run_ends_bit_identical_to_one_node_per_client(tmp_path: Path, strategy):
+    """Six clients, three sampled a round: on six nodes, and as a population of six on three nodes.
+
+    Every method of the table: error-feedback residuals (FedCAMS), lazy references, mirrors and residuals
+    (the lazy family), the stored-update table (FedAdaVR), LAMB's moments: a client that moves to another node
+    keeps its state. The methods that need a node per client refuse a population with their reason.
+    """
+    settings = {**SMALL, "strategy": strategy, "results-dir": str(tmp_path), "cluster-size": 3}
+    if strategy in REFUSING:
+        with pytest.raises(ValueError, match=REFUSING[strategy]):
+            _strategy(**{k: v for k, v in settings.items() if k != "results-dir"}, population=6)
+        return
+    nodes = run_inprocess({**settings, "run-name": "nodes", "state-dir": str(tmp_path / "s-nodes")}, 6)
+    played = run_inprocess(
+        {**settings, "run-name": "population", "population": 6, "state-dir": str(tmp_path / "s-pop")}, 3
+    )
+    want, got = np.load(tmp_path / "nodes" / "final_model.npz"), np.load(tmp_path / "population" / "final_model.npz")
+    assert sorted(want.files) == sorted(got.files)
+    for name in want.files:
+        assert want[name].tobytes() == got[name].tobytes(), name
+    assert [row["uplink_bytes"] for row in nodes] == [row["uplink_bytes"] for row in played]
+    assert [row.get("accuracy") for row in nodes] == [row.get("accuracy") for row in played]
+
+
+def test_a_population_run_resumes_as_the_uninterrupted_one(tmp_path: Path):
+    settings = {**SMALL, "strategy": "fedcams", "results-dir": str(tmp_path), "population": 8}
+    run_inprocess({**settings, "run-name": "full", "state-dir": str(tmp_path / "s-full")}, 4)
+    cut = {**settings, "run-name": "cut", "state-dir": str(tmp_path / "s-cut")}
+    run_inprocess({**cut, "stop-after-round": 1}, 4)
+    run_inprocess({**cut, "resume": str(tmp_path / "cut")}, 4)
+    want, got = np.load(tmp_path / "full" / "final_model.npz"), np.load(tmp_path / "cut" / "final_model.npz")
+    for name in want.files:
+        assert want[name].tobytes() == got[name].tobytes(), name
