@@ -16,7 +16,8 @@ Two stages (``--stage``):
   mode also FedBNLACA with its clients' state in files (``client-state-in-memory=false``). From the run's own
   results rows: median seconds per round after round 1, round 1 (start-up, partitioning included), the
   resident memory of the process that runs the ServerApp (with Flower's per-node contexts) at round 10
-  and at the last round, and the table's or book's bytes (on disk).
+  and at the last round, the same less the pages of files (``server_anon_rss_bytes``: a memory-mapped
+  table's or book's pages are resident but are the file's), and the table's or book's bytes (on disk).
 - ``server``: the server alone, in-process (the test suite's fake grid; clients are numpy stand-ins, so
   nothing but the strategy is measured), N = 1,000, 10,000, 100,000 connected clients, 100 per round,
   ``--rounds`` rounds, d = 29,034 (the CNN's size): FedAMS (keeps nothing per client), FedAdaVR Int4
@@ -134,9 +135,10 @@ def stage_simulation(
         )
         print(
             "| method | clients (N) | s / round (median, rounds 2+) | round 1 s | ServerApp RSS round 10 | "
-            "at round {0} | table / book | final accuracy |".format(rounds)
+            "at round {0} | own memory (RSS less file pages) round 10 | at round {0} | table / book | "
+            "final accuracy |".format(rounds)
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         try:
             for n in sizes:
                 for name, method in sim_methods(folder, n, mode).items():
@@ -162,10 +164,13 @@ def stage_simulation(
                     rows = json.loads((folder / "results" / run_name / "metrics.json").read_text())["rows"]
                     by_round = {row["round"]: row for row in rows}
                     steady = [by_round[r]["round_seconds"] for r in range(2, rounds + 1)]
-                    rss = {r: by_round[r]["server_rss_bytes"] / 1e6 for r in (min(10, rounds), rounds)}
+                    marks = (min(10, rounds), rounds)
+                    rss = {r: by_round[r]["server_rss_bytes"] / 1e6 for r in marks}
+                    anon = {r: by_round[r]["server_anon_rss_bytes"] / 1e6 for r in marks}
                     print(
                         f"| {name} | {n:,} | {statistics.median(steady):.2f} | {by_round[1]['round_seconds']:.1f} | "
-                        f"{rss[min(10, rounds)]:.0f} MB | {rss[rounds]:.0f} MB | "
+                        f"{rss[marks[0]]:.0f} MB | {rss[rounds]:.0f} MB | {anon[marks[0]]:.0f} MB | "
+                        f"{anon[rounds]:.0f} MB | "
                         f"{by_round[rounds]['server_state_bytes'] / 1e6:.0f} MB | {by_round[rounds]['accuracy']:.4f} |"
                         f" (wall {wall:.0f} s)",
                         flush=True,

@@ -44,6 +44,7 @@ COLUMNS = (
     "downlink_by_record",
     "server_state_bytes",
     "server_rss_bytes",
+    "server_anon_rss_bytes",
     "cum_uplink_bytes",
     "cum_downlink_bytes",
     "round_seconds",

@@ -110,3 +110,28 @@ def test_a_methods_counters_become_method_columns_of_the_row(tmp_path):
     assert rows[1]["method.lazy_rel"] == {"up": [0.25]}
     assert rows[0]["method.relayed_bytes"] == ""  # round 0 had none: the column is there, empty
     assert recorder.rows[1]["method.lazy_events"] == {"up-send": 2}
+
+
+def test_anonymous_resident_memory_leaves_out_a_memory_mapped_files_pages(tmp_path):
+    """A memory-mapped table's pages count in the resident set but not in the process's own memory."""
+    import sys
+
+    import numpy as np
+    import pytest
+
+    from pollen.app.reporter import anonymous_resident_bytes, resident_bytes
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("/proc is Linux's")
+    size = 64 * 2**20
+    path = tmp_path / "table.bin"
+    path.write_bytes(b"\x01" * size)
+    rss, anon = resident_bytes(), anonymous_resident_bytes()
+    assert 0 < anon < rss
+    table = np.memmap(path, dtype=np.uint8, mode="r")
+    assert int(table.sum(dtype=np.int64)) == size  # every page read, so mapped in
+    assert resident_bytes() - rss > size * 0.9
+    assert anonymous_resident_bytes() - anon < size * 0.1
+    own = np.ones(size, dtype=np.uint8)
+    assert anonymous_resident_bytes() - anon > size * 0.9
+    del table, own

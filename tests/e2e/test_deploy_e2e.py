@@ -322,7 +322,7 @@ KILL_AT_ROUND = 1
 # (``pollen.run-key``), so names of different lengths would make the downlink bytes differ.
 INTACT, KILLED = "intact", "killed"
 #: What differs between two runs of the same config: timings and the ServerApp process's memory.
-TIMING_KEYS = {"round_seconds", "elapsed_seconds", "server_rss_bytes"}
+TIMING_KEYS = {"round_seconds", "elapsed_seconds", "server_rss_bytes", "server_anon_rss_bytes"}
 
 
 def test_resume_after_serverapp_killed_equals_uninterrupted_run(federation):
