@@ -50,7 +50,7 @@ def fake_rows(num_rounds: int, uplink_per_round: int, accuracy_gain: float) -> l
 
 
 def record_run(out_dir: Path, config: dict, rows: list[dict]) -> RunRecorder:
-    recorder = RunRecorder(out_dir, config)
+    recorder = RunRecorder(out_dir, config, plots=config.get("plots", True))
     for row in rows:
         recorder.record(row)
     final = {"fc.weight": np.arange(6, dtype=np.float32).reshape(2, 3), "bn.num_batches_tracked": np.array(7)}
