@@ -74,9 +74,14 @@ class LocalTask:
         self.cfg = AppConfig.from_run_config(context.run_config, check_strategy=False, given=given)
         played = played_partition(config)
         if played is not None and not played < self.cfg["population"]:
+            allowed = (
+                f"a partition in 0..{self.cfg['population'] - 1}"
+                if self.cfg["population"]
+                else "none (population 0: each node is its own client)"
+            )
             raise ValueError(
                 f"message config '{protocol.CFG_PARTITION}' = {played} but run-config 'population' = "
-                f"{self.cfg['population']}; allowed: a partition in 0..population-1"
+                f"{self.cfg['population']}; allowed: {allowed}"
             )
         self.partition_id = int(node_setting(context, "partition-id", 0)) if played is None else played
         num_partitions = int(node_setting(context, "num-partitions", 1)) if played is None else self.cfg["population"]

@@ -159,7 +159,8 @@ def resident_bytes() -> int | str:
 
 
 def anonymous_resident_bytes() -> int | str:
-    """The part of :func:`resident_bytes` that is the process's own memory, not pages of files (``""`` elsewhere).
+    """The part of :func:`resident_bytes` that is the process's own memory (``""`` elsewhere): the resident set
+    less its shared pages, which are pages of files and shared memory.
 
     A memory-mapped table or book (FedAdaVR's ``table-path``, the lazy family's ``bookkeeping-dir``) is counted
     in the resident set as its file's pages, which the kernel drops under pressure; this leaves them out.

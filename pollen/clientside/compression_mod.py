@@ -81,7 +81,8 @@ def client_state_for(context: Context, config: ConfigRecord, *, first_message: b
     SuperNode restart or a resumed run; ``client-id`` (else ``partition-<id>``) names the file and
     the strategy's ``pollen.run-key`` the run it belongs to. A message that names the partition its node
     plays (population mode, :mod:`pollen.clientside.identity`) is that partition's client, whose state lives
-    in its file only (``state-dir`` required): the node plays other clients between its messages.
+    in its file under the run-config ``state-dir`` only (a node's own would not follow the client to the next
+    node that plays it): the node plays other clients between its messages.
     ``client-state-in-memory`` = false (node-config, else run-config) keeps it in that file only, none in
     ``context.state``.
     """
@@ -90,10 +91,11 @@ def client_state_for(context: Context, config: ConfigRecord, *, first_message: b
     client_id = message_client_id(node, config)
     in_memory = node.get("client-state-in-memory", context.run_config.get("client-state-in-memory", True))
     if played_partition(config) is not None:  # population mode: this node plays many clients; state follows the client
+        state_dir = str(context.run_config.get("state-dir") or "")  # the run's, which every node reaches
         if not state_dir:
             raise ValueError(
-                f"this node plays {client_id} (population mode), whose state must live in a file under state-dir; "
-                "set run-config or node-config state-dir"
+                f"this node plays {client_id} (population mode), whose state must live in a file under the "
+                "run-config state-dir; set it (a directory every node reaches)"
             )
         in_memory = False
     return ClientState(

@@ -33,10 +33,10 @@ def node_client_id(node_config: Mapping[str, Any]) -> str:
     if configured:
         return str(configured)
     partition = node_config.get("partition-id")
-    return f"partition-{int(partition) if partition not in ('', None) else 0}"
+    return protocol.partition_client_id(int(partition) if partition not in ("", None) else 0)
 
 
 def message_client_id(node_config: Mapping[str, Any], config: Mapping[str, Any] | None) -> str:
     """The client id the message is for: ``partition-<p>`` when it names partition ``p``, else the node's own."""
     partition = played_partition(config)
-    return node_client_id(node_config) if partition is None else f"partition-{partition}"
+    return node_client_id(node_config) if partition is None else protocol.partition_client_id(partition)

@@ -256,7 +256,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         self.accounting = Accounting()
         self.replies = ReplyCollector(self.sampler, lambda: self.accounting)
         self.ledger = AppliedLedger()
-        self.transport = Transport(self.replies, lambda: self.accounting, configrecord_key)
+        self.transport = Transport(self.replies, lambda: self.accounting, configrecord_key, self.sampler.partition)
         self._train_started: dict[int, float] = {}
 
     # ------------------------------------------------------------------ the model, through its collaborator

@@ -213,6 +213,7 @@ class ReplyCollector:
             try:
                 if not reply.has_error():
                     stats.add_uplink(count_records(reply), prefix)
+                    self.check_played(node, reply.content)
                 update = read_reply(
                     reply,
                     client_key=self.sampler.key(node),
@@ -273,6 +274,22 @@ class ReplyCollector:
         return records, weights
 
     # ------------------------------------------------------------------ client info
+    def check_played(self, node: int, content: RecordDict) -> None:
+        """Population mode: ``ReplyRejected`` unless the reply says it is from the client ``node`` plays.
+
+        A ClientApp that ignores ``pollen.partition`` trains the node's own data; its update must not be filed
+        under the client the node was bound to (its table row, its lazy book, its ledger).
+        """
+        if not self.sampler.population:
+            return
+        info = content.config_records.get(protocol.CLIENT_INFO_RECORD)
+        claimed = info.get(protocol.IDENTITY_CLIENT_ID) if info is not None else None
+        if claimed != (playing := self.sampler.key(node)):
+            raise ReplyRejected(
+                f"answered as client {claimed!r} but plays {playing} (population mode); allowed: a ClientApp that "
+                f"reads '{protocol.CFG_PARTITION}' and reports it in '{protocol.CLIENT_INFO_RECORD}', as pollen's does"
+            )
+
     def note_device(self, node: int, content: RecordDict) -> None:
         """Log the device a client trained on (pollen's ClientApp reports it), once per change."""
         info = content.config_records.get(protocol.CLIENT_INFO_RECORD)

@@ -36,12 +36,6 @@ IDENTIFY_TIMEOUT_S = 60.0
 MAX_CLIENT_ID_LENGTH = 256
 
 
-def partition_client_id(partition: int) -> str:
-    """The client id of simulation partition ``partition`` (what pollen's ClientApp answers without node-config
-    ``client-id``)."""
-    return f"partition-{partition}"
-
-
 class ClientSampler:
     """Seeded sampling over the connected nodes, ordered by their stable client ids.
 
@@ -73,7 +67,7 @@ class ClientSampler:
         self.rng = np.random.default_rng(seed)
         self.node_keys: dict[int, str] = {}
         self.node_clusters: dict[int, str] = {}
-        self.known_clients: set[str] = {partition_client_id(i) for i in range(population)}
+        self.known_clients: set[str] = {protocol.partition_client_id(i) for i in range(population)}
         # Population mode: the partitions in client-id order (as the node mode orders identified nodes), and
         # the partition each node plays in the current binding.
         self._population_order: np.ndarray | None = None
@@ -192,7 +186,7 @@ class ClientSampler:
         """The population's partitions ordered by client id (``partition-10`` before ``partition-2``, as the
         node mode orders identified nodes), so both modes draw the same clients from one seed."""
         if self._population_order is None:
-            ids = np.array([partition_client_id(i) for i in range(self.population)])
+            ids = np.array([protocol.partition_client_id(i) for i in range(self.population)])
             self._population_order = np.argsort(ids, kind="stable")
         return self._population_order
 
@@ -200,20 +194,23 @@ class ClientSampler:
         """Bind ``partitions`` (in this order) one to one to connected nodes for the current round; their nodes.
 
         The lowest node ids play the partitions, in order; every earlier binding is dropped, so a node's
-        key is the client it plays now. Waits, as the node mode does, until enough nodes are connected (the
+        key is the client it plays now. Waits, as the node mode does, until a node per client is connected (the
         ServerApp refuses before round 1 a run that can never have them).
         """
-        nodes = self.wait_for_nodes(grid, max(self.min_available_nodes, len(partitions)))
+        nodes = self.wait_for_nodes(grid, len(partitions))
         chosen = nodes[: len(partitions)]
         self.node_partitions = dict(zip(chosen, partitions, strict=True))
-        self.node_keys = {node: partition_client_id(part) for node, part in self.node_partitions.items()}
+        self.node_keys = {node: protocol.partition_client_id(part) for node, part in self.node_partitions.items()}
         self._ordered = None
         return chosen
 
     def clusters(self, grid: Grid, minimum: int = 0) -> dict[str, list[int]]:
         """Connected nodes grouped by the cluster id they reported, each group ordered by client id."""
         if self.population:
-            raise ValueError("population mode binds clients to nodes per round; clusters need one node per client")
+            raise ValueError(
+                "population mode binds clients to nodes per round, so nodes have no clusters; allowed: population=0 "
+                "(one node per client) for clustered sampling"
+            )
         groups: dict[str, list[int]] = {}
         for node in self.connected(grid, minimum):
             cluster = self.cluster(node)
@@ -239,13 +236,16 @@ class ClientSampler:
         In population mode the known clients are the population's (not written) and ``node_keys`` is the
         last binding.
         """
-        return {
+        state = {
             "seed": self.seed,
             "rng": self.rng.bit_generator.state,
             "known_clients": [] if self.population else sorted(self.known_clients),
             "node_keys": {str(node): key for node, key in self.node_keys.items()},
             "node_clusters": {str(node): cluster for node, cluster in self.node_clusters.items()},
         }
+        if self.population:
+            state["population"] = self.population
+        return state
 
     def load_state_dict(self, state: dict[str, Any], where: str = "sampler") -> None:
         """Restore what :meth:`state_dict` wrote (see :meth:`prepare_load`); nothing changes when it is refused.
@@ -263,7 +263,14 @@ class ClientSampler:
         one to one (two nodes holding one client id would sample that client twice) and every node's
         cluster a node the map knows.
         """
-        fields.mapping(state, where, keys=("seed", "rng", "known_clients", "node_keys", "node_clusters"))
+        keys = ("seed", "rng", "known_clients", "node_keys", "node_clusters")
+        fields.mapping(state, where, keys=(*keys, "population") if self.population else keys)
+        if self.population:
+            saved = fields.whole(state["population"], fields.join(where, "population"), high=2**63 - 1)
+            if saved != self.population:
+                raise fields.StateError(
+                    fields.join(where, "population"), f"is {saved}; expected {self.population} (this run's population)"
+                )
         seed = fields.whole(state["seed"], fields.join(where, "seed"), high=2**64 - 1)
         if seed != self.seed:
             raise fields.StateError(fields.join(where, "seed"), f"is {seed}; expected {self.seed} (the run's seed)")
@@ -275,7 +282,9 @@ class ClientSampler:
         }
         if self.population:
             if known:
-                raise fields.StateError(known_where, "lists clients; a population run's clients are its population's")
+                raise fields.StateError(
+                    known_where, "lists clients; expected [] (a population run's clients are its population's)"
+                )
             known = self.known_clients
         node_keys = fields.one_to_one(state["node_keys"], fields.join(where, "node_keys"), most=MAX_CLIENT_ID_LENGTH)
         strangers = sorted(set(node_keys.values()) - known)
@@ -296,7 +305,7 @@ class ClientSampler:
             raise fields.StateError(fields.join(where, "rng"), f"is not a usable generator state ({err})") from None
 
         partitions = (
-            {node: int(key.removeprefix("partition-")) for node, key in node_keys.items()} if self.population else {}
+            {node: protocol.partition_of_client_id(key) for node, key in node_keys.items()} if self.population else {}
         )
 
         def commit() -> None:

@@ -43,12 +43,21 @@ class Transport:
         Returns the strategy's current accounting.
     configrecord_key : str
         Name of the config record in a message (Flower's default ``"config"``).
+    partition_of : Callable[[int], int | None], optional
+        The partition a node plays in population mode (``None``: the node is its own client).
     """
 
-    def __init__(self, replies: ReplyCollector, accounting: Callable[[], Accounting], configrecord_key: str) -> None:
+    def __init__(
+        self,
+        replies: ReplyCollector,
+        accounting: Callable[[], Accounting],
+        configrecord_key: str,
+        partition_of: Callable[[int], int | None] | None = None,
+    ) -> None:
         self.replies = replies
         self._accounting = accounting
         self.configrecord_key = configrecord_key
+        self._partition_of = partition_of if partition_of is not None else (lambda node: None)
         self._phases_sent: dict[int, int] = {}
 
     def train_messages(
@@ -111,8 +120,9 @@ class Transport:
             config[protocol.CFG_PHASE] = phase
             config[protocol.CFG_PHASE_INDEX] = phase_index
             config[protocol.CFG_SERVER_ROUND] = server_round
+            if (partition := self._partition_of(node)) is not None:
+                config[protocol.CFG_PARTITION] = partition
             content[self.configrecord_key] = config
-            content = self._played(node, content)
             messages.append(
                 Message(content=content, message_type=protocol.PHASE_MESSAGE_TYPE, dst_node_id=node, group_id=group)
             )
@@ -127,7 +137,7 @@ class Transport:
 
         The copy shares every record but the config record, which is the node's own.
         """
-        partition = self.replies.sampler.partition(node)
+        partition = self._partition_of(node)
         if partition is None:
             return content
         played = RecordDict(dict(content.items()))

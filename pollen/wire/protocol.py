@@ -105,6 +105,17 @@ IDENTITY_CLUSTER_ID = "cluster-id"
 NUM_EXAMPLES = "num-examples"
 
 
+def partition_client_id(partition: int) -> str:
+    """The client id of partition ``partition`` (a simulated node's own id, and a played client's)."""
+    return f"partition-{int(partition)}"
+
+
+def partition_of_client_id(client_id: str) -> int | None:
+    """The partition of a ``partition-<i>`` client id (:func:`partition_client_id`), else ``None``."""
+    number = client_id.removeprefix("partition-")
+    return int(number) if number != client_id and number.isdigit() else None
+
+
 def extra_record(name: str) -> str:
     """Record name of the extra vector ``name`` (e.g. ``pollen.x.v_hat``), in either direction."""
     return EXTRA_RECORD_PREFIX + name

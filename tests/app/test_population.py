@@ -10,6 +10,9 @@ client, each message names its node's partition, and a whole run ends bit-identi
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
@@ -17,7 +20,7 @@ from pollen.app.config import AppConfig, ConfigError, defaults_from_pyproject
 from pollen.app.registry import build_strategy
 from pollen.clientside.compression_mod import client_state_for
 from pollen.strategies.sampling import ClientSampler
-from pollen.testing.fakes import FakeGrid, model_record, tiny_model
+from pollen.testing.fakes import FakeGrid, full_model_reply, model_record, run_train_round, tiny_model
 from pollen.wire import protocol
 
 pytestmark = pytest.mark.flower_compat
@@ -83,13 +86,17 @@ def test_population_state_round_trip_continues_the_same_draws_and_stays_small():
     assert restored.node_partitions == first.node_partitions
     draws = [[first.key(n) for n in first.sample(grid, 0.0002, 2)] for _ in range(3)]
     assert draws == [[restored.key(n) for n in restored.sample(grid, 0.0002, 2)] for _ in range(3)]
+    with pytest.raises(ValueError, match="'sampler/population' is 50000; expected 40000 .this run's population."):
+        ClientSampler(seed=4, population=40_000).load_state_dict(saved)
+    with pytest.raises(ValueError, match="'sampler/population' is not a field"):
+        ClientSampler(seed=4).load_state_dict(saved)
     saved["known_clients"] = ["partition-1"]
-    with pytest.raises(ValueError, match="known_clients.*a population run's clients are its population's"):
+    with pytest.raises(ValueError, match="known_clients.*expected \\[\\] .a population run's clients"):
         ClientSampler(seed=4, population=50_000).load_state_dict(saved)
 
 
 def test_clusters_are_refused_in_population_mode():
-    with pytest.raises(ValueError, match="clusters need one node per client"):
+    with pytest.raises(ValueError, match="nodes have no clusters; allowed: population=0"):
         ClientSampler(population=8).clusters(FakeGrid([1, 2], lambda m: None))
 
 
@@ -100,19 +107,47 @@ def _strategy(**overrides):
 
 
 def test_every_train_and_evaluate_message_names_the_partition_its_node_plays():
+    """The partitions the messages name are the clients one node per client would have drawn (same seed)."""
     strategy = _strategy(strategy="fedcams", population=40, **{"fraction-train": 0.1, "fraction-evaluate": 0.05})
     grid = FakeGrid([11, 12, 13, 14, 15], lambda m: None)
+    per_node = ClientSampler(seed=strategy.seed, identify_clients=True)
+    nodes = list(range(100, 140))
+    forty = FakeGrid(nodes, lambda m: None, client_ids={n: f"partition-{n - 100}" for n in nodes})
     model = model_record(tiny_model())
     train = list(strategy.configure_train(1, model, ConfigRecord(), grid))
+    want = sorted(int(per_node.key(n).split("-")[1]) for n in per_node.sample(forty, 0.1, 2))
     assert [m.metadata.dst_node_id for m in train] == [11, 12, 13, 14]
-    assert [_partition_of(m) for m in train] == [strategy.sampler.partition(n) for n in (11, 12, 13, 14)]
-    assert len({_partition_of(m) for m in train}) == 4
-    assert all(0 <= _partition_of(m) < 40 for m in train)
+    assert sorted(_partition_of(m) for m in train) == want
     evaluate = list(strategy.configure_evaluate(1, model, ConfigRecord(), grid))
+    want = sorted(int(per_node.key(n).split("-")[1]) for n in per_node.sample(forty, 0.05, 2))
     assert [m.metadata.dst_node_id for m in evaluate] == [11, 12]
-    assert [_partition_of(m) for m in evaluate] == [strategy.sampler.partition(n) for n in (11, 12)]
+    assert sorted(_partition_of(m) for m in evaluate) == want
     # each message's config is its own; the model record is shared, not copied
     assert evaluate[0].content[protocol.ARRAYS_RECORD] is evaluate[1].content[protocol.ARRAYS_RECORD]
+
+
+def test_a_reply_from_another_client_than_the_one_played_is_rejected():
+    """A ClientApp that ignores ``pollen.partition`` trains the node's own data: its update is not filed under
+    the played client; one that reports the client it played is read."""
+    strategy = _strategy(strategy="fedams", population=10, **{"fraction-train": 0.3, "fraction-evaluate": 0.0})
+    arrays = tiny_model()
+
+    def client(msg: Message) -> Message:
+        answer = full_model_reply(msg, {k: v + np.float32(0.01) for k, v in arrays.items()})
+        partition = _partition_of(msg)
+        claimed = f"partition-{partition}" if msg.metadata.dst_node_id != 2 else "partition-999"
+        answer.content[protocol.CLIENT_INFO_RECORD] = ConfigRecord({protocol.IDENTITY_CLIENT_ID: claimed})
+        return answer
+
+    grid = FakeGrid([1, 2, 3], client)
+    run_train_round(strategy, grid, 1, model_record(arrays))
+    stats = strategy.accounting.round(1)
+    assert stats.replies == 2 and stats.failures == 1
+    played = strategy.sampler.key(2)
+    assert stats.failure_reasons == [
+        f"{played}: answered as client 'partition-999' but plays {played} (population mode); allowed: a ClientApp "
+        "that reads 'pollen.partition' and reports it in 'pollen.client-info', as pollen's does"
+    ]
 
 
 def test_without_a_population_messages_name_no_partition():
@@ -150,7 +185,22 @@ def _context(node_config=None, **run_config) -> Context:
     )
 
 
+def test_a_played_clients_state_lives_under_the_runs_state_dir_not_the_nodes(tmp_path: Path):
+    """A node's own state-dir would not follow the client to the next node that plays it."""
+    context = _context({"partition-id": 0, "state-dir": str(tmp_path / "node")}, **{"state-dir": str(tmp_path / "run")})
+    state = client_state_for(context, ConfigRecord({protocol.CFG_PARTITION: 3, protocol.CFG_SERVER_ROUND: 1}))
+    assert state.path.parent.parent == tmp_path / "run" and state.path.name == "partition-3.npz"
+    own = client_state_for(context, ConfigRecord({protocol.CFG_SERVER_ROUND: 1}))
+    assert own.path.parent.parent == tmp_path / "node"  # the node's own client: node-config wins, as before
+
+
+def test_fedadavr_refuses_a_number_of_clients_other_than_the_population():
+    with pytest.raises(ValueError, match="'num-clients' = 500 but 'population' = 1000.*allowed: num-clients = 0"):
+        _strategy(strategy="fedadavr", population=1000, **{"num-clients": 500})
+    assert _strategy(strategy="fedadavr", population=1000, **{"num-clients": 1000}).sampler.population == 1000
+
+
 def test_a_played_client_without_a_state_dir_is_a_clear_error():
     context = _context()
-    with pytest.raises(ValueError, match="plays partition-4 .*must live in a file under state-dir"):
+    with pytest.raises(ValueError, match="plays partition-4 .*must live in a file under the run-config state-dir"):
         client_state_for(context, ConfigRecord({protocol.CFG_PARTITION: 4, protocol.CFG_SERVER_ROUND: 1}))

@@ -17,7 +17,8 @@ from pollen.app.config import ConfigError, defaults_from_pyproject
 from pollen.app.registry import strategy_names
 from pollen.client_app import LocalTask
 from pollen.clientside.compression_mod import client_state_for
-from pollen.testing.fakes import capture_flwr_logs, messages_text
+from pollen.strategies.sampling import ClientSampler
+from pollen.testing.fakes import FakeGrid, capture_flwr_logs, messages_text
 from pollen.testing.inprocess import run_inprocess
 from pollen.wire import protocol
 from tests.app.test_population import _context, _strategy
@@ -98,6 +99,20 @@ def _table_params() -> list:
     ]
 
 
+def _clients_that_move(seed: int, rounds: int) -> set[int]:
+    """The partitions the runs below train on one node in one round and on another later (their state must
+    follow them): the server's draws replayed, train then evaluate each round, on the runner's nodes 1..3."""
+    sampler, grid, last, moved = ClientSampler(seed=seed, population=6), FakeGrid([1, 2, 3], lambda m: None), {}, set()
+    for _ in range(rounds):
+        for node in sampler.sample(grid, SMALL["fraction-train"], DEFAULTS["min-train-nodes"]):
+            partition = sampler.partition(node)
+            if last.get(partition, node) != node:
+                moved.add(partition)
+            last[partition] = node
+        sampler.sample(grid, SMALL["fraction-evaluate"], SMALL["min-evaluate-nodes"])
+    return moved
+
+
 @pytest.mark.parametrize("strategy", _table_params())
 def test_a_population_run_ends_bit_identical_to_one_node_per_client(tmp_path: Path, strategy):
     """Six clients, three sampled a round: on six nodes, and as a population of six on three nodes.
@@ -107,6 +122,7 @@ def test_a_population_run_ends_bit_identical_to_one_node_per_client(tmp_path: Pa
     keeps its state. The methods that need a node per client refuse a population with their reason.
     """
     settings = {**SMALL, "strategy": strategy, "results-dir": str(tmp_path), "cluster-size": 3}
+    assert _clients_that_move(seed=DEFAULTS["seed"], rounds=SMALL["num-server-rounds"])  # state must follow them
     if strategy in REFUSING:
         with pytest.raises(ValueError, match=REFUSING[strategy]):
             _strategy(**{k: v for k, v in settings.items() if k != "results-dir"}, population=6)
@@ -127,8 +143,10 @@ def test_a_population_run_resumes_as_the_uninterrupted_one(tmp_path: Path):
     settings = {**SMALL, "strategy": "fedcams", "results-dir": str(tmp_path), "population": 8}
     run_inprocess({**settings, "run-name": "full", "state-dir": str(tmp_path / "s-full")}, 4)
     cut = {**settings, "run-name": "cut", "state-dir": str(tmp_path / "s-cut")}
-    run_inprocess({**cut, "stop-after-round": 1}, 4)
-    run_inprocess({**cut, "resume": str(tmp_path / "cut")}, 4)
+    first = run_inprocess({**cut, "stop-after-round": 1}, 4)
+    resumed = run_inprocess({**cut, "resume": str(tmp_path / "cut")}, 4)
+    assert [row["round"] for row in first] == [0, 1] and [row["round"] for row in resumed] == [0, 1, 2, 3]
+    assert resumed[1]["elapsed_seconds"] == first[1]["elapsed_seconds"]  # round 1 kept, not run again
     want, got = np.load(tmp_path / "full" / "final_model.npz"), np.load(tmp_path / "cut" / "final_model.npz")
     for name in want.files:
         assert want[name].tobytes() == got[name].tobytes(), name

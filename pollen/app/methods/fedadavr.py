@@ -83,6 +83,12 @@ def builder(name: str) -> Callable[[Mapping[str, Any]], Any]:
         from pollen.optim.schedule import schedule_factor
         from pollen.strategies.fedadavr import FedAdaVR
 
+        if cfg["population"] and cfg["num-clients"] not in (0, cfg["population"]):
+            raise ValueError(
+                f"run-config 'num-clients' = {cfg['num-clients']} but 'population' = {cfg['population']}: the "
+                "population is the number of clients; allowed: num-clients = 0 (from the population) or equal"
+            )
+
         adaptive = variant == "fedadavr"
         own_table = variant in ("fedadavr", "noopt")
         return FedAdaVR(
