@@ -69,6 +69,16 @@ def test_the_reference_shows_each_keys_default_and_the_pyprojects_comment() -> N
             assert escaped in row, (key, row)
 
 
+def test_every_key_has_a_description_in_the_reference() -> None:
+    """Each row's "what it does" cell holds words: a key without a comment in pyproject.toml fails here."""
+    missing = sorted(key for key in SCHEMA if not key_comments(PYPROJECT).get(key, "").strip())
+    assert not missing, f"keys without a comment in pyproject.toml's [tool.flwr.app.config]: {', '.join(missing)}"
+    for line in config_reference(CONFIG_PAGE, PYPROJECT).splitlines():
+        if line.startswith("| `"):
+            cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
+            assert len(cells) == 5 and len(cells[4].split()) >= 2, line
+
+
 def test_every_family_has_a_page_in_the_nav() -> None:
     families = {module.__name__.rpartition(".")[2] for module in FAMILIES}
     assert families == set(FAMILY_PAGES), "a method family without a docs page (pollen.app.reference.FAMILY_PAGES)"
