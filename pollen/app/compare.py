@@ -128,7 +128,7 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     summaries = [summarise_group(label, runs, target) for label, runs in groups.items() if runs]
     table = format_group_table(summaries)
-    plots = plot_runs({label: load_rows(runs[0]) for label, runs in groups.items() if runs}, out)
+    plots = plot_runs({label: load_rows(runs[0]) for label, runs in groups.items() if runs}, out, title=title)
     parts = [
         f"# {title}" if title else "# Comparison",
         "",

@@ -123,7 +123,7 @@ class RunRecorder:
         write_npz_atomic(self.out_dir / "final_model.npz", {k: np.asarray(v) for k, v in final_arrays.items()})
         self._write_json()
         if self.plots:
-            plot_runs({self.out_dir.name: self.rows}, self.out_dir)
+            plot_runs({self.out_dir.name: self.rows}, self.out_dir, title=self.out_dir.name)
 
     def _write_json(self) -> None:
         payload = {"rows": self.rows, "summary": self.summary}
@@ -163,12 +163,19 @@ def _numeric(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[fl
     return xs, ys
 
 
-def plot_runs(runs: Mapping[str, list[dict[str, Any]]], out_dir: Path) -> list[Path]:
-    """Accuracy vs round and vs cumulative uplink, downlink and total bytes, one line per run."""
+def plot_runs(runs: Mapping[str, list[dict[str, Any]]], out_dir: Path, *, title: str = "") -> list[Path]:
+    """Accuracy vs round and vs cumulative uplink, downlink and total bytes, one line per run.
+
+    Each figure is titled with what it plots (and ``title``, e.g. the run's name), tells its runs apart by
+    colour and marker (:mod:`pollen.app.plotstyle`), keeps its legend beside the axes, shows whole rounds
+    and bytes in kB / MB / GB.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from pollen.app import plotstyle
 
     paths = []
     for x_key, x_label, name, log_x in (
@@ -183,17 +190,16 @@ def plot_runs(runs: Mapping[str, list[dict[str, Any]]], out_dir: Path) -> list[P
             if log_x:
                 pairs = [(x, y) for x, y in zip(xs, ys) if x > 0]
                 xs, ys = [p[0] for p in pairs], [p[1] for p in pairs]
-            style = ("-", "--", ":")[index // 10 % 3]  # the colour cycle has 10 colours: tell the next 10 apart
-            ax.plot(xs, ys, marker="o", markersize=3, linestyle=style, label=label)
+            ax.plot(xs, ys, markersize=4, linewidth=1.4, label=label, **plotstyle.series_style(index))
         if log_x:
-            ax.set_xscale("log")
+            plotstyle.bytes_axis(ax.xaxis)
+        else:
+            plotstyle.integer_axis(ax.xaxis)
+        what = f"Test accuracy vs {x_label.split(' (')[0]}"
+        ax.set_title(f"{what}\n{title}" if title else what, fontsize=10)
         ax.set_xlabel(x_label)
         ax.set_ylabel("centralised test accuracy")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = Path(out_dir) / name
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        plotstyle.legend_outside(ax)
+        paths.append(plotstyle.save(fig, Path(out_dir) / name))
     return paths

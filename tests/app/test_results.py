@@ -200,3 +200,46 @@ def test_gradient_evaluation_claims_from_clients_are_believed_only_when_sane():
     stats = RoundStats(1)
     stats.count_grad_evals([{"grad-evals": 4}, None, {"grad-evals": float("inf")}, {"num-steps": 2}])
     assert stats.grad_evals == 6
+
+
+def test_the_plots_are_titled_tell_twelve_runs_apart_and_keep_the_legend_off_the_data(tmp_path, monkeypatch):
+    """Each figure has a title, whole-round ticks or byte units, distinct (colour, marker) per run, the legend
+    right of the axes."""
+    from pollen.app import plotstyle
+    from pollen.app.results import plot_runs
+
+    figures = {}
+    real_save = plotstyle.save
+
+    def keep(fig, path, **kwargs):
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        figures[Path(path).name] = {
+            "title": ax.get_title(),
+            "styles": [(line.get_color(), line.get_marker(), line.get_linestyle()) for line in ax.get_lines()],
+            "legend_left": ax.get_legend().get_window_extent().x0,
+            "axes_right": ax.get_window_extent().x1,
+            "xticks": [t.get_text() for t in ax.get_xticklabels() if t.get_text()],
+        }
+        return real_save(fig, path, **kwargs)
+
+    monkeypatch.setattr(plotstyle, "save", keep)
+    runs = {f"run {i}": fake_rows(6, 1000 * (i + 1), 0.05) for i in range(12)}
+    paths = plot_runs(runs, tmp_path, title="twelve runs")
+    assert sorted(p.name for p in paths) == sorted(PLOTS)
+    for name, seen in figures.items():
+        assert seen["title"].startswith("Test accuracy vs") and "twelve runs" in seen["title"], name
+        assert len(set(seen["styles"])) == 12, f"{name}: two runs share a colour and marker"
+        assert len({colour for colour, _, _ in seen["styles"]}) == 12, name
+        assert seen["legend_left"] > seen["axes_right"], f"{name}: the legend overlaps the axes"
+    assert all(t.lstrip("−-").isdigit() for t in figures["accuracy_vs_round.png"]["xticks"])
+    assert any(t.endswith(("kB", "MB")) for t in figures["accuracy_vs_uplink.png"]["xticks"])
+
+
+def test_series_styles_stay_distinct_past_the_twelfth():
+    from pollen.app.plotstyle import series_style
+
+    styles = [tuple(sorted(series_style(i).items())) for i in range(36)]
+    assert len(set(styles)) == 36
+    with pytest.raises(ValueError, match="negative"):
+        series_style(-1)
