@@ -741,6 +741,10 @@ def _load_embedded() -> RawData:
     return _raw(arrays, f"embedded Fashion-MNIST subset ({n_tr:,} train / {n_te:,} test images, pollen/task/embedded)")
 
 
+#: Datasets this process has said it uses the embedded subset of (the warning is said once per process).
+_SAID_EMBEDDED: set[str] = set()
+
+
 def _embedded_available() -> bool:
     return _embedded_path() is not None
 
@@ -819,12 +823,16 @@ def load_raw(name: str, data_dir: str = "") -> RawData:
 
     if name == "fashion-mnist" and _embedded_available():
         raw = _load_embedded()
-        log.warning(
-            "fashion-mnist: using the %s because no full copy was found (%s); for the full 60,000/10,000 "
-            "set run `apt-get install dataset-fashion-mnist` or set data-dir=<directory with the IDX files>",
-            raw.source.removeprefix("embedded "),
-            "; ".join(tried),
-        )
+        if name not in _SAID_EMBEDDED:  # once per process: a ClientApp loads the data for every message
+            _SAID_EMBEDDED.add(name)
+            hub = why_not.removeprefix(f"Hugging Face {spec.hub_id} (").removesuffix(")").removeprefix("hub ")
+            log.warning(
+                "fashion-mnist: pollen's %s/%s-image subset (no data-dir, no installed copy; hub: %s); "
+                "the full set: apt-get install dataset-fashion-mnist, or data-dir=<directory with the IDX files>",
+                f"{len(raw.y_train):,}",
+                f"{len(raw.y_test):,}",
+                hub if len(hub) <= 60 else hub[:57] + "...",
+            )
         return raw
 
     how = "set data-dir=<directory with "

@@ -29,6 +29,7 @@ def _isolated(monkeypatch, tmp_path):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
     monkeypatch.setitem(S.SYSTEM_DIRS, "fashion-mnist", ())
     monkeypatch.setitem(S.SYSTEM_DIRS, "mnist", ())
+    monkeypatch.setattr(S, "_SAID_EMBEDDED", set())  # a fresh process: the subset not yet announced
     D.clear_caches()
     yield
     D.clear_caches()
@@ -273,6 +274,18 @@ def test_fashion_mnist_falls_back_to_embedded_with_one_log_line(caplog):
     assert len(msgs) == 1 and "\n" not in msgs[0]
     assert "apt-get install dataset-fashion-mnist" in msgs[0] and "data-dir=" in msgs[0]
     assert "HF_HUB_OFFLINE" in msgs[0]  # says why the hub was not used
+
+
+def test_the_embedded_subset_is_announced_once_per_process_in_a_short_line(caplog):
+    """A ClientApp loads its data for every message; the subset is said once, not per load."""
+    with caplog.at_level(logging.WARNING, logger="pollen.task.sources"):
+        for _ in range(2):
+            D.clear_caches()  # a load from scratch, as a message after the caches were dropped
+            D.describe_source(D.DataConfig())
+            D.load_partition(D.DataConfig(), 1, 32)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "pollen.task.sources"]
+    assert len(msgs) == 1
+    assert len(msgs[0]) < 250 and msgs[0].startswith("fashion-mnist: pollen's 12,000/2,000-image subset"), msgs[0]
 
 
 def test_cifar10_without_any_source_is_one_clear_line():
