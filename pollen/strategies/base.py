@@ -506,6 +506,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             updates = self.collect(
                 server_round, replies, phase=phase, sink=records_first(self.screen, record_bounds, running, streamed)
             )
+            rejected = streamed.settle(lambda u, why: self.replies.reject(server_round, u.node_id, why), running.admit)
+            updates = [u for u in updates if id(u) not in rejected]
             result = self.apply_updates(server_round, updates, running)
             self.screen.drop_stale(streamed, f"round {server_round}")  # the next round judges itself, as round 1
             return result

@@ -40,6 +40,10 @@ class ScreenedSink:
             update.delta *= np.float32(scale)
             update.norm *= scale
             update.applied_scale *= scale
+        self.admit(update)
+
+    def admit(self, update: ClientUpdate) -> None:
+        """Take an update already judged (a held one, :meth:`StreamedRound.settle`), then drop its vector."""
         self.take(update)
         update.delta = None
 
@@ -58,12 +62,15 @@ def records_first(
 ) -> Callable[[ClientUpdate], None]:
     """``sink`` behind the screen of each update's other records (extras, buffers) against ``bounds``,
     their kinds' history bounds: an outlying record rejects the reply (``ReplyRejected``) before
-    ``sink`` sees any of it. Each update's norms are first counted in ``streamed`` (the round's
-    stale-history decision, :meth:`UpdateScreen.drop_stale`)."""
+    ``sink`` sees any of it. With ``streamed``, each update's norms are first counted there, and an
+    update beyond a history bound is held for the round's own judgement at its end
+    (:meth:`StreamedRound.settle`) instead of being rejected."""
 
     def take(update: ClientUpdate) -> None:
         if streamed is not None:
             streamed.count(update)
+            if streamed.hold_if_beyond_history(update):
+                return
         why = screen.screen_records(update, bounds)
         if why is not None:
             raise ReplyRejected(why)

@@ -212,7 +212,8 @@ def test_with_the_clip_rule_an_outlying_buffer_is_scaled_to_its_bound() -> None:
     )
     assert not failure_reasons(strategy, 3)
     history = strategy.screen.state_dict()["kinds"]["buffer:bn.running_var"]
-    bound = 10 * float(np.median([n for r in history[:2] for n in r]))
+    others = sorted(history[-1])[:-1]  # the clipped attacker is the largest of its round
+    bound = max(10 * float(np.median([n for r in history[:2] for n in r])), 10 * float(np.median(others)))
     assert max(history[-1]) <= bound * (1 + 1e-6)
     assert float(strategy.buffers["bn.running_var"].max()) < bound
 

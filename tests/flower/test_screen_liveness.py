@@ -235,8 +235,15 @@ def replies_per_round(strategy) -> list[int]:  # noqa: ANN001
 
 @pytest.fixture
 def old_screen(monkeypatch):  # noqa: ANN201
-    """The screen without the fallback: a history is never stale."""
+    """The screen of before the fallback: the history alone decides (never stale, never spared by the round,
+    a streamed reply beyond it rejected at once)."""
     monkeypatch.setattr(screening, "history_is_stale", lambda exceeding, judged: False)
+    monkeypatch.setattr(
+        UpdateScreen,
+        "spared_bounds",
+        lambda self, history, norms: [history] * len(norms) if history is not None else self.within_round_bounds(norms),
+    )
+    monkeypatch.setattr(StreamedRound, "hold_if_beyond_history", lambda self, update: False)
 
 
 @pytest.mark.parametrize("buffer_grows", [False, True], ids=["updates-grow", "running-var-grows"])
@@ -260,20 +267,54 @@ def test_the_kept_path_accepts_the_round_of_the_switch_and_every_later_one(buffe
 
 
 @pytest.mark.parametrize("buffer_grows", [False, True], ids=["updates-grow", "running-var-grows"])
-def test_the_streamed_path_loses_the_round_of_the_switch_only(buffer_grows) -> None:  # noqa: ANN001
-    """A streamed round's rejected replies are gone: the switch round is lost, its end drops the stale
-    history, the next round keeps its replies and judges itself (as round 1), and streams again after."""
+def test_the_streamed_path_accepts_the_round_of_the_switch_too(buffer_grows) -> None:  # noqa: ANN001
+    """A streamed round holds the replies beyond the history to its end and judges them within the round:
+    the switch round is accepted whole, its end drops the stale history, the next round keeps its replies
+    and judges itself (as round 1), and streams again after."""
     strategy = fed_ams(streaming=True)
     streamed_rounds = []
     original = strategy.round_sink
     strategy.round_sink = lambda rnd, bound: streamed_rounds.append(rnd) or original(rnd, bound)
     with capture_flwr_logs() as logs:
         trail = params_after_each_round(strategy, ROUNDS, buffer_grows)
-    assert moved(trail) == [True] * (SWITCH - 1) + [False] + [True] * (ROUNDS - SWITCH)
-    assert replies_per_round(strategy)[SWITCH:] == [len(NODES)] * (ROUNDS - SWITCH)
+    assert all(moved(trail)) and replies_per_round(strategy) == [len(NODES)] * ROUNDS
     assert streamed_rounds == [2, SWITCH, *range(SWITCH + 2, ROUNDS + 1)]  # round SWITCH + 1 judged itself
     what = "holders of buffer 'bn.running_var'" if buffer_grows else "updates"
     assert f"round {SWITCH}: 8 of 8 {what} exceeded the history bound" in messages_text(logs)
+
+
+@pytest.mark.parametrize("buffer_grows", [False, True], ids=["updates-grow", "running-var-grows"])
+def test_the_streamed_and_the_kept_path_give_the_same_bits_across_the_switch(buffer_grows) -> None:  # noqa: ANN001
+    kept = params_after_each_round(fed_ams(streaming=False), ROUNDS, buffer_grows)
+    streamed = params_after_each_round(fed_ams(streaming=True), ROUNDS, buffer_grows)
+    assert all(np.array_equal(a, b) for a, b in zip(kept, streamed))
+
+
+def test_an_honest_minority_that_grew_with_its_round_is_spared_and_the_history_kept() -> None:
+    """3 of 8 updates at 12 (history about 1: bound 10), the other 5 at 2: each 12 is within 10x the median
+    of the others (2), so it passes; not more than half exceeded the history, which stays."""
+    screen = screen_with_history()
+    updates = [update(12.0) for _ in range(3)] + [update(2.0) for _ in range(5)]
+    kept, rejected, logs = judged(screen, updates)
+    assert sorted(map(id, kept)) == sorted(map(id, updates)) and not rejected
+    assert kept == updates[3:] + updates[:3]  # beyond the history last, the order a streamed round sums in
+    assert "stale" not in logs and len(screen.history) == 3
+
+
+def test_a_streamed_round_holds_what_exceeds_its_history_and_settles_it_within_the_round() -> None:
+    screen = screen_with_history()
+    streamed = StreamedRound(screen, screen.bound(), {})
+    honest = [update(2.0) for _ in range(5)]
+    grown, hostile = [update(12.0) for _ in range(2)], update(1e4)
+    admitted, rejected = [], []
+    for u in [grown[0], *honest, hostile, grown[1]]:
+        streamed.count(u)
+        if not streamed.hold_if_beyond_history(u):
+            admitted.append(u)
+    assert admitted == honest and streamed.held == [grown[0], hostile, grown[1]]
+    out = streamed.settle(lambda u, why: rejected.append((u, why)), admitted.append)
+    assert admitted == [*honest, grown[0], grown[1]] and out == {id(hostile)}
+    assert len(rejected) == 1 and rejected[0][0] is hostile and "outlier screen" in rejected[0][1]
 
 
 def test_a_hostile_minority_after_the_switch_is_still_rejected() -> None:
