@@ -11,6 +11,7 @@ its fixtures again). The check below stops such a run at collection instead.
 """
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -41,3 +42,15 @@ def pytest_collection_modifyitems(config, items):
             f"xdist_group is not honoured by this pytest / pytest-xdist pair ({lost[0]} has no '@group' in its "
             f"node id; pytest {pytest.__version__}): install the test extra's pins (pytest < 9.2)"
         )
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _pollen_home(tmp_path_factory):
+    """Relative run-config paths resolve against the pollen home: a stray relative path lands here, not in ~/.pollen."""
+    previous = os.environ.get("POLLEN_HOME")
+    os.environ["POLLEN_HOME"] = str(tmp_path_factory.mktemp("pollen-home"))
+    yield
+    if previous is None:
+        os.environ.pop("POLLEN_HOME", None)
+    else:
+        os.environ["POLLEN_HOME"] = previous

@@ -40,6 +40,7 @@ from pollen.app.spec import (
     beta,
     choice,
     defaults_of,
+    node_path,
     non_neg_int,
     non_negative,
     pos_int,
@@ -47,6 +48,7 @@ from pollen.app.spec import (
     text,
     unit_closed,
     unit_open,
+    unknown_name,
 )
 from pollen.app.trackers.base import TRACKERS, is_tracker_list
 from pollen.app.trackers.mlflow import URI_WORDS, is_tracking_uri
@@ -132,7 +134,7 @@ DATA = {
     "classes-per-partition": pos_int(2),
     "shards-per-partition": pos_int(2),
     "val-fraction": Key(float, 0.1, lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    "data-dir": text(""),
+    "data-dir": node_path(""),
 }
 LOCAL_TRAINING = {
     "model": choice(MODELS, "cnn"),
@@ -156,7 +158,7 @@ LOCAL_TRAINING = {
 RESUME = {
     "resume": text(""),
     "stop-after-round": non_neg_int(0),
-    "state-dir": text(""),
+    "state-dir": node_path(""),
     # false (with a state-dir): client state only in its state-dir file, none in Flower's context.state, so a
     # simulation of many stateful clients keeps flat memory (each message reads and writes its file).
     "client-state-in-memory": Key(bool, True, allowed="true or false"),
@@ -270,7 +272,7 @@ class AppConfig:
         run_config = effective_run_config(run_config, given, methods)
         unknown = sorted(set(run_config) - set(SCHEMA))
         if unknown:
-            raise ConfigError(f"run-config key '{unknown[0]}' is unknown; allowed keys: {', '.join(sorted(SCHEMA))}")
+            raise ConfigError(unknown_name("run-config key", unknown[0], SCHEMA))
         missing = sorted(set(SCHEMA) - set(run_config))
         if missing:
             raise ConfigError(f"run-config key '{missing[0]}' is missing (it has a default in pyproject.toml)")

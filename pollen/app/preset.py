@@ -33,6 +33,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from pollen.app.spec import unknown_name
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: Flower depends on tomli
@@ -145,7 +147,7 @@ def apply_preset(
     preset = load_preset(name)
     unknown = sorted(set(preset.config) - set(run_config))
     if unknown:
-        raise PresetError(f"preset {name!r} sets unknown run-config keys {unknown}")
+        raise PresetError(f"preset {name!r}: " + unknown_name("run-config key", unknown[0], run_config))
     node_local = sorted(set(preset.config) & NODE_LOCAL_KEYS)
     if node_local:
         raise PresetError(f"preset {name!r} sets {node_local}; allowed: set them in node-config or on the command line")

@@ -7,6 +7,9 @@ Layout of ``results/<run-name>/``::
     metrics.json     the same rows plus the run's summary
     final_model.npz  the final global model, one array per name
     accuracy_vs_round.png, accuracy_vs_uplink.png, accuracy_vs_downlink.png, accuracy_vs_total_bytes.png
+    run.json         how the last ``flwr run`` that used this folder ended (:class:`RunState`)
+
+``results/`` is ``results-dir``; a relative one resolves against the pollen home (:mod:`pollen.app.paths`).
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import csv
 import json
 import math
 from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pollen.core.files import write_npz_atomic
+from pollen.app.trackers.base import FAILED, FINISHED, STOPPED
+from pollen.core.files import write_bytes_atomically, write_npz_atomic
 
 COLUMNS = (
     "round",
@@ -128,6 +133,70 @@ class RunRecorder:
     def _write_json(self) -> None:
         payload = {"rows": self.rows, "summary": self.summary}
         (self.out_dir / "metrics.json").write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+
+
+#: The run state file of a run folder.
+RUN_STATE = "run.json"
+#: A run's status while its rounds go; it ends ``finished``, ``stopped`` or ``failed`` (:data:`RUN_STATUSES`).
+RUNNING = "running"
+RUN_STATUSES = (RUNNING, FINISHED, STOPPED, FAILED)
+
+
+class RunState:
+    """``run.json``: how the run ended, and why, for a script to read (``flwr run`` exits 0 whatever happened).
+
+    Flower 1.39's ``flwr run --stream`` exits 0 once the run's logs end, however the run ended, so the
+    ServerApp says it here. The file is replaced atomically at each change and holds::
+
+        status         running | finished | stopped | failed
+        reason         empty when finished; else the one line the log printed (why it stopped or failed)
+        last_round     the last round that completed (0: stopped before round 1)
+        num_rounds     the rounds asked for (num-server-rounds)
+        results        the run folder, absolute
+        flower_run_id  Flower's run id (``flwr ls --run-id <id>``, ``flwr log <id>``)
+        started_at, ended_at   UTC, ISO 8601 (ended_at empty while running)
+
+    ``stopped``: pollen stopped the run on purpose: a refusal before round 1 (a bad value, a setup a method
+    refuses, a resume that cannot resume), or ``stop-after-round``. ``failed``: an exception the app did not
+    expect (Flower logs its traceback). The file describes the last run that used the folder: a refused run
+    with the run-name of a finished one replaces that run's file (its metrics and model stay).
+    """
+
+    def __init__(self, out_dir: Path, *, flower_run_id: int | None, num_rounds: int | None) -> None:
+        self.path = Path(out_dir) / RUN_STATE
+        self.fields: dict[str, Any] = {
+            "status": RUNNING,
+            "reason": "",
+            "last_round": 0,
+            "num_rounds": num_rounds,
+            "results": str(Path(out_dir)),
+            "flower_run_id": flower_run_id,
+            "started_at": _now(),
+            "ended_at": "",
+        }
+
+    def start(self) -> None:
+        """Say the run is going (written before anything else of the run)."""
+        self._write()
+
+    def end(self, status: str, *, reason: str = "", last_round: int = 0) -> None:
+        """Say how the run ended: :data:`FINISHED`, :data:`STOPPED` or :data:`FAILED`, with the reason."""
+        if status not in RUN_STATUSES[1:]:
+            raise ValueError(f"run status {status!r} is unknown; allowed: {', '.join(RUN_STATUSES[1:])}")
+        self.fields.update(status=status, reason=reason, last_round=int(last_round), ended_at=_now())
+        self._write()
+
+    def _write(self) -> None:
+        write_bytes_atomically(self.path, (json.dumps(self.fields, indent=2) + "\n").encode())
+
+
+def read_run_state(run_dir: Path) -> dict[str, Any]:
+    """The ``run.json`` of a run folder."""
+    return json.loads((Path(run_dir) / RUN_STATE).read_text())
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def _fmt(value: Any) -> Any:

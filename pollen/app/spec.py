@@ -9,7 +9,8 @@ key has one type, one default and one rule wherever it is used.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import difflib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,32 @@ def flag(default: bool) -> Key:
 
 def text(default: str = "") -> Key:
     return Key(str, default)
+
+
+def node_path(default: str = "") -> Key:
+    """A path every ClientApp reads too (on other machines, from other working directories): absolute or ``~/...``."""
+    from pollen.app.paths import is_absolute_or_home
+
+    return Key(str, default, is_absolute_or_home, "empty, an absolute path or one starting with ~")
+
+
+def nearest(name: str, allowed: Iterable[str]) -> str | None:
+    """The allowed name closest to ``name`` (a misspelling's likely meaning), or None when none is close."""
+    allowed = list(allowed)
+    close = difflib.get_close_matches(name, allowed, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    # a key typed with underscores or in another case (``server_lr``) is still that key
+    normal = {option.replace("_", "-").lower(): option for option in allowed}
+    return normal.get(name.replace("_", "-").lower())
+
+
+def unknown_name(what: str, name: str, allowed: Iterable[str], note: str = "") -> str:
+    """One line for an unknown name: the name, ``note``, the nearest allowed one (if any), then every allowed one."""
+    allowed = sorted(allowed)
+    near = nearest(name, allowed)
+    hint = f"; nearest allowed: '{near}'" if near else ""
+    return f"{what} '{name}' is unknown{note}{hint}; allowed: {', '.join(allowed)}"
 
 
 def assemble(*fragments: ConfigSpec) -> dict[str, Key]:

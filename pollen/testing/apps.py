@@ -25,13 +25,11 @@ import dataclasses
 import json
 import re
 from collections import ChainMap
-from logging import ERROR
 from typing import Any
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
-from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
 from pollen import client_app, server_app
@@ -89,15 +87,16 @@ clientapp.query("pollen_identify", mods=[product_config_mod])(client_app.identif
 serverapp = ServerApp()
 
 
-@serverapp.main()
 def main(grid: Grid, context: Context) -> None:
     """pollen's ServerApp with the harness's method table; a bad testing key stops the run before round 1."""
     try:
         fault_settings(dataclasses.replace(context, node_config={}))
     except ConfigError as err:
-        log(ERROR, "[pollen] stopped before round 1: %s", err)
-        raise
+        server_app.refuse(err, context.run_config, context.run_id)
     server_app.serve(grid, product_context(context), methods=METHODS)
+
+
+serverapp.main()(server_app.quiet_refusals(main))
 
 
 # ----------------------------------------------------------------------------------------- app directory

@@ -18,6 +18,7 @@ from typing import Any
 from flwr.app import Context, RecordDict  # noqa: E402
 
 from pollen.app.config import defaults_from_pyproject, effective_run_config  # noqa: E402
+from pollen.app.paths import resolve  # noqa: E402
 from pollen.testing.fakes import FakeGrid  # noqa: E402
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
@@ -76,7 +77,7 @@ def run_inprocess(
     grid.set_run(SimpleNamespace(override_config=dict(overrides)))  # what Flower's run record says was given
     server_context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
     server_main(grid, server_context)
-    out = Path(run_config["results-dir"]).expanduser().resolve() / run_config["run-name"]
+    out = resolve(run_config["results-dir"]) / run_config["run-name"]  # as the ServerApp resolves it
     return json.loads((out / "metrics.json").read_text())["rows"]
 
 

@@ -13,6 +13,7 @@ from flwr.app import Context, RecordDict
 
 import pollen.server_app as server_app
 from pollen.app.config import ConfigError, defaults_from_pyproject
+from pollen.app.results import read_run_state
 from pollen.testing.fakes import FakeGrid, capture_flwr_logs
 from pollen.testing.flwr_cli import REPO
 
@@ -32,9 +33,12 @@ def run_main(tmp_path, nodes: int = 3, **overrides):  # noqa: ANN001, ANN003, AN
     grid = FakeGrid(list(range(1, nodes + 1)), never_called)
     with capture_flwr_logs(logging.ERROR) as records, pytest.raises(ConfigError) as err:
         server_app.main(grid, context)
-    assert not (tmp_path / "bad").exists(), "nothing may be written before round 1"
+    folder = tmp_path / "bad"
+    assert [p.name for p in folder.iterdir()] == ["run.json"], "only the run state may be written before round 1"
+    state = read_run_state(folder)
+    assert (state["status"], state["reason"], state["last_round"]) == ("stopped", str(err.value), 0)
     lines = [r.getMessage() for r in records if "stopped before round 1" in r.getMessage()]
-    assert len(lines) == 1 and "\n" not in lines[0]
+    assert len(lines) == 1 and "\n" not in lines[0] and f"(run.json in {folder})" in lines[0]
     return str(err.value)
 
 

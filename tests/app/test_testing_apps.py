@@ -11,6 +11,7 @@ from flwr.app import Context, RecordDict
 from pollen import client_app
 from pollen.app.config import AppConfig, ConfigError, defaults_from_pyproject, strategy_names
 from pollen.app.experiment import build_strategy
+from pollen.app.results import read_run_state
 from pollen.clientside.compression_mod import compression_mod
 from pollen.clientside.lazy_mod import lazy_mod
 from pollen.testing import apps
@@ -101,4 +102,5 @@ def test_the_testing_server_app_refuses_a_bad_fault_key_before_round_1(defaults:
         apps.main(FakeGrid([1, 2, 3], never_called), context)
     assert "'fault-kind' = 'boom'" in str(err.value) and "one of error, garbage, timeout, mixed" in str(err.value)
     assert len([r for r in records if "stopped before round 1" in r.getMessage()]) == 1
-    assert not (tmp_path / "bad").exists()
+    assert [p.name for p in (tmp_path / "bad").iterdir()] == ["run.json"]  # the run state, nothing else
+    assert read_run_state(tmp_path / "bad")["status"] == "stopped"
