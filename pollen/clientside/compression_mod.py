@@ -10,7 +10,10 @@ reply's full ``"arrays"`` by
 i.e. FedCAMS Algorithm 2, line 12. Every other record of the reply (metrics, extras, flags, the
 client's own records) passes through untouched. Non-trainable buffers travel apart, uncompressed.
 Without a codec in the config, or when the ClientApp already uploaded a compressed update, the
-reply passes through untouched, so the same ClientApp also serves FedAvg/FedAMS.
+reply passes through untouched, so the same ClientApp also serves FedAvg/FedAMS. Inside one of
+Flower's mods that read the reply's model arrays (``LocalDpMod``, ``fixedclipping_mod``,
+``adaptiveclipping_mod``) it raises at once (a reason the server stops on) instead of handing them a
+compressed reply they would answer with an error Flower cannot deliver.
 
 ``compress_update``: the same step for a ClientApp that already holds its update as one flat
 vector (pollen's own ClientApp): no ``ArrayRecord`` of the full model is built only to be decoded
@@ -21,6 +24,7 @@ is not sampled keeps its residual exactly as it was.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -36,6 +40,14 @@ from pollen.compression.payload import Payload
 from pollen.core.layout import ModelLayout
 from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, payload_to_records, record_to_arrays
+
+try:  # Flower's Message API mods that read the reply's one ArrayRecord of model arrays (flwr >= 1.21)
+    from flwr.clientapp.mod import LocalDpMod, adaptiveclipping_mod, fixedclipping_mod
+
+    _REPLY_ARRAY_MOD_TYPES: tuple[type, ...] = (LocalDpMod,)
+    _REPLY_ARRAY_MODS: tuple[object, ...] = (fixedclipping_mod, adaptiveclipping_mod)
+except ImportError:  # pragma: no cover - a Flower without them
+    _REPLY_ARRAY_MOD_TYPES, _REPLY_ARRAY_MODS = (), ()
 
 RESIDUAL = "ef-residual"
 # The last error-fed upload, as sent (its payload: a few bytes per value, not a dense vector) and its round.
@@ -172,12 +184,48 @@ def compress_reply(
     return Message(content=content, reply_to=msg)
 
 
+def outer_mods(limit: int = 64) -> list[object]:
+    """The mods Flower's ClientApp runs around the caller, innermost first, read from the call stack.
+
+    Flower chains mods with ``make_ffn``: each is called from a ``new_ffn`` closure that holds it as ``_mod``.
+    A mod cannot otherwise see the mods outside it; a Flower that chains them another way gives ``[]``.
+    """
+    frame, mods = sys._getframe(1), []
+    for _ in range(limit):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "new_ffn" and (mod := frame.f_locals.get("_mod")) is not None:
+            mods.append(mod)
+        frame = frame.f_back
+    return mods
+
+
+def _check_outer_mods() -> None:
+    """Refuse to run inside a Flower mod that reads the reply's model arrays: it cannot take a compressed reply,
+    and the error it answers with is addressed to this mod's reply, not to the server's message, so Flower
+    cannot deliver it and the server's round waits for its timeout."""
+    for mod in outer_mods():
+        if mod is not compression_mod and (isinstance(mod, _REPLY_ARRAY_MOD_TYPES) or mod in _REPLY_ARRAY_MODS):
+            name = getattr(mod, "__name__", type(mod).__name__)
+            raise ValueError(
+                f"{protocol.SETUP_ERROR_PREFIX}compression_mod runs inside Flower's {name}, which reads the reply's "
+                "model arrays and cannot take a compressed update (its error would not reach the server: the round "
+                f"would wait for its timeout); allowed: compression_mod outside it, e.g. ClientApp(mods="
+                f"[compression_mod]) with @app.train(mods=[{name}]) (docs/guides/drop-in.md)"
+            )
+
+
 def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """Flower mod: compress the train reply with error feedback when the server asks for it."""
+    """Flower mod: compress the train reply with error feedback when the server asks for it.
+
+    Put it outside Flower's ``LocalDpMod`` / ``fixedclipping_mod`` / ``adaptiveclipping_mod`` (earlier in
+    ``mods``): inside them it raises at once with the reason, which the server logs and stops on.
+    """
     is_train = msg.metadata.message_type.split(".")[0] == "train"
     config = msg.content.config_records.get(protocol.CONFIG_RECORD) if is_train else None
     if not wants_compression(config) or protocol.ARRAYS_RECORD not in msg.content.array_records:
         return call_next(msg, context)
+    _check_outer_mods()
     # Keep what the mod needs: the ClientApp may consume the incoming records. The arrays are
     # read-only views of the message bytes, not copies.
     global_arrays = record_to_arrays(msg.content.array_records[protocol.ARRAYS_RECORD])

@@ -45,6 +45,7 @@ from pollen.optim import OptState, Transform
 from pollen.strategies.accounting import Accounting
 from pollen.strategies.collector import TRAIN_PHASE, ReplyCollector, reason_of
 from pollen.strategies.declared import restore_strategy_state, strategy_state
+from pollen.strategies.flower_wrappers import refuse_dp_wrapper
 from pollen.strategies.ledger import AppliedLedger
 from pollen.strategies.model import GlobalModel
 from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec, screened_kinds
@@ -295,7 +296,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> None:
-        """Log the strategy's settings."""
+        """Log the strategy's settings; inside one of Flower's DP wrappers, refuse first (``flower_wrappers``)."""
+        refuse_dp_wrapper(self, self._optimiser_words())
         log(INFO, "\t├──> %s settings:", type(self).__name__)
         if self.optimizer is not None:
             log(INFO, "\t│\t├── server optimiser: %s %s", self.optimizer.name, self.optimizer.hyperparameters())
@@ -314,6 +316,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             self.min_evaluate_nodes,
             self.seed,
         )
+
+    def _optimiser_words(self) -> str:
+        return "its server optimiser" + (f" ({self.optimizer.name})" if self.optimizer is not None else "")
 
     def extra_summary(self) -> dict[str, Any]:
         """Subclass settings shown by ``summary()``."""
@@ -428,6 +433,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample clients and send each its content (default: the global model and the round's config)."""
+        refuse_dp_wrapper(self, self._optimiser_words())
         self._adopt_global_model(arrays)
         stats = self.accounting.round(server_round)
         self._train_started[server_round] = time.perf_counter()

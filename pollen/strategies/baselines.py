@@ -37,6 +37,7 @@ from pollen.core.layout import ModelLayout, TensorSpec, looks_like_buffer
 from pollen.strategies.accounting import Accounting
 from pollen.strategies.collector import EVALUATE_PHASE, TRAIN_PHASE, ReplyCollector, positive_weight, reason_of
 from pollen.strategies.declared import ARRAYS, load_field, save_declared
+from pollen.strategies.flower_wrappers import refuse_dp_wrapper
 from pollen.strategies.model import MAX_NDIM, MAX_TENSORS, saved_dtype
 from pollen.strategies.replies import ClientUpdate, ReplyRejected, count_records, read_reply
 from pollen.strategies.rounds import RoundLoop
@@ -69,9 +70,22 @@ class Metered(RoundLoop):
         self._layout: ModelLayout | None = None
         self._params: np.ndarray | None = None
 
+    def summary(self) -> None:
+        """Flower's summary; inside one of Flower's DP wrappers a server optimiser is refused first."""
+        self._refuse_dp_wrapper()
+        super().summary()
+
+    def _refuse_dp_wrapper(self) -> None:
+        """FedAvg's aggregate is a mean, and Flower's DP wrappers around it are DP-FedAvg; FedAdam, FedYogi and
+        FedAdagrad step an optimiser on the noiseless mean first (:mod:`pollen.strategies.flower_wrappers`)."""
+        for flower in (FedAdam, FedYogi, FedAdagrad):
+            if isinstance(self, flower):
+                refuse_dp_wrapper(self, f"its server optimiser (Flower's {flower.__name__} step)")
+
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        self._refuse_dp_wrapper()
         self._started[server_round] = time.perf_counter()
         named = record_to_arrays(arrays)
         if self._layout is None:  # the model as the user gave it: its dtypes are the ones clients use

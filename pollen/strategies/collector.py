@@ -21,7 +21,7 @@ a guarantee about replies is written once:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,20 @@ from flwr.common import log
 
 from pollen.core.layout import ModelLayout
 from pollen.strategies.accounting import Accounting
-from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec, count_records, read_reply
+from pollen.strategies.client_errors import (
+    MAX_CLIENT_ERROR_LENGTH,
+    ClientAppIncompatible,
+    client_error_text,
+    incompatibility,
+)
+from pollen.strategies.replies import (
+    ClientErrorReply,
+    ClientUpdate,
+    ReplyRejected,
+    ReplySpec,
+    count_records,
+    read_reply,
+)
 from pollen.strategies.sampling import ClientSampler
 from pollen.wire import protocol
 
@@ -47,10 +60,10 @@ _MAX_DEVICE_NAME = 64
 
 
 def reason_of(err: BaseException) -> str:
-    """A short, one-line reason for a rejected reply."""
+    """A short, one-line reason for a rejected reply (a client's own error: long enough for its exception)."""
     text = str(err).replace("\n", " ")
     reason = text if isinstance(err, ReplyRejected | ValueError) and text else f"{type(err).__name__}: {text}"
-    return reason[:200]
+    return reason[: MAX_CLIENT_ERROR_LENGTH + 20] if isinstance(err, ClientErrorReply) else reason[:200]
 
 
 def positive_weight(metrics: Mapping[str, Any] | None, key: str) -> float | None:
@@ -164,7 +177,23 @@ class ReplyCollector:
             else:
                 seen.add(node)
                 kept.append(reply)
+                if reply.has_error() and (why := incompatibility(reply.error.reason)) is not None:
+                    self.stop_on(server_round, phase, node, reply.error.reason, why)
         return kept
+
+    def stop_on(self, server_round: int, phase: str, node: int, reason: str, why: str) -> None:
+        """Stop the run: ``node``'s ClientApp answered with an error that says it can never answer this server."""
+        client = self.sampler.key(node)
+        log(
+            ERROR,
+            "\t> %s (node %d) answered %s of round %d with: %s",
+            client,
+            node,
+            phase,
+            server_round,
+            client_error_text(reason),
+        )
+        raise ClientAppIncompatible(f"stopped in round {server_round}: {client}'s ClientApp cannot answer: {why}")
 
     def _sent_to(self, server_round: int, phase: str) -> dict[str, int]:
         """Message id -> destination node of the messages of ``phase`` the grid has pushed (ids set on push)."""
@@ -250,7 +279,7 @@ class ReplyCollector:
             node = reply.metadata.src_node_id
             try:
                 if reply.has_error():
-                    raise ReplyRejected(f"client error: {reply.error.reason}")
+                    raise ClientErrorReply(f"client error: {client_error_text(reply.error.reason)}")
                 stats.eval_uplink_bytes += sum(count_records(reply).values())
                 metrics = reply.content.metric_records.get(protocol.METRICS_RECORD)
                 if metrics is None:

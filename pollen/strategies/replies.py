@@ -24,6 +24,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 
 from pollen.compression import decode_payload
 from pollen.core.layout import ModelLayout
+from pollen.strategies.client_errors import client_error_text
 from pollen.strategies.screening import vector_stats
 from pollen.wire import protocol
 from pollen.wire.records import record_to_arrays, records_to_payload
@@ -41,6 +42,10 @@ EXTRA_KIND, BUFFER_KIND = "extra:", "buffer:"
 
 class ReplyRejected(ValueError):
     """A reply that cannot be used; the message is the logged reason."""
+
+
+class ClientErrorReply(ReplyRejected):
+    """A client's Flower error reply; the reason is the exception its ClientApp raised, logged at length."""
 
 
 @dataclass(frozen=True)
@@ -221,7 +226,7 @@ def read_reply(
     the returned ``delta`` is then that buffer.
     """
     if reply.has_error():
-        raise ReplyRejected(f"client error: {reply.error.reason}")
+        raise ClientErrorReply(f"client error: {client_error_text(reply.error.reason)}")
     record_bytes = count_records(reply)
     content = reply.content
     delta, buffers, squares = _read_update(content, layout, params, spec, arrayrecord_key, scratch)

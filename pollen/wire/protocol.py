@@ -39,6 +39,10 @@ EXTRA_ARRAY = "value"
 # ClientApp routes it with ``@app.train("pollen_phase")`` and dispatches on CFG_PHASE.
 PHASE_MESSAGE_TYPE = "train.pollen_phase"
 
+# A pollen client piece that finds the ClientApp set up so that it can never answer (a mod order that cannot
+# work) raises an exception whose text starts with this; the server stops the run on the first such reply.
+SETUP_ERROR_PREFIX = "pollen setup error: "
+
 # ConfigRecord keys sent by the server in a train message.
 CFG_SERVER_ROUND = "server-round"
 CFG_CODEC = "pollen.codec"
