@@ -69,15 +69,41 @@ from pollen.wire import protocol
 
 __all__ = [
     "AGGREGATIONS",
+    "FLOWER_ARGUMENTS",
+    "OUTLIER_FACTOR",
+    "OUTLIER_RULE",
+    "OUTLIER_WINDOW",
     "TRAIN_PHASE",
     "AdaptiveStrategy",
     "ClientUpdate",
+    "MetricsAggregationFn",
     "ReplyRejected",
     "ReplySpec",
     "RunningMean",
     "ScreenedSink",
     "aggregate_metrics",
 ]
+
+#: Flower's metric aggregation function (``FedAvg``'s ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn``):
+#: the replies' RecordDicts and the weight's metric name in, the round's MetricRecord out.
+MetricsAggregationFn = Callable[[list[RecordDict], str], MetricRecord]
+#: Flower's ``FedAvg`` arguments, in its order: every pollen strategy takes them first, with their defaults.
+FLOWER_ARGUMENTS = (
+    "fraction_train",
+    "fraction_evaluate",
+    "min_train_nodes",
+    "min_evaluate_nodes",
+    "min_available_nodes",
+    "weighted_by_key",
+    "arrayrecord_key",
+    "configrecord_key",
+    "train_metrics_aggr_fn",
+    "evaluate_metrics_aggr_fn",
+)
+#: The outlier screen's defaults, written once for every strategy's signature.
+OUTLIER_RULE = "reject"
+OUTLIER_FACTOR = 10.0
+OUTLIER_WINDOW = 5
 
 
 def _check_fraction(name: str, value: float, allow_zero: bool) -> None:
@@ -115,17 +141,53 @@ def _check_arguments(  # noqa: PLR0913 - the constructor's, checked in one place
         raise ValueError(f"uplink={uplink!r} is not an Uplink; allowed: pollen.strategies.Uplink(...) or None")
 
 
+def _check_flower_arguments(
+    weighted_by_key: str,
+    arrayrecord_key: str,
+    configrecord_key: str,
+    train_metrics_aggr_fn: MetricsAggregationFn | None,
+    evaluate_metrics_aggr_fn: MetricsAggregationFn | None,
+) -> None:
+    """``ValueError`` naming the argument, its value and what is allowed, for Flower's keys and functions."""
+    for name, value in (
+        ("weighted_by_key", weighted_by_key),
+        ("arrayrecord_key", arrayrecord_key),
+        ("configrecord_key", configrecord_key),
+    ):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{name}={value!r} is invalid; allowed: a non-empty string")
+    for name, value in (("arrayrecord_key", arrayrecord_key), ("configrecord_key", configrecord_key)):
+        if value.startswith(protocol.CLIENT_STATE_PREFIX):
+            raise ValueError(
+                f"{name}={value!r} is in pollen's own record names ('{protocol.CLIENT_STATE_PREFIX}...'); "
+                "allowed: any other name"
+            )
+    if arrayrecord_key == configrecord_key:
+        raise ValueError(
+            f"arrayrecord_key and configrecord_key are both {arrayrecord_key!r}; allowed: two different names "
+            "(a message holds both records)"
+        )
+    for name, fn in (
+        ("train_metrics_aggr_fn", train_metrics_aggr_fn),
+        ("evaluate_metrics_aggr_fn", evaluate_metrics_aggr_fn),
+    ):
+        if fn is not None and not callable(fn):
+            raise ValueError(
+                f"{name}={fn!r} is not callable; allowed: a function (list[RecordDict], str) -> MetricRecord, or None"
+            )
+
+
 class AdaptiveStrategy(RoundLoop, Strategy):
     """Base of pollen's strategies: flat-vector state, validated replies, bytes, state dict.
 
+    The first ten arguments are Flower's ``FedAvg``'s, in its order, with its defaults and its meaning
+    (a project that passes them swaps the class and nothing else); the rest are keyword-only.
+
     Parameters
     ----------
-    optimizer : Transform | None
-        The server optimiser (``pollen.optim``, e.g. ``amsgrad(...)`` or ``make_server_optimizer(name, ...)``)
-        applied to the aggregated delta; ``None`` when a subclass builds it from the model layout
-        (``build_optimizer``).
     fraction_train : float (default: 1.0)
-        Fraction of connected nodes sampled for training each round, in (0, 1].
+        Fraction of connected nodes sampled for training each round, in (0, 1]: ``max(floor(fraction_train
+        * n), min_train_nodes)`` of them (``n``: the connected nodes, or ``population``).
     fraction_evaluate : float (default: 1.0)
         Fraction of nodes sampled for federated evaluation, in [0, 1]; 0 skips it.
     min_train_nodes : int (default: 2)
@@ -133,12 +195,42 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     min_evaluate_nodes : int (default: 2)
         Minimum number of nodes sampled for evaluation.
     min_available_nodes : int (default: 2)
-        Minimum number of connected nodes before a round starts.
+        Minimum number of connected nodes before a round starts (sampling waits for them).
+    weighted_by_key : str (default: "num-examples")
+        The metric of each reply's MetricRecord that weighs it: in the averages of its metrics, in the
+        model average when ``aggregation="weighted"``, and the name handed to the two metric
+        aggregation functions. (pollen's default ``aggregation="mean"`` averages models unweighted, as
+        the papers do.)
+    arrayrecord_key : str (default: "arrays")
+        Name of the ArrayRecord (the global model) in train and evaluate messages, and of the trained
+        model in a reply (a reply with one ArrayRecord under another name is read too, as Flower does).
+    configrecord_key : str (default: "config")
+        Name of the ConfigRecord in train and evaluate messages.
+    train_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None (default: None)
+        As Flower's: called as ``fn(replies, weighted_by_key)`` with the RecordDict of each reply whose
+        update the round applied (its MetricRecords and ConfigRecords; the arrays were read as they
+        came and are not kept), and its MetricRecord is the round's train metrics (``Result``, results
+        files). ``None``: the ``weighted_by_key``-weighted mean of each metric every reply reports.
+    evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None (default: None)
+        As Flower's: called as ``fn(replies, weighted_by_key)`` with the content of each usable
+        evaluation reply; its MetricRecord is the round's federated evaluation metrics. ``None``: the
+        ``weighted_by_key``-weighted mean of each metric every reply reports.
+    optimizer : Transform | None
+        The server optimiser (``pollen.optim``, e.g. ``amsgrad(...)`` or ``make_server_optimizer(name, ...)``)
+        applied to the aggregated delta; ``None`` when a subclass builds it from the model layout
+        (``build_optimizer``).
     aggregation : str (default: "mean")
         ``"mean"``: the papers' simple average ``(1/|S_t|) sum_i delta_i``;
         ``"weighted"``: weighted by ``weighted_by_key`` (Flower's FedAvg behaviour).
-    weighted_by_key : str (default: "num-examples")
-        Metric used as the weight of each reply.
+    aggregator : str | Aggregator (default: "mean")
+        How the round's updates become one delta (:mod:`pollen.strategies.robust`): ``"mean"``
+        (streamed, as ``aggregation`` says), ``"median"``, ``"trimmed-mean"`` (or
+        ``pollen.aggregate.TrimmedMean(beta)``) or ``"majority-vote"`` (scaled-sign uploads only). A
+        robust one keeps the round's updates, gives each client one vote (``aggregation="mean"``
+        only) and is refused with a reason by methods it does not fit (``robust_refusal``).
+    uplink : Uplink | None (default: None)
+        What clients upload (:class:`~pollen.strategies.uplink.Uplink`: codec, error feedback,
+        granularity); ``None`` asks for nothing and takes full models (any Flower ClientApp).
     buffer_keys : list[str] | None (default: None)
         Names of non-trainable arrays; ``None`` infers them (integer dtypes and
         PyTorch normalisation statistics).
@@ -156,25 +248,18 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         fractions are of N and each message names the partition its node plays
         (:mod:`pollen.strategies.sampling`). Needs pollen's ClientApp (or one that reads
         ``pollen.partition``) and at least as many nodes as a round samples.
-    arrayrecord_key, configrecord_key : str
-        Record names in train/evaluate messages (Flower's defaults).
     outlier_rule : str (default: "reject")
         Outlier screen of update norms (:mod:`pollen.strategies.screening`): ``"reject"``,
-        ``"clip"`` or ``"off"``; ``outlier_factor`` (10) times the median accepted norm of the
-        last ``outlier_window`` (5) rounds is the bound.
+        ``"clip"`` or ``"off"``.
+    outlier_factor : float (default: 10.0)
+        The screen's bound is this factor times the median accepted norm of the last
+        ``outlier_window`` rounds, > 1.
+    outlier_window : int (default: 5)
+        Rounds of accepted norms the screen's median is taken over, >= 1.
     max_abs_update : float (default: 1e15)
         Hard limit on any coordinate of an update (always on).
     min_replies : int (default: 1)
         Fewer usable replies than this and the round is skipped (model unchanged), with a reason.
-    uplink : Uplink | None (default: None)
-        What clients upload (:class:`~pollen.strategies.uplink.Uplink`: codec, error feedback,
-        granularity); ``None`` asks for nothing and takes full models (any Flower ClientApp).
-    aggregator : str | Aggregator (default: "mean")
-        How the round's updates become one delta (:mod:`pollen.strategies.robust`): ``"mean"``
-        (streamed, as ``aggregation`` says), ``"median"``, ``"trimmed-mean"`` (or
-        ``pollen.aggregate.TrimmedMean(beta)``) or ``"majority-vote"`` (scaled-sign uploads only). A
-        robust one keeps the round's updates, gives each client one vote (``aggregation="mean"``
-        only) and is refused with a reason by methods it does not fit (``robust_refusal``).
     transactional : bool (default: True)
         Put the model and optimiser state of before the server step back if the step fails or
         produces non-finite values (the round then counts as failed). Nothing is copied for it: the
@@ -193,31 +278,33 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     #: Why a robust aggregator does not fit this method (``None``: its aggregate is a mean of updates).
     robust_refusal: ClassVar[str | None] = None
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, then the engine's
         self,
-        *,
-        optimizer: Transform | None = None,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 1.0,
         min_train_nodes: int = 2,
         min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
-        aggregation: str = "mean",
         weighted_by_key: str = protocol.NUM_EXAMPLES,
+        arrayrecord_key: str = protocol.ARRAYS_RECORD,
+        configrecord_key: str = protocol.CONFIG_RECORD,
+        train_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        *,
+        optimizer: Transform | None = None,
+        aggregation: str = "mean",
+        aggregator: str | Aggregator = "mean",
+        uplink: Uplink | None = None,
         buffer_keys: Iterable[str] | None = None,
         seed: int = 0,
         identify_clients: bool = False,
         population: int = 0,
-        arrayrecord_key: str = protocol.ARRAYS_RECORD,
-        configrecord_key: str = protocol.CONFIG_RECORD,
-        outlier_rule: str = "reject",
-        outlier_factor: float = 10.0,
-        outlier_window: int = 5,
+        outlier_rule: str = OUTLIER_RULE,
+        outlier_factor: float = OUTLIER_FACTOR,
+        outlier_window: int = OUTLIER_WINDOW,
         max_abs_update: float = DEFAULT_MAX_ABS,
         min_replies: int = 1,
         transactional: bool = True,
-        uplink: Uplink | None = None,
-        aggregator: str | Aggregator = "mean",
     ) -> None:
         _check_arguments(
             fraction_train,
@@ -229,6 +316,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             min_replies,
             uplink,
         )
+        _check_flower_arguments(
+            weighted_by_key, arrayrecord_key, configrecord_key, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
+        )
         self.fraction_train = fraction_train
         self.fraction_evaluate = fraction_evaluate
         self.min_train_nodes = min_train_nodes
@@ -239,6 +329,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         self.seed = seed
         self.arrayrecord_key = arrayrecord_key
         self.configrecord_key = configrecord_key
+        self.train_metrics_aggr_fn = train_metrics_aggr_fn
+        self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn
         self.min_replies = min_replies
         self.transactional = transactional
         self.uplink = uplink
@@ -531,11 +623,10 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         stats = self.accounting.round(server_round)
         stats.replies = len(updates)
         for update in updates:
-            if update_bytes := _update_bytes(update.record_bytes, self.arrayrecord_key):
+            if update_bytes := _update_bytes(update, self.arrayrecord_key):
                 stats.uplink_update_bytes += update_bytes
                 stats.uplink_fp32_bytes += 4 * self.layout.dim
         log(INFO, "aggregate_train: %d usable replies, %d failures", len(updates), stats.failures)
-        result: tuple[ArrayRecord | None, MetricRecord | None] = (None, None)
         applied: list[ClientUpdate] = []
         if len(updates) < self.min_replies:
             reason = f"{len(updates)} usable replies, fewer than min_replies={self.min_replies}"
@@ -558,16 +649,28 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             if self.keeps_ledger():
                 self.ledger.record(server_round, applied)
             self.screen.observe([u.norm for u in applied], [u.record_norms for u in applied])
-            weights = [u.num_examples for u in applied]
-            metrics = aggregate_metrics([u.metrics for u in applied if u.metrics is not None], weights)
-            stats.train_metrics = dict(metrics or {})
             stats.count_grad_evals([u.metrics for u in applied])
-            result = (self.model.returned(self.global_arrays()), metrics)
         stats.train_seconds = time.perf_counter() - self._train_started.pop(server_round, time.perf_counter())
         self.after_round(server_round, applied)
         self.replies.forget(server_round)
         self.transport.forget(server_round)
-        return result
+        if not applied:
+            return None, None
+        # after the round's bookkeeping: a user's function that raises leaves a finished round behind
+        metrics = self.train_metrics(applied)
+        stats.train_metrics = {**dict(metrics or {}), **stats.train_metrics}  # with what after_round noted
+        return self.model.returned(self.global_arrays()), metrics
+
+    def train_metrics(self, applied: list[ClientUpdate]) -> MetricRecord | None:
+        """The round's train metrics from the replies whose updates it applied: ``train_metrics_aggr_fn``'s, as
+        Flower calls it, or (``None``) the ``weighted_by_key``-weighted mean of each metric they all report."""
+        if self.train_metrics_aggr_fn is not None:
+            contents = [u.reply for u in applied if u.reply is not None]
+            if not contents:
+                return None
+            return _checked_metrics("train_metrics_aggr_fn", self.train_metrics_aggr_fn(contents, self.weighted_by_key))
+        reported = [u for u in applied if u.metrics is not None]
+        return aggregate_metrics([u.metrics for u in reported], [u.num_examples for u in reported])
 
     def _server_step(self, server_round: int, updates: list[ClientUpdate], running: ScreenedSink | None) -> None:
         """Aggregate, step, average buffers; all or nothing when ``transactional``.
@@ -615,9 +718,19 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         )
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Weighted average of the clients' evaluation metrics; failed or malformed replies are skipped."""
-        records, weights = self.replies.evaluation_metrics(server_round, replies, self.weighted_by_key)
-        aggregated = aggregate_metrics(records, weights)
+        """The round's evaluation metrics: ``evaluate_metrics_aggr_fn`` on the usable replies' contents, as Flower
+        calls it, or (``None``) the ``weighted_by_key``-weighted mean of each metric they all report; failed or
+        malformed replies are skipped with a reason."""
+        usable = self.replies.evaluation_metrics(server_round, replies, self.weighted_by_key)
+        if self.evaluate_metrics_aggr_fn is not None:
+            aggregated = _checked_metrics(
+                "evaluate_metrics_aggr_fn",
+                self.evaluate_metrics_aggr_fn([content for content, _, _ in usable], self.weighted_by_key)
+                if usable
+                else None,
+            )
+        else:
+            aggregated = aggregate_metrics([record for _, record, _ in usable], [weight for _, _, weight in usable])
         self.accounting.round(server_round).evaluate_metrics = dict(aggregated or {})
         return aggregated
 
@@ -639,6 +752,14 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         state being loaded break an invariant of the method (called before anything is set)."""
 
 
-def _update_bytes(record_bytes: Mapping[str, int], arrayrecord_key: str) -> int:
-    """Bytes of the record(s) carrying the model update of a reply."""
-    return record_bytes.get(protocol.UPDATE_RECORD, 0) + record_bytes.get(arrayrecord_key, 0)
+def _checked_metrics(name: str, value: Any) -> MetricRecord | None:
+    """What a user's metric aggregation function returned, if it is what a round reports (Flower's type)."""
+    if value is not None and not isinstance(value, MetricRecord):
+        raise TypeError(f"{name} returned a {type(value).__name__}; allowed: a flwr.app.MetricRecord or None")
+    return value
+
+
+def _update_bytes(update: ClientUpdate, arrayrecord_key: str) -> int:
+    """Bytes of the record(s) carrying the model update of a reply (under any name a reply may use)."""
+    names = {protocol.UPDATE_RECORD, arrayrecord_key, update.update_record} - {""}
+    return sum(update.record_bytes.get(name, 0) for name in names)

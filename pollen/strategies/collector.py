@@ -267,14 +267,14 @@ class ReplyCollector:
 
     def evaluation_metrics(
         self, server_round: int, replies: Iterable[Message], weighted_by_key: str
-    ) -> tuple[list[MetricRecord], list[float]]:
-        """The metrics and weights of the usable evaluation replies of ``server_round``.
+    ) -> list[tuple[RecordDict, MetricRecord, float]]:
+        """The content, metrics and weight of each usable evaluation reply of ``server_round``.
 
         A failed or malformed evaluation reply is skipped with a logged reason (evaluation never
         fails a round); bytes are counted.
         """
         stats = self._accounting().round(server_round)
-        records, weights = [], []
+        usable = []
         for reply in self.from_asked(server_round, EVALUATE_PHASE, replies):
             node = reply.metadata.src_node_id
             try:
@@ -288,8 +288,7 @@ class ReplyCollector:
                     continue
                 weight = metrics.get(weighted_by_key, 1)
                 if isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 < weight < 1e12:
-                    records.append(metrics)
-                    weights.append(float(weight))
+                    usable.append((reply.content, metrics, float(weight)))
             except Exception as err:  # noqa: BLE001 - evaluation never crashes the server either
                 log(
                     WARNING,
@@ -300,7 +299,7 @@ class ReplyCollector:
                 )
         for book in (self._asked, self._groups, self._sent, self._metadata, self._undelivered):
             book.pop((server_round, EVALUATE_PHASE), None)
-        return records, weights
+        return usable
 
     # ------------------------------------------------------------------ client info
     def check_played(self, node: int, content: RecordDict) -> None:

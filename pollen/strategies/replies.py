@@ -10,7 +10,8 @@ cast to the dtype that is used, and the weight metric. The strategy's state is n
 a rejected reply leaves no trace but a failure count.
 
 Wire forms of the update (``protocol``): Flower's ordinary full model under ``"arrays"`` (what any
-ClientApp sends; the update is ``x_local - x_global``), or a codec payload ``pollen.update`` +
+ClientApp sends; the update is ``x_local - x_global``; the strategy's ``arrayrecord_key``, or as in
+Flower the reply's one ArrayRecord whatever its name), or a codec payload ``pollen.update`` +
 ``pollen.update-meta`` with the buffers apart in ``pollen.buffers``.
 """
 
@@ -20,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from pollen.compression import decode_payload
 from pollen.core.layout import ModelLayout
@@ -142,7 +143,9 @@ class ClientUpdate:
     an update); ``record_bytes`` the bytes of each record of the reply, by record name;
     ``applied_scale`` the fraction of the update the server applies (below 1 when the outlier screen
     clipped it; the client is told, :mod:`pollen.strategies.ledger`); ``record_norms`` the L2 norm of
-    each record the outlier screen judges, by kind (``"extra:v"``, ``"buffer:bn.running_var"``).
+    each record the outlier screen judges, by kind (``"extra:v"``, ``"buffer:bn.running_var"``);
+    ``update_record`` the name of the record the update came in; ``reply`` the reply's MetricRecords and
+    ConfigRecords (what a Flower metric aggregation function is given; the arrays are not kept).
     """
 
     client_key: str
@@ -157,6 +160,8 @@ class ClientUpdate:
     norm: float = 0.0
     applied_scale: float = 1.0
     record_norms: dict[str, float] = field(default_factory=dict)
+    update_record: str = ""
+    reply: RecordDict | None = None
 
 
 def screened_kinds(spec: ReplySpec, layout: ModelLayout) -> list[str]:
@@ -229,7 +234,7 @@ def read_reply(
         raise ClientErrorReply(f"client error: {client_error_text(reply.error.reason)}")
     record_bytes = count_records(reply)
     content = reply.content
-    delta, buffers, squares = _read_update(content, layout, params, spec, arrayrecord_key, scratch)
+    update_record, delta, buffers, squares = _read_update(content, layout, params, spec, arrayrecord_key, scratch)
     norm = 0.0
     if delta is not None:
         if squares is not None and math.isfinite(squares) and math.sqrt(squares) <= max_abs:
@@ -263,6 +268,8 @@ def read_reply(
         flags=flags,
         record_bytes=record_bytes,
         norm=norm,
+        update_record=update_record,
+        reply=RecordDict({**content.metric_records, **content.config_records}),
     )
     update.record_norms = record_norms(update, spec)
     return update
@@ -276,6 +283,13 @@ def _array_record(content, name: str) -> ArrayRecord | None:  # noqa: ANN001
     return record
 
 
+def _sole_model_record(content) -> str | None:  # noqa: ANN001
+    """The name of the reply's one ArrayRecord outside pollen's own names, if it has exactly one (Flower reads a
+    reply's model from its one ArrayRecord whatever its name)."""
+    names = [name for name in content.array_records if not name.startswith(protocol.CLIENT_STATE_PREFIX)]
+    return names[0] if len(names) == 1 else None
+
+
 def _read_update(
     content,
     layout: ModelLayout,
@@ -283,11 +297,14 @@ def _read_update(
     spec: ReplySpec,
     arrayrecord_key: str,
     scratch: np.ndarray | None,  # noqa: ANN001
-) -> tuple[np.ndarray | None, dict[str, np.ndarray], float | None]:
-    """The update, the buffers and, for a full-model reply, the update's sum of squares (else None)."""
+) -> tuple[str, np.ndarray | None, dict[str, np.ndarray], float | None]:
+    """The name of the record the update came in, the update, the buffers and, for a full-model reply, the
+    update's sum of squares (else None)."""
     squares = None
     compressed = _array_record(content, protocol.UPDATE_RECORD)
     full = _array_record(content, arrayrecord_key)
+    if full is None and compressed is None and (sole := _sole_model_record(content)) is not None:
+        arrayrecord_key, full = sole, content.array_records[sole]
     if compressed is not None and full is not None:
         raise ReplyRejected(f"reply carries both '{arrayrecord_key}' and '{protocol.UPDATE_RECORD}'")
     if compressed is not None:
@@ -311,11 +328,11 @@ def _read_update(
     else:
         if spec.update == "required":
             raise ReplyRejected(f"reply carries neither '{arrayrecord_key}' nor '{protocol.UPDATE_RECORD}' arrays")
-        return None, {}, None
+        return "", None, {}, None
     delta = np.asarray(delta, dtype=np.float32)
     if delta.shape != (layout.dim,):
         raise ReplyRejected(f"decoded update has shape {delta.shape}, the model has ({layout.dim},)")
-    return delta, buffers, squares
+    return protocol.UPDATE_RECORD if compressed is not None else arrayrecord_key, delta, buffers, squares
 
 
 _BLOCK = 1 << 16  # elements of a tensor subtracted and squared while in cache
