@@ -20,18 +20,30 @@ SuperNode reconnects; clients that cannot say fall back to ``node-<id>``.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
 from pollen.core.layout import ModelLayout
 from pollen.optim import BY_NAME, Transform, make_server_optimizer
-from pollen.strategies.base import AdaptiveStrategy, ClientUpdate, ScreenedSink
+from pollen.strategies.base import (
+    OUTLIER_FACTOR,
+    OUTLIER_RULE,
+    OUTLIER_WINDOW,
+    AdaptiveStrategy,
+    ClientUpdate,
+    MetricsAggregationFn,
+    ScreenedSink,
+)
 from pollen.strategies.declared import PART
+from pollen.strategies.robust import Aggregator
+from pollen.strategies.screening import DEFAULT_MAX_ABS
+from pollen.strategies.uplink import Uplink
 from pollen.strategies.vr_store import StoredUpdates
 from pollen.vr import VARIANTS, UpdateTable, get_variant
 from pollen.vr.aggregate import VRRound, check_weighting
+from pollen.wire import protocol
 
 OPTIMIZERS = ("adagrad", "adam", "adabelief", "yogi", "lamb", "sgd")
 
@@ -75,15 +87,33 @@ class FedAdaVR(AdaptiveStrategy):
         N, the total number of clients; ``None`` uses the clients seen so far.
     lamb_layerwise : bool (default: True)
         LAMB trust ratio per tensor (paper) or over the whole model.
-    **kwargs
-        Sampling and record options of :class:`AdaptiveStrategy`; ``identify_clients``
-        defaults to True here because rows need stable client ids.
+    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes : float, int
+        Sampling: Flower's ``FedAvg`` arguments, with its defaults and meaning (:class:`AdaptiveStrategy`).
+    weighted_by_key, arrayrecord_key, configrecord_key : str
+        Flower's weight metric and record names, with its defaults and meaning (:class:`AdaptiveStrategy`).
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None
+        Flower's metric aggregation functions; ``None``: each metric's weighted mean (:class:`AdaptiveStrategy`).
+    aggregation, aggregator, uplink, buffer_keys, seed, identify_clients, population
+        The engine's settings (:class:`AdaptiveStrategy`); ``identify_clients`` defaults to True here:
+        rows need stable client ids.
+    outlier_rule, outlier_factor, outlier_window, max_abs_update, min_replies, transactional
+        The outlier screen and the round's rules (:class:`AdaptiveStrategy`).
     """
 
     state_fields = {"store": PART}
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, the method's, the engine's
         self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = protocol.NUM_EXAMPLES,
+        arrayrecord_key: str = protocol.ARRAYS_RECORD,
+        configrecord_key: str = protocol.CONFIG_RECORD,
+        train_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
         *,
         variant: str = "fedadavr",
         server_optimizer: str | None = None,
@@ -98,16 +128,52 @@ class FedAdaVR(AdaptiveStrategy):
         num_clients: int | None = None,
         lamb_layerwise: bool = True,
         client_lr_factor: Callable[[int], float] | None = None,
-        **kwargs: Any,
+        aggregation: str = "mean",
+        aggregator: str | Aggregator = "mean",
+        uplink: Uplink | None = None,
+        buffer_keys: Iterable[str] | None = None,
+        seed: int = 0,
+        identify_clients: bool = True,
+        population: int = 0,
+        outlier_rule: str = OUTLIER_RULE,
+        outlier_factor: float = OUTLIER_FACTOR,
+        outlier_window: int = OUTLIER_WINDOW,
+        max_abs_update: float = DEFAULT_MAX_ABS,
+        min_replies: int = 1,
+        transactional: bool = True,
     ) -> None:
         spec = get_variant(variant)
-        kwargs.setdefault("identify_clients", True)
         if spec.uses_table:
             self.robust_refusal = (
                 f"variant {spec.name!r} aggregates a control-variate sum over its stored-update table, not a "
                 "mean of this round's updates (allowed with a robust aggregator: variant 'novr')"
             )
-        super().__init__(optimizer=None, **kwargs)
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            weighted_by_key=weighted_by_key,
+            arrayrecord_key=arrayrecord_key,
+            configrecord_key=configrecord_key,
+            train_metrics_aggr_fn=train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
+            optimizer=None,
+            aggregation=aggregation,
+            aggregator=aggregator,
+            uplink=uplink,
+            buffer_keys=buffer_keys,
+            seed=seed,
+            identify_clients=identify_clients,
+            population=population,
+            outlier_rule=outlier_rule,
+            outlier_factor=outlier_factor,
+            outlier_window=outlier_window,
+            max_abs_update=max_abs_update,
+            min_replies=min_replies,
+            transactional=transactional,
+        )
         self.variant = spec
         self.optimizer_name = server_optimizer or spec.optimizer
         if self.optimizer_name not in OPTIMIZERS:

@@ -17,10 +17,21 @@ and, transparently, compressed updates from pollen's ``compression_mod``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from pollen.optim import amsgrad
-from pollen.strategies.base import AdaptiveStrategy
+from pollen.strategies.base import (
+    OUTLIER_FACTOR,
+    OUTLIER_RULE,
+    OUTLIER_WINDOW,
+    AdaptiveStrategy,
+    MetricsAggregationFn,
+)
+from pollen.strategies.robust import Aggregator
+from pollen.strategies.screening import DEFAULT_MAX_ABS
+from pollen.strategies.uplink import Uplink
+from pollen.wire import protocol
 
 OPTIONS = (1, 2, 3)
 #: Where each option puts eps (:func:`pollen.optim.amsgrad`'s ``eps_mode``).
@@ -53,12 +64,30 @@ class FedAMS(AdaptiveStrategy):
         ``m / sqrt(v_hat + eps)`` (the lazy family's paper's Option B, ``papers/fedbaca.md`` §5.0).
     bias_correction : bool (default: False)
         Adam-style bias correction as in the authors' code; off in the paper.
-    **kwargs
-        Sampling, aggregation and record options of :class:`AdaptiveStrategy`.
+    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes : float, int
+        Sampling: Flower's ``FedAvg`` arguments, with its defaults and meaning (:class:`AdaptiveStrategy`).
+    weighted_by_key, arrayrecord_key, configrecord_key : str
+        Flower's weight metric and record names, with its defaults and meaning (:class:`AdaptiveStrategy`).
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None
+        Flower's metric aggregation functions; ``None``: each metric's weighted mean (:class:`AdaptiveStrategy`).
+    aggregation, aggregator, uplink, buffer_keys, seed, identify_clients, population
+        The engine's settings (:class:`AdaptiveStrategy`).
+    outlier_rule, outlier_factor, outlier_window, max_abs_update, min_replies, transactional
+        The outlier screen and the round's rules (:class:`AdaptiveStrategy`).
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, the method's, the engine's
         self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = protocol.NUM_EXAMPLES,
+        arrayrecord_key: str = protocol.ARRAYS_RECORD,
+        configrecord_key: str = protocol.CONFIG_RECORD,
+        train_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
         *,
         eta: float = 0.003,
         beta_1: float = 0.9,
@@ -66,7 +95,19 @@ class FedAMS(AdaptiveStrategy):
         eps: float = 1e-8,
         option: int = 1,
         bias_correction: bool = False,
-        **kwargs: Any,
+        aggregation: str = "mean",
+        aggregator: str | Aggregator = "mean",
+        uplink: Uplink | None = None,
+        buffer_keys: Iterable[str] | None = None,
+        seed: int = 0,
+        identify_clients: bool = False,
+        population: int = 0,
+        outlier_rule: str = OUTLIER_RULE,
+        outlier_factor: float = OUTLIER_FACTOR,
+        outlier_window: int = OUTLIER_WINDOW,
+        max_abs_update: float = DEFAULT_MAX_ABS,
+        min_replies: int = 1,
+        transactional: bool = True,
     ) -> None:
         if option not in OPTIONS:
             raise ValueError(
@@ -81,7 +122,32 @@ class FedAMS(AdaptiveStrategy):
             eps_mode=OPTION_EPS_MODES[option],
             bias_correction=bias_correction,
         )
-        super().__init__(optimizer=optimizer, **kwargs)
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            weighted_by_key=weighted_by_key,
+            arrayrecord_key=arrayrecord_key,
+            configrecord_key=configrecord_key,
+            train_metrics_aggr_fn=train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
+            optimizer=optimizer,
+            aggregation=aggregation,
+            aggregator=aggregator,
+            uplink=uplink,
+            buffer_keys=buffer_keys,
+            seed=seed,
+            identify_clients=identify_clients,
+            population=population,
+            outlier_rule=outlier_rule,
+            outlier_factor=outlier_factor,
+            outlier_window=outlier_window,
+            max_abs_update=max_abs_update,
+            min_replies=min_replies,
+            transactional=transactional,
+        )
         self.option = option
 
     def extra_summary(self) -> dict[str, Any]:

@@ -9,11 +9,15 @@ bit for bit.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
 
 from pollen.compression import CODECS
+from pollen.strategies.base import OUTLIER_FACTOR, OUTLIER_RULE, OUTLIER_WINDOW, MetricsAggregationFn
 from pollen.strategies.fedams import FedAMS
+from pollen.strategies.robust import Aggregator
+from pollen.strategies.screening import DEFAULT_MAX_ABS
 from pollen.strategies.uplink import Uplink
+from pollen.wire import protocol
 
 
 class FedCAMS(FedAMS):
@@ -36,23 +40,90 @@ class FedCAMS(FedAMS):
     granularity : str (default: "model")
         ``"model"``: one scale / one global top-k over all layers (the authors' code);
         ``"tensor"``: one per tensor.
-    **kwargs
-        Everything :class:`FedAMS` takes (``eta``, ``eps``, ``option``, ...).
+    eta, beta_1, beta_2, eps, option, bias_correction
+        The server's AMSGrad, as :class:`FedAMS` takes them (its defaults).
+    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes : float, int
+        Sampling: Flower's ``FedAvg`` arguments, with its defaults and meaning (:class:`AdaptiveStrategy`).
+    weighted_by_key, arrayrecord_key, configrecord_key : str
+        Flower's weight metric and record names, with its defaults and meaning (:class:`AdaptiveStrategy`).
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None
+        Flower's metric aggregation functions; ``None``: each metric's weighted mean (:class:`AdaptiveStrategy`).
+    aggregation, aggregator, buffer_keys, seed, identify_clients, population
+        The engine's settings (:class:`AdaptiveStrategy`).
+    outlier_rule, outlier_factor, outlier_window, max_abs_update, min_replies, transactional
+        The outlier screen and the round's rules (:class:`AdaptiveStrategy`).
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, the method's, FedAMS's, the engine's
         self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = protocol.NUM_EXAMPLES,
+        arrayrecord_key: str = protocol.ARRAYS_RECORD,
+        configrecord_key: str = protocol.CONFIG_RECORD,
+        train_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
         *,
         compressor: str = "sign",
         topk_ratio: float = 1 / 64,
         error_feedback: bool = True,
         granularity: str = "model",
-        **kwargs: Any,
+        eta: float = 0.003,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        eps: float = 1e-8,
+        option: int = 1,
+        bias_correction: bool = False,
+        aggregation: str = "mean",
+        aggregator: str | Aggregator = "mean",
+        buffer_keys: Iterable[str] | None = None,
+        seed: int = 0,
+        identify_clients: bool = False,
+        population: int = 0,
+        outlier_rule: str = OUTLIER_RULE,
+        outlier_factor: float = OUTLIER_FACTOR,
+        outlier_window: int = OUTLIER_WINDOW,
+        max_abs_update: float = DEFAULT_MAX_ABS,
+        min_replies: int = 1,
+        transactional: bool = True,
     ) -> None:
         if compressor not in CODECS:
             raise ValueError(f"compressor={compressor!r} is unknown; allowed: {', '.join(CODECS)}")
         uplink = Uplink(codec=compressor, topk_ratio=topk_ratio, error_feedback=error_feedback, granularity=granularity)
-        super().__init__(uplink=uplink, **kwargs)
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            weighted_by_key=weighted_by_key,
+            arrayrecord_key=arrayrecord_key,
+            configrecord_key=configrecord_key,
+            train_metrics_aggr_fn=train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
+            eta=eta,
+            beta_1=beta_1,
+            beta_2=beta_2,
+            eps=eps,
+            option=option,
+            bias_correction=bias_correction,
+            uplink=uplink,
+            aggregation=aggregation,
+            aggregator=aggregator,
+            buffer_keys=buffer_keys,
+            seed=seed,
+            identify_clients=identify_clients,
+            population=population,
+            outlier_rule=outlier_rule,
+            outlier_factor=outlier_factor,
+            outlier_window=outlier_window,
+            max_abs_update=max_abs_update,
+            min_replies=min_replies,
+            transactional=transactional,
+        )
 
     @property
     def compressor(self) -> str:

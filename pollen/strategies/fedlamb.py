@@ -25,7 +25,7 @@ with the client across rounds (client state). Sign convention: the server's step
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,9 +34,19 @@ from flwr.app import RecordDict
 
 from pollen.core import state_fields as fields
 from pollen.optim import adpfed_adam, sgd
-from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
+from pollen.strategies.base import (
+    OUTLIER_FACTOR,
+    OUTLIER_RULE,
+    OUTLIER_WINDOW,
+    TRAIN_PHASE,
+    AdaptiveStrategy,
+    MetricsAggregationFn,
+)
 from pollen.strategies.declared import COUNT, COUNTS, MOMENT
 from pollen.strategies.replies import ClientUpdate, Extra, ReplySpec
+from pollen.strategies.robust import Aggregator
+from pollen.strategies.screening import DEFAULT_MAX_ABS
+from pollen.strategies.uplink import Uplink
 from pollen.wire import protocol
 from pollen.wire.protocol import (
     ADAPTIVE_LOCAL_STEP as LOCAL_STEP,
@@ -140,8 +150,17 @@ class FedLAMB(AdaptiveStrategy):
         ``papers/fedlamb.md`` §9 C3). ``v`` itself is kept uncorrected either way. The app's default:
         ``bias-corrected`` for Mime (the plain reading makes the baseline degenerate), ``plain`` for
         Mime-LAMB (its trust ratio normalises the scale away). Unused by the other variants.
-    **kwargs
-        Sampling and record options of :class:`AdaptiveStrategy`.
+    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes : float, int
+        Sampling: Flower's ``FedAvg`` arguments, with its defaults and meaning (:class:`AdaptiveStrategy`).
+    weighted_by_key, arrayrecord_key, configrecord_key : str
+        Flower's weight metric and record names, with its defaults and meaning (:class:`AdaptiveStrategy`).
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None
+        Flower's metric aggregation functions; ``None``: each metric's weighted mean (:class:`AdaptiveStrategy`).
+    aggregation, aggregator, uplink, buffer_keys, seed, identify_clients, population
+        The engine's settings (:class:`AdaptiveStrategy`); ``identify_clients`` defaults to True here:
+        each client's ``v_hat`` version is kept by its stable id.
+    outlier_rule, outlier_factor, outlier_window, max_abs_update, min_replies, transactional
+        The outlier screen and the round's rules (:class:`AdaptiveStrategy`).
     """
 
     streaming = False  # the extras of every reply are needed after the step
@@ -153,8 +172,18 @@ class FedLAMB(AdaptiveStrategy):
         "client_versions": COUNTS,
     }
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, the method's, the engine's
         self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = protocol.NUM_EXAMPLES,
+        arrayrecord_key: str = protocol.ARRAYS_RECORD,
+        configrecord_key: str = protocol.CONFIG_RECORD,
+        train_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
         *,
         variant: str = "fed-lamb",
         beta_1: float = 0.9,
@@ -166,7 +195,19 @@ class FedLAMB(AdaptiveStrategy):
         round1_denominator: str = "eps",
         server_v: str = "plain",
         eta: float = 0.003,
-        **kwargs: Any,
+        aggregation: str = "mean",
+        aggregator: str | Aggregator = "mean",
+        uplink: Uplink | None = None,
+        buffer_keys: Iterable[str] | None = None,
+        seed: int = 0,
+        identify_clients: bool = True,
+        population: int = 0,
+        outlier_rule: str = OUTLIER_RULE,
+        outlier_factor: float = OUTLIER_FACTOR,
+        outlier_window: int = OUTLIER_WINDOW,
+        max_abs_update: float = DEFAULT_MAX_ABS,
+        min_replies: int = 1,
+        transactional: bool = True,
     ) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"variant={variant!r} is unknown; allowed: {', '.join(VARIANTS)}")
@@ -187,13 +228,37 @@ class FedLAMB(AdaptiveStrategy):
             )
         if server_v not in SERVER_V_READINGS:
             raise ValueError(f"server_v={server_v!r} is unknown; allowed: {', '.join(SERVER_V_READINGS)}")
-        kwargs.setdefault("identify_clients", True)
         chosen = VARIANTS[variant]
         if chosen.server_adam:
             optimizer = adpfed_adam(eta=eta, beta1=beta_1, beta2=beta_2, v0=eps)
         else:
             optimizer = sgd(eta=1.0)
-        super().__init__(optimizer=optimizer, **kwargs)
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            weighted_by_key=weighted_by_key,
+            arrayrecord_key=arrayrecord_key,
+            configrecord_key=configrecord_key,
+            train_metrics_aggr_fn=train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
+            optimizer=optimizer,
+            aggregation=aggregation,
+            aggregator=aggregator,
+            uplink=uplink,
+            buffer_keys=buffer_keys,
+            seed=seed,
+            identify_clients=identify_clients,
+            population=population,
+            outlier_rule=outlier_rule,
+            outlier_factor=outlier_factor,
+            outlier_window=outlier_window,
+            max_abs_update=max_abs_update,
+            min_replies=min_replies,
+            transactional=transactional,
+        )
         self.variant = chosen
         self.streaming = chosen.stat is None  # no extras to keep: replies are summed as they are read
         self.beta_1, self.beta_2, self.eps, self.weight_decay = (

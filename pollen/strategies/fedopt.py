@@ -11,11 +11,22 @@ optimiser has no use for is refused with its name.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from typing import Any
 
 from pollen.core.layout import ModelLayout
 from pollen.optim import BY_NAME, SERVER_OPTIMIZERS, Transform, make_server_optimizer
-from pollen.strategies.base import AdaptiveStrategy
+from pollen.strategies.base import (
+    OUTLIER_FACTOR,
+    OUTLIER_RULE,
+    OUTLIER_WINDOW,
+    AdaptiveStrategy,
+    MetricsAggregationFn,
+)
+from pollen.strategies.robust import Aggregator
+from pollen.strategies.screening import DEFAULT_MAX_ABS
+from pollen.strategies.uplink import Uplink
+from pollen.wire import protocol
 
 #: The strategy's spelling of each optimiser setting -> the optimiser's.
 _SPELLING = {
@@ -39,19 +50,95 @@ class FedOpt(AdaptiveStrategy):
         adabelief, lamb).
     eta : float (default: 0.01)
         Server learning rate.
-    **kwargs
-        The optimiser's settings in the strategy's spelling (``beta_1``, ``beta_2``, ``eps``,
-        ``bias_correction``, ``eps_mode`` for amsgrad, ``layerwise`` for lamb); everything else goes
-        to :class:`AdaptiveStrategy` (sampling, ``aggregation``, ``uplink``, screening, ...).
+    beta_1, beta_2, eps, bias_correction, eps_mode, layerwise : (default: None)
+        The optimiser's settings in the strategy's spelling (``eps_mode`` for amsgrad, ``layerwise`` for
+        lamb); ``None`` keeps the optimiser's own default, and a setting the chosen optimiser has no use
+        for is refused with its name.
+    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes : float, int
+        Sampling: Flower's ``FedAvg`` arguments, with its defaults and meaning (:class:`AdaptiveStrategy`).
+    weighted_by_key, arrayrecord_key, configrecord_key : str
+        Flower's weight metric and record names, with its defaults and meaning (:class:`AdaptiveStrategy`).
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None
+        Flower's metric aggregation functions; ``None``: each metric's weighted mean (:class:`AdaptiveStrategy`).
+    aggregation, aggregator, uplink, buffer_keys, seed, identify_clients, population
+        The engine's settings (:class:`AdaptiveStrategy`).
+    outlier_rule, outlier_factor, outlier_window, max_abs_update, min_replies, transactional
+        The outlier screen and the round's rules (:class:`AdaptiveStrategy`).
     """
 
-    def __init__(self, *, optimizer: str = "adam", eta: float = 0.01, **kwargs: Any) -> None:
+    def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, the method's, the engine's
+        self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = protocol.NUM_EXAMPLES,
+        arrayrecord_key: str = protocol.ARRAYS_RECORD,
+        configrecord_key: str = protocol.CONFIG_RECORD,
+        train_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        *,
+        optimizer: str = "adam",
+        eta: float = 0.01,
+        beta_1: float | None = None,
+        beta_2: float | None = None,
+        eps: float | None = None,
+        bias_correction: bool | None = None,
+        eps_mode: str | None = None,
+        layerwise: bool | None = None,
+        aggregation: str = "mean",
+        aggregator: str | Aggregator = "mean",
+        uplink: Uplink | None = None,
+        buffer_keys: Iterable[str] | None = None,
+        seed: int = 0,
+        identify_clients: bool = False,
+        population: int = 0,
+        outlier_rule: str = OUTLIER_RULE,
+        outlier_factor: float = OUTLIER_FACTOR,
+        outlier_window: int = OUTLIER_WINDOW,
+        max_abs_update: float = DEFAULT_MAX_ABS,
+        min_replies: int = 1,
+        transactional: bool = True,
+    ) -> None:
         if optimizer not in SERVER_OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r} is unknown; allowed: {', '.join(SERVER_OPTIMIZERS)}")
-        settings = {"eta": eta, **{key: kwargs.pop(key) for key in list(kwargs) if key in _SPELLING}}
+        given = {
+            "beta_1": beta_1,
+            "beta_2": beta_2,
+            "eps": eps,
+            "bias_correction": bias_correction,
+            "eps_mode": eps_mode,
+            "layerwise": layerwise,
+        }
         self.optimizer_name = optimizer
-        self.settings = settings
-        super().__init__(optimizer=None, **kwargs)
+        self.settings = {"eta": eta, **{key: value for key, value in given.items() if value is not None}}
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            weighted_by_key=weighted_by_key,
+            arrayrecord_key=arrayrecord_key,
+            configrecord_key=configrecord_key,
+            train_metrics_aggr_fn=train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
+            optimizer=None,
+            aggregation=aggregation,
+            aggregator=aggregator,
+            uplink=uplink,
+            buffer_keys=buffer_keys,
+            seed=seed,
+            identify_clients=identify_clients,
+            population=population,
+            outlier_rule=outlier_rule,
+            outlier_factor=outlier_factor,
+            outlier_window=outlier_window,
+            max_abs_update=max_abs_update,
+            min_replies=min_replies,
+            transactional=transactional,
+        )
         self._optimizer_for(None)  # a bad setting fails here, not in round 1
 
     def _optimizer_for(self, layout: ModelLayout | None) -> Transform:

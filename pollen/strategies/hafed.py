@@ -42,6 +42,7 @@ intra-cluster relay of ``x_t`` to non-uploaders, §3.4), gossip messages and gra
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from logging import INFO
 from typing import Any
@@ -62,9 +63,19 @@ from pollen.gossip import (
 )
 from pollen.optim import amsgrad
 from pollen.strategies.accounting import grad_evals_of
-from pollen.strategies.base import TRAIN_PHASE, AdaptiveStrategy
+from pollen.strategies.base import (
+    OUTLIER_FACTOR,
+    OUTLIER_RULE,
+    OUTLIER_WINDOW,
+    TRAIN_PHASE,
+    AdaptiveStrategy,
+    MetricsAggregationFn,
+)
 from pollen.strategies.replies import ClientUpdate, ReplySpec, record_norms
+from pollen.strategies.robust import Aggregator
 from pollen.strategies.rounds import SetupError
+from pollen.strategies.screening import DEFAULT_MAX_ABS
+from pollen.strategies.uplink import Uplink
 from pollen.wire import protocol
 
 #: Topologies that need at least three clients per cluster to mean anything.
@@ -119,8 +130,17 @@ class HAFed(AdaptiveStrategy):
         m, uploaders per cluster and round (stratified, without replacement).
     clustered : bool (default: True)
         False: no clusters (FedAMSGrad with ``fraction_train`` uniformly; needs ``topology="identity"``).
-    **kwargs
-        Sampling and record options of :class:`AdaptiveStrategy`.
+    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes : float, int
+        Sampling: Flower's ``FedAvg`` arguments, with its defaults and meaning (:class:`AdaptiveStrategy`).
+    weighted_by_key, arrayrecord_key, configrecord_key : str
+        Flower's weight metric and record names, with its defaults and meaning (:class:`AdaptiveStrategy`).
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None
+        Flower's metric aggregation functions; ``None``: each metric's weighted mean (:class:`AdaptiveStrategy`).
+    aggregation, aggregator, uplink, buffer_keys, seed, identify_clients, population
+        The engine's settings (:class:`AdaptiveStrategy`); ``identify_clients`` defaults to True here:
+        clusters are formed from the client and cluster ids nodes report.
+    outlier_rule, outlier_factor, outlier_window, max_abs_update, min_replies, transactional
+        The outlier screen and the round's rules (:class:`AdaptiveStrategy`).
     """
 
     streaming = False  # the round's updates are the server's own mixed models
@@ -129,8 +149,18 @@ class HAFed(AdaptiveStrategy):
         "into its neighbours' before any aggregator sees it (and only m per cluster upload)"
     )
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, the method's, the engine's
         self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = protocol.NUM_EXAMPLES,
+        arrayrecord_key: str = protocol.ARRAYS_RECORD,
+        configrecord_key: str = protocol.CONFIG_RECORD,
+        train_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
         *,
         eta: float = 0.01,
         beta_1: float = 0.9,
@@ -146,7 +176,19 @@ class HAFed(AdaptiveStrategy):
         offsets: tuple[int, ...] | None = None,
         uploaders_per_cluster: int = 2,
         clustered: bool = True,
-        **kwargs: Any,
+        aggregation: str = "mean",
+        aggregator: str | Aggregator = "mean",
+        uplink: Uplink | None = None,
+        buffer_keys: Iterable[str] | None = None,
+        seed: int = 0,
+        identify_clients: bool = True,
+        population: int = 0,
+        outlier_rule: str = OUTLIER_RULE,
+        outlier_factor: float = OUTLIER_FACTOR,
+        outlier_window: int = OUTLIER_WINDOW,
+        max_abs_update: float = DEFAULT_MAX_ABS,
+        min_replies: int = 1,
+        transactional: bool = True,
     ) -> None:
         for name, value in (
             ("local_steps", local_steps),
@@ -168,17 +210,41 @@ class HAFed(AdaptiveStrategy):
             raise ValueError(
                 f"clustered=False has no clusters to gossip in; allowed: topology='identity' (got {topology!r})"
             )
-        if clustered and kwargs.get("population"):
+        if clustered and population:
             raise ValueError(
-                f"population={kwargs['population']} does not fit HA-Fed's clusters: every client of every cluster "
+                f"population={population} does not fit HA-Fed's clusters: every client of every cluster "
                 "trains and gossips within the round, so each needs a node of its own; allowed: population=0 "
                 "(one SuperNode per client), or clustered=False (fedamsgrad-uniform)"
             )
-        kwargs.setdefault("identify_clients", True)
         optimizer = amsgrad(
             eta=eta, beta1=beta_1, beta2=beta_2, eps=eps, eps_mode=eps_mode, bias_correction=bias_correction
         )
-        super().__init__(optimizer=optimizer, **kwargs)
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            weighted_by_key=weighted_by_key,
+            arrayrecord_key=arrayrecord_key,
+            configrecord_key=configrecord_key,
+            train_metrics_aggr_fn=train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
+            optimizer=optimizer,
+            aggregation=aggregation,
+            aggregator=aggregator,
+            uplink=uplink,
+            buffer_keys=buffer_keys,
+            seed=seed,
+            identify_clients=identify_clients,
+            population=population,
+            outlier_rule=outlier_rule,
+            outlier_factor=outlier_factor,
+            outlier_window=outlier_window,
+            max_abs_update=max_abs_update,
+            min_replies=min_replies,
+            transactional=transactional,
+        )
         self.local_steps, self.gossip_every, self.active_prob = local_steps, gossip_every, float(active_prob)
         self.topology, self.lam, self.offsets = topology, lam, tuple(offsets) if offsets else None
         self.uploaders_per_cluster, self.clustered = uploaders_per_cluster, clustered

@@ -46,11 +46,20 @@ from pollen.lazy.rules import (
     norm64,
     replay,
 )
-from pollen.strategies.base import ReplyRejected, ReplySpec
+from pollen.strategies.base import (
+    OUTLIER_FACTOR,
+    OUTLIER_RULE,
+    OUTLIER_WINDOW,
+    MetricsAggregationFn,
+    ReplyRejected,
+    ReplySpec,
+)
 from pollen.strategies.declared import PART
 from pollen.strategies.downlink import Downlink
 from pollen.strategies.fedams import FedAMS
 from pollen.strategies.lazy_book import ClientBook
+from pollen.strategies.robust import Aggregator
+from pollen.strategies.screening import DEFAULT_MAX_ABS
 from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, payload_to_records
 
@@ -131,17 +140,38 @@ class FedLazy(FedAMS):
     downlink : Downlink | None (default: None)
         The compressed downlink as one part (:class:`~pollen.strategies.downlink.Downlink`); the
         ``down_*`` arguments build it when it is not given (``down_compressor`` set).
-    **kwargs
-        Everything :class:`FedAMS` takes (``eta``, ``eps``, ``option``, sampling, ...). The paper's
-        server settings are Option A with ``eps=1e-3``; the app's run-config passes them.
+    eta, beta_1, beta_2, eps, option, bias_correction
+        The server's AMSGrad, as :class:`FedAMS` takes them (its defaults). The paper's server settings
+        are Option A with ``eps=1e-3``; the app's run-config passes them.
+    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes : float, int
+        Sampling: Flower's ``FedAvg`` arguments, with its defaults and meaning (:class:`AdaptiveStrategy`).
+    weighted_by_key, arrayrecord_key, configrecord_key : str
+        Flower's weight metric and record names, with its defaults and meaning (:class:`AdaptiveStrategy`).
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None
+        Flower's metric aggregation functions; ``None``: each metric's weighted mean (:class:`AdaptiveStrategy`).
+    aggregation, aggregator, buffer_keys, seed, identify_clients, population
+        The engine's settings (:class:`AdaptiveStrategy`); ``identify_clients`` defaults to True here:
+        each client's stored copies are kept by its stable id.
+    outlier_rule, outlier_factor, outlier_window, max_abs_update, min_replies, transactional
+        The outlier screen and the round's rules (:class:`AdaptiveStrategy`).
     """
 
     streaming = False  # each reply is resolved against its client's stored copies before the mean
     state_fields = {"book": PART}
     reply_spec = ReplySpec(flags=(protocol.FLAG_SKIP, protocol.FLAG_AA, protocol.FLAG_RESYNC), update="optional")
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, the method's, FedAMS's, the engine's
         self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = protocol.NUM_EXAMPLES,
+        arrayrecord_key: str = protocol.ARRAYS_RECORD,
+        configrecord_key: str = protocol.CONFIG_RECORD,
+        train_metrics_aggr_fn: MetricsAggregationFn | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregationFn | None = None,
         *,
         up_rule: str = "nla",
         up_tau: float = 0.0,
@@ -160,7 +190,24 @@ class FedLazy(FedAMS):
         tau_scaling: str = "effective",
         tau_alpha: float = 1.0,
         downlink: Downlink | None = None,
-        **kwargs: Any,
+        eta: float = 0.003,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        eps: float = 1e-8,
+        option: int = 1,
+        bias_correction: bool = False,
+        aggregation: str = "mean",
+        aggregator: str | Aggregator = "mean",
+        buffer_keys: Iterable[str] | None = None,
+        seed: int = 0,
+        identify_clients: bool = True,
+        population: int = 0,
+        outlier_rule: str = OUTLIER_RULE,
+        outlier_factor: float = OUTLIER_FACTOR,
+        outlier_window: int = OUTLIER_WINDOW,
+        max_abs_update: float = DEFAULT_MAX_ABS,
+        min_replies: int = 1,
+        transactional: bool = True,
     ) -> None:
         check_choice("up_rule", up_rule, RULES)
         check_choice("compressor", compressor, CODECS)
@@ -182,9 +229,37 @@ class FedLazy(FedAMS):
             raise ValueError(
                 f"down_rule={down_rule!r} needs a compressed downlink (down_compressor); allowed without one: none"
             )
-        kwargs.setdefault("identify_clients", True)
         self.compressor, self.up_rule = compressor, up_rule  # what upload_codec() says to the base's checks
-        super().__init__(**kwargs)
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            weighted_by_key=weighted_by_key,
+            arrayrecord_key=arrayrecord_key,
+            configrecord_key=configrecord_key,
+            train_metrics_aggr_fn=train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
+            eta=eta,
+            beta_1=beta_1,
+            beta_2=beta_2,
+            eps=eps,
+            option=option,
+            bias_correction=bias_correction,
+            aggregation=aggregation,
+            aggregator=aggregator,
+            buffer_keys=buffer_keys,
+            seed=seed,
+            identify_clients=identify_clients,
+            population=population,
+            outlier_rule=outlier_rule,
+            outlier_factor=outlier_factor,
+            outlier_window=outlier_window,
+            max_abs_update=max_abs_update,
+            min_replies=min_replies,
+            transactional=transactional,
+        )
         self.up_rule, self.up_tau = up_rule, check_tau("up_tau", up_tau)
         self.compressor, self.topk_ratio, self.granularity = compressor, float(topk_ratio), granularity
         self.error_feedback = bool(error_feedback) and compressor != "none"
