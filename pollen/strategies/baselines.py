@@ -15,10 +15,15 @@ length in all of them (Flower adds them up key by key), a positive weight under 
 in its model or moments, they are put back and the round fails (the model is unchanged).
 It also runs pollen's round loop (resume from a checkpoint) and has ``state_dict`` /
 ``load_state_dict`` (Flower's moments, the global ``random`` state Flower samples with).
+
+Each class takes its Flower class's arguments, as the installed Flower defines them (its signature,
+shown by ``help()``, is Flower's plus ``outlier_rule`` and ``outlier_factor``), and reads a reply's model
+from its one ArrayRecord whatever its name, as Flower does.
 """
 
 from __future__ import annotations
 
+import inspect
 import random
 import time
 from collections import Counter
@@ -35,6 +40,7 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedYogi
 from pollen.core import state_fields as fields
 from pollen.core.layout import ModelLayout, TensorSpec, looks_like_buffer
 from pollen.strategies.accounting import Accounting
+from pollen.strategies.base import OUTLIER_FACTOR, OUTLIER_RULE
 from pollen.strategies.collector import EVALUATE_PHASE, TRAIN_PHASE, ReplyCollector, positive_weight, reason_of
 from pollen.strategies.declared import ARRAYS, load_field, save_declared
 from pollen.strategies.flower_wrappers import refuse_dp_wrapper
@@ -44,7 +50,6 @@ from pollen.strategies.rounds import RoundLoop
 from pollen.strategies.sampling import ClientSampler
 from pollen.strategies.screening import UpdateScreen
 from pollen.strategies.transport import count_sent
-from pollen.wire import protocol
 from pollen.wire.records import record_to_arrays
 
 
@@ -55,13 +60,26 @@ class Metered(RoundLoop):
     strategies (asked nodes per round, one reply each, rejections with reasons, silent nodes counted)
     and the same :class:`~pollen.strategies.screening.UpdateScreen`; an outlier is rejected (Flower's
     aggregation cannot take a clipped reply).
+
+    Parameters
+    ----------
+    *args, **kwargs
+        The Flower class's arguments (``FedAvg``'s ``fraction_train`` ... ``evaluate_metrics_aggr_fn``,
+        ``FedAdam``'s ``eta`` ...), passed to it unchanged; each class's signature lists them.
+    outlier_rule : str (default: "reject")
+        pollen's outlier screen of the replies' update norms: ``"reject"`` or ``"off"`` (Flower's
+        aggregation cannot take a clipped reply, so ``"clip"`` rejects too).
+    outlier_factor : float (default: 10.0)
+        The screen's bound: this factor times the median accepted norm of the last rounds, > 1.
     """
 
     #: Flower's own state of the FedOpt family (FedAvg keeps none of it), written and checked by
     #: :mod:`pollen.strategies.declared`.
     state_fields = {"current_arrays": ARRAYS, "m_t": ARRAYS, "v_t": ARRAYS}
 
-    def __init__(self, *args, outlier_rule: str = "reject", outlier_factor: float = 10.0, **kwargs) -> None:  # noqa: D107
+    def __init__(  # noqa: D107
+        self, *args: Any, outlier_rule: str = OUTLIER_RULE, outlier_factor: float = OUTLIER_FACTOR, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.accounting = Accounting()
         self.screen = UpdateScreen(rule=outlier_rule, factor=outlier_factor)
@@ -69,6 +87,16 @@ class Metered(RoundLoop):
         self._started: dict[int, float] = {}
         self._layout: ModelLayout | None = None
         self._params: np.ndarray | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Give a metered Flower class the signature it takes: its Flower class's, then ``outlier_*``."""
+        super().__init_subclass__(**kwargs)
+        flower = next((base for base in cls.__mro__ if base.__module__.startswith("flwr.")), None)
+        if flower is None or "__init__" in cls.__dict__:
+            cls.__signature__ = None  # its own __init__ says what it takes
+            return
+        own = [p for p in inspect.signature(Metered.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        cls.__signature__ = inspect.Signature([*inspect.signature(flower).parameters.values(), *own])
 
     def summary(self) -> None:
         """Flower's summary; inside one of Flower's DP wrappers a server optimiser is refused first."""
@@ -117,8 +145,8 @@ class Metered(RoundLoop):
         judged = self._without_outliers(server_round, judged)
         judged = self._same_metric_form(server_round, judged, "")
         usable = [reply for reply, _ in judged]
-        for reply in usable:
-            update_bytes = reply.content.array_records[protocol.ARRAYS_RECORD].count_bytes()
+        for reply in usable:  # each has exactly one ArrayRecord (_judge)
+            update_bytes = next(iter(reply.content.array_records.values())).count_bytes()
             stats.uplink_update_bytes += update_bytes
             stats.uplink_fp32_bytes += update_bytes
         stats.replies = len(usable)
@@ -140,7 +168,7 @@ class Metered(RoundLoop):
             result = (None, None)
         stats.train_metrics = dict(result[1] or {})
         if result[0] is not None:
-            stats.count_grad_evals([reply.content.metric_records.get(protocol.METRICS_RECORD) for reply in usable])
+            stats.count_grad_evals([next(iter(reply.content.metric_records.values())) for reply in usable])
         stats.train_seconds = time.perf_counter() - self._started.pop(server_round, time.perf_counter())
         return result
 
@@ -175,8 +203,8 @@ class Metered(RoundLoop):
         content = reply.content
         if reply.has_error():
             raise ReplyRejected(f"client error: {reply.error.reason}")
-        if len(content.array_records) != 1 or protocol.ARRAYS_RECORD not in content.array_records:
-            raise ReplyRejected(f"reply must carry exactly one ArrayRecord, '{protocol.ARRAYS_RECORD}'")
+        if len(content.array_records) != 1:  # Flower reads the model from it, whatever its name
+            raise ReplyRejected(f"reply must carry exactly one ArrayRecord (it carries {len(content.array_records)})")
         if len(content.metric_records) != 1:
             raise ReplyRejected("reply must carry exactly one MetricRecord")
         metrics = next(iter(content.metric_records.values()))
@@ -191,11 +219,12 @@ class Metered(RoundLoop):
             client_key="",
             layout=self._layout,
             params=self._params,
+            arrayrecord_key=next(iter(content.array_records)),
             weighted_by_key=self.weighted_by_key,
             weight_required=True,
             max_abs=self.screen.max_abs,
         )
-        arrays = record_to_arrays(content.array_records[protocol.ARRAYS_RECORD])
+        arrays = record_to_arrays(next(iter(content.array_records.values())))
         for spec in (*self._layout.trainable, *self._layout.buffers):
             if arrays[spec.name].shape != spec.shape:
                 raise ReplyRejected(
