@@ -9,8 +9,8 @@ characters still shows it.
 
 Some client errors say the ClientApp is set up so that it can never answer a pollen strategy; a round that
 waited for them would be the first of many empty ones. :func:`incompatibility` knows them, and the collector
-stops the run on the first one (:class:`ClientAppIncompatible`, a ``SetupError``) with the reason and what
-to change:
+stops the run on the first one (:class:`ClientAppIncompatible`, raised out of ``start``) with the reason and
+what to change:
 
 - Flower's ``secaggplus_mod`` / ``secagg_mod`` read the SecAgg+ stage record (``secaggplus_configs``) that only
   Flower's ``SecAggPlusWorkflow`` (legacy ServerApp API) sends;
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import re
 
-from pollen.strategies.rounds import SetupError
 from pollen.wire import protocol
 
 #: The longest client error reason logged and kept with a rejection (the exception first, then what follows).
@@ -50,7 +49,7 @@ _LEGACY = (
 )
 
 
-class ClientAppIncompatible(SetupError):
+class ClientAppIncompatible(RuntimeError):
     """A client's error reply says its ClientApp can never answer this server; the run stops at once."""
 
 
