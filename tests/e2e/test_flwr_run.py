@@ -431,3 +431,22 @@ def test_rest_of_lazy_family_in_process(tmp_path: Path, name: str) -> None:
 
     config = {**TINY, **_lazy_config(name), "results-dir": str(tmp_path), "run-name": name}
     _check_lazy_family(name, run_inprocess(config, 4))
+
+
+def test_a_refused_run_is_one_line_and_lands_under_the_pollen_home(flower: LocalFlower) -> None:
+    """Through ``flwr run``: a relative ``results-dir`` resolves against ``$POLLEN_HOME`` in the ServerApp's
+    process (not the SuperLink's working directory), the refusal is one line without Flower's traceback or
+    exit-code banner, ``flwr run`` exits 0 (Flower 1.39 does whatever the run did) and ``run.json`` says why."""
+    from pollen.app.results import read_run_state
+
+    folder = Path(flower.env["POLLEN_HOME"]) / "refusals" / "too-few"
+    config = {**TINY, "results-dir": "refusals", "run-name": "too-few", "min-train-nodes": 3, "node-wait-seconds": 1}
+    proc = flower.run(config, num_supernodes=2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    reason = "run-config 'min-train-nodes' = 3 but only 2 SuperNodes (partitions) are connected; allowed: at most 2"
+    assert f"[pollen] run too-few: fedams on fashion-mnist; results in {folder}" in out, out[-3000:]
+    assert f"[pollen] stopped before round 1: {reason} (run.json in {folder})" in out, out[-3000:]
+    assert "Traceback" not in out and "Exit Code" not in out, out[-3000:]
+    state = read_run_state(folder)
+    assert (state["status"], state["reason"], state["last_round"]) == ("stopped", reason, 0)
