@@ -125,6 +125,17 @@ def test_links_are_relative_to_the_page() -> None:
     assert "](methods/fedcams.md)" in methods_table("index.md", "fedams")
 
 
+def test_the_home_page_shows_the_install_line_and_the_readmes_two_commands() -> None:
+    """The site's home page runs the same main job and test suite as the README, word for word."""
+    readme, home = (ROOT / "README.md").read_text(), (DOCS / "index.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)\n```", readme, flags=re.S)
+    run = [b for b in blocks if "flwr run ." in b]
+    test = [b for b in blocks if b.endswith("&& pytest")]
+    assert run and test, "the README lost its main-job or test command"
+    assert f"```bash\n{run[0]}\n```" in home and f"```bash\n{test[0]}\n```" in home
+    assert "```bash\npip install flwr-pollen\n```" in home
+
+
 def test_the_readme_states_the_test_command_ci_runs_and_links_every_method() -> None:
     readme = (ROOT / "README.md").read_text()
     command = 'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[app,test]" && pytest'
