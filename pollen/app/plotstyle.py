@@ -14,7 +14,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COLOURS", "DPI", "MARKERS", "bytes_axis", "integer_axis", "legend_outside", "save", "series_style"]
+__all__ = [
+    "COLOURS",
+    "DPI",
+    "MARKERS",
+    "bytes_axis",
+    "integer_axis",
+    "legend_below",
+    "legend_outside",
+    "save",
+    "series_style",
+]
 
 #: Twelve colours, distinct on screen: matplotlib's tab10 and two it lacks (black, a dark teal).
 COLOURS = (
@@ -57,6 +67,15 @@ def legend_outside(ax: Any, *, title: str | None = None, fontsize: float = 8) ->
     )
 
 
+def legend_below(fig: Any, ax: Any = None, *, ncol: int = 3, fontsize: float = 8.5, title: str | None = None) -> Any:
+    """One legend for the figure, under its axes (the figure needs ``layout="constrained"``), from ``ax``'s series
+    (default: the first axes'): for figures of several panels, or too narrow for a legend at the side."""
+    handles, labels = (ax or fig.axes[0]).get_legend_handles_labels()
+    return fig.legend(
+        handles, labels, loc="outside lower center", ncol=ncol, fontsize=fontsize, frameon=False, title=title
+    )
+
+
 def _bytes_label(value: float, _position: Any = None) -> str:
     """``1.5 MB``-style tick labels (decimal units, as the results tables write bytes)."""
     for unit in ("B", "kB", "MB", "GB", "TB"):
@@ -67,14 +86,28 @@ def _bytes_label(value: float, _position: Any = None) -> str:
 
 
 def bytes_axis(axis: Any) -> None:
-    """A log-scaled byte axis (``ax.xaxis`` or ``ax.yaxis``) labelled in kB / MB / GB at each decade."""
+    """A log-scaled byte axis (``ax.xaxis`` or ``ax.yaxis``) labelled in kB / MB / GB.
+
+    Call it after the data are drawn: the ticks are at 1, 2 and 5 of each decade, or 1 and 3, or one a
+    decade, whichever is the densest that leaves each label room (about 0.7 inch on an x axis).
+    """
+    import math
+
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    if axis is axis.axes.xaxis:
-        axis.axes.set_xscale("log")
+    ax = axis.axes
+    box = ax.get_position()
+    if axis is ax.xaxis:
+        ax.set_xscale("log")
+        low, high = ax.get_xlim()
+        room = box.width * ax.figure.get_figwidth() / 0.7
     else:
-        axis.axes.set_yscale("log")
-    axis.set_major_locator(LogLocator(base=10))
+        ax.set_yscale("log")
+        low, high = ax.get_ylim()
+        room = box.height * ax.figure.get_figheight() / 0.3
+    decades = max(math.log10(high / low), 1.0) if low > 0 and high > low else 3.0
+    subs = next((s for s in ((1.0, 2.0, 5.0), (1.0, 3.0)) if decades * len(s) <= room), (1.0,))
+    axis.set_major_locator(LogLocator(base=10, subs=subs))
     axis.set_major_formatter(FuncFormatter(_bytes_label))
     axis.set_minor_formatter(NullFormatter())
 
