@@ -290,7 +290,8 @@ def serve(grid: Grid, context: Context, methods: Table | None = None) -> None:
         )
         log(
             INFO,
-            "[pollen] stopped after round %d as asked; continue with --run-config \"resume='%s'\"",
+            "[pollen] stopped after round %d as asked; continue with the same --run-config plus \"resume='%s'\" "
+            "(without stop-after-round)",
             stop.server_round,
             out_dir,
         )
