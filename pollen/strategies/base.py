@@ -595,6 +595,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         anyway (or yields non-finite values) the state is put back and the round counts as failed.
         """
         phase = self.replies.phase_of(server_round)
+        self.screen.set_model_norm(float(np.linalg.norm(self.params)) if self.params is not None else 0.0)
         bound = self.screen.bound() if self.streaming and self.aggregator.streams else None
         kinds = screened_kinds(self.reply_spec_for(server_round), self.layout) if bound is not None else []
         record_bounds = self.screen.record_bounds(kinds) if bound is not None else None

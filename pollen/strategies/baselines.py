@@ -180,6 +180,7 @@ class Metered(RoundLoop):
         aggregation cannot take a clipped reply)."""
         read = [(reply, update) for reply, update in judged if update is not None]
         where = f"round {server_round}"
+        self.screen.set_model_norm(float(np.linalg.norm(self._params)) if self._params is not None else 0.0)
         bounds = self.screen.update_bounds([update.norm for _, update in read], where)
         record_bounds = self.screen.round_record_bounds([update.record_norms for _, update in read], where)
         rejected = set()

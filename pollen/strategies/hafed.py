@@ -397,6 +397,7 @@ class HAFed(AdaptiveStrategy):
         """
         kept, movers = [], []
         params_norm = float(np.linalg.norm(self.params))
+        self.screen.set_model_norm(params_norm)
         where = f"round {server_round}, gossip step {index}"
         record_bounds = self.screen.round_record_bounds([u.record_norms for u in updates], where)
         for update, bounds in zip(updates, record_bounds):
@@ -420,7 +421,9 @@ class HAFed(AdaptiveStrategy):
             limits = self.screen.within_round_bounds(moves)
         else:
             earlier = [m for m in earlier_moves if m > 0]
-            limits = [self.screen.factor * float(np.median(earlier)) if earlier else float("inf")] * len(moves)
+            limits = [
+                self.screen.factor * self.screen.reference(float(np.median(earlier))) if earlier else float("inf")
+            ] * len(moves)
             limits = limits if self.screen.rule != "off" else [float("inf")] * len(moves)
         for (update, move), limit in zip(movers, limits):
             if self.screen.judge(move, limit)[0] == "accept":

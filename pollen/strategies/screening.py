@@ -15,6 +15,11 @@ on by default:
   both. Without a history (the first round) the round's reference alone; a lone update (nothing to
   compare with) the history's alone. ``rule="off"`` keeps only the hard limit.
 
+  An update's reference norm is never below ``MODEL_NORM_FLOOR`` (1%) of the global model's norm: near
+  convergence most clients barely move (quickstart-pytorch's round 18: three clients at a train loss of
+  0.000 moved about 0.03), and one still learning (loss 0.098, a move of 2.14 on a model of norm 40) is
+  not an outlier of a median of almost nothing.
+
   Why both: judged against its history only, an honest round whose updates grow 7x from one round to
   the next (Flower's quickstart-pytorch between rounds 2 and 3: norm 51.3 against a history bound of
   7.56) was thrown away whole when its replies were streamed, and a client with more data than the
@@ -69,6 +74,9 @@ import numpy as np
 
 RULES = ("reject", "clip", "off")
 DEFAULT_MAX_ABS = 1e15
+#: The smallest reference norm of an update, as a fraction of the global model's norm: near convergence
+#: most clients barely move, and a client still learning must not be "10x" a median of almost nothing.
+MODEL_NORM_FLOOR = 0.01
 #: The fewest judged norms with which a round can outvote its history (a lone reply never does).
 MIN_TO_OUTVOTE = 2
 
@@ -112,8 +120,19 @@ class UpdateScreen:
         self.window = window
         self.max_abs = float(max_abs)
         self.history: deque[list[float]] = deque(maxlen=window)
+        #: ``||x||`` of the round's global model (:meth:`set_model_norm`): the reference norm of an update is
+        #: never below ``MODEL_NORM_FLOOR`` of it. 0 (no floor) until a strategy sets it.
+        self.model_norm = 0.0
         #: Accepted norms of each screened record kind (``"extra:v"``, ``"buffer:bn.running_var"``), per round.
         self.kinds: dict[str, deque[list[float]]] = {}
+
+    def set_model_norm(self, norm: float) -> None:
+        """The round's ``||x||``: an update's reference norm is at least ``MODEL_NORM_FLOOR`` of it."""
+        self.model_norm = float(norm) if np.isfinite(norm) and norm > 0 else 0.0
+
+    def reference(self, median: float) -> float:
+        """An update's reference norm: ``median``, floored at ``MODEL_NORM_FLOOR x ||x||``."""
+        return max(median, MODEL_NORM_FLOOR * self.model_norm)
 
     def bound(self) -> float | None:
         """The largest norm an update may have this round, from history; ``None`` without history."""
@@ -122,7 +141,7 @@ class UpdateScreen:
         norms = [n for round_norms in self.history for n in round_norms if n > 0]
         if not norms:
             return None
-        return self.factor * float(np.median(norms))
+        return self.factor * self.reference(float(np.median(norms)))
 
     def within_round_bounds(self, norms: list[float]) -> list[float]:
         """Each update's bound from the median of the *other* updates' norms (a round without history)."""
@@ -131,7 +150,7 @@ class UpdateScreen:
         out = []
         for i in range(len(norms)):
             others = [n for j, n in enumerate(norms) if j != i and n > 0]
-            out.append(self.factor * float(np.median(others)) if others else float("inf"))
+            out.append(self.factor * self.reference(float(np.median(others))) if others else float("inf"))
         return out
 
     def update_bounds(self, norms: list[float], where: str = "this round") -> list[float]:
@@ -150,15 +169,18 @@ class UpdateScreen:
             bound = None
         return self.spared_bounds(bound, norms)
 
-    def spared_bounds(self, history_bound: float | None, norms: list[float]) -> list[float]:
+    def spared_bounds(self, history_bound: float | None, norms: list[float], what_updates: bool = True) -> list[float]:
         """Each norm's bound: ``max(history_bound, factor x median of the others' positive norms)``; the
-        history's alone where there are no others, the round's alone without a history, ``inf`` with neither."""
+        history's alone where there are no others, the round's alone without a history, ``inf`` with neither.
+        The norms of updates (``what_updates``; not of a record kind) have their reference floored at
+        ``MODEL_NORM_FLOOR x ||x||``."""
         if self.rule == "off":
             return [float("inf")] * len(norms)
         out = []
         for i in range(len(norms)):
             others = [n for j, n in enumerate(norms) if j != i and n > 0 and np.isfinite(n)]
-            within = self.factor * float(np.median(others)) if others else None
+            median = float(np.median(others)) if others else None
+            within = None if median is None else self.factor * (self.reference(median) if what_updates else median)
             if history_bound is None:
                 out.append(float("inf") if within is None else within)
             else:
@@ -282,7 +304,7 @@ class UpdateScreen:
             ):
                 del self.kinds[kind]
                 bound = None
-            limits = self.spared_bounds(bound, [record_norms[i][kind] for i in holders])
+            limits = self.spared_bounds(bound, [record_norms[i][kind] for i in holders], what_updates=False)
             for i, limit in zip(holders, limits):
                 out[i][kind] = limit
         return out
@@ -467,7 +489,7 @@ class StreamedRound:
             for what in sorted(own, key=lambda w: (w == self.UPDATES, w)):  # records first, as the kept path
                 others = [norms[what] for member, norms in self.members if member is not update and what in norms]
                 history = self.bound if what == self.UPDATES else self.record_bounds.get(what)
-                limit = self.screen.spared_bounds(history, [own[what], *others])[0]
+                limit = self.screen.spared_bounds(history, [own[what], *others], what == self.UPDATES)[0]
                 verdict, scale = self.screen.judge(own[what], limit)
                 if verdict == "reject":
                     why = (

@@ -241,7 +241,9 @@ def old_screen(monkeypatch):  # noqa: ANN201
     monkeypatch.setattr(
         UpdateScreen,
         "spared_bounds",
-        lambda self, history, norms: [history] * len(norms) if history is not None else self.within_round_bounds(norms),
+        lambda self, history, norms, what_updates=True: (
+            [history] * len(norms) if history is not None else self.within_round_bounds(norms)
+        ),
     )
     monkeypatch.setattr(StreamedRound, "hold_if_beyond_history", lambda self, update: False)
 
@@ -299,6 +301,23 @@ def test_an_honest_minority_that_grew_with_its_round_is_spared_and_the_history_k
     assert sorted(map(id, kept)) == sorted(map(id, updates)) and not rejected
     assert kept == updates[3:] + updates[:3]  # beyond the history last, the order a streamed round sums in
     assert "stale" not in logs and len(screen.history) == 3
+
+
+def test_near_convergence_a_client_still_learning_is_not_an_outlier_of_a_median_of_almost_nothing() -> None:
+    """Three clients moved 0.03, one 2.14, on a model of norm 40 (quickstart-pytorch, round 18): the reference
+    is floored at 1% of the model's norm (0.4, a bound of 4), so the learner passes; 10x that floor does not."""
+    screen = UpdateScreen()
+    norms = [0.03, 0.03, 2.14, 0.03]
+    assert screen.update_bounds(norms)[2] == pytest.approx(0.3)  # without the model's norm: 10 x 0.03
+    screen.set_model_norm(40.0)
+    assert screen.update_bounds(norms)[2] == pytest.approx(4.0)
+    kept, rejected, _ = judged(screen, [update(n) for n in norms])
+    assert len(kept) == 4 and not rejected
+    kept, rejected, _ = judged(screen, [update(n) for n in (0.03, 0.03, 41.0, 0.03)])
+    assert len(kept) == 3 and len(rejected) == 1
+    assert screen.spared_bounds(None, [0.03, 0.03], what_updates=False) == pytest.approx(
+        [0.3, 0.3]
+    )  # records: no floor
 
 
 def test_a_streamed_round_holds_what_exceeds_its_history_and_settles_it_within_the_round() -> None:
