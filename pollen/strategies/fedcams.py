@@ -24,9 +24,9 @@ class FedCAMS(FedAMS):
     """FedAMS with error-feedback-compressed uploads: ``FedAMS(uplink=Uplink(compressor, ...))``.
 
     Kept as a class for the drop-in name; everything it adds is the :class:`Uplink` it hands to
-    :class:`FedAMS`. The server settings default to FedAMS's drop-in values, ``eta=0.003, eps=1e-8``
-    (chosen for drop-in use, measured in tests/e2e/test_dropin_defaults.py with this class and
-    ``compression_mod``); the paper's values are ``eta=1.0, eps=1e-3``.
+    :class:`FedAMS`. The server settings default to FedAMS's drop-in values, ``eta=0.01, eps=1e-8``
+    (chosen for drop-in use, measured with this class and ``compression_mod`` in three of Flower's
+    examples, ``benchmarks/bench_dropin.py``); the paper's values are ``eta=1.0, eps=1e-3``.
 
     Parameters
     ----------
@@ -71,7 +71,7 @@ class FedCAMS(FedAMS):
         topk_ratio: float = 1 / 64,
         error_feedback: bool = True,
         granularity: str = "model",
-        eta: float = 0.003,
+        eta: float = 0.01,
         beta_1: float = 0.9,
         beta_2: float = 0.99,
         eps: float = 1e-8,

@@ -190,7 +190,7 @@ class FedLazy(FedAMS):
         tau_scaling: str = "effective",
         tau_alpha: float = 1.0,
         downlink: Downlink | None = None,
-        eta: float = 0.003,
+        eta: float = 0.01,
         beta_1: float = 0.9,
         beta_2: float = 0.99,
         eps: float = 1e-8,
