@@ -31,7 +31,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
-from pollen.clientside.feedback import settle
+from pollen.clientside.feedback import refused, settle
 from pollen.clientside.identity import message_client_id, played_partition
 from pollen.clientside.state import ClientState
 from pollen.compression import decode_payload, make_codec
@@ -149,7 +149,11 @@ def compress_update(
         residual = None  # the model changed size: start again from e = 0
     server_round = int(config.get(protocol.CFG_SERVER_ROUND, 0))
     if use_feedback:  # what the server did not apply of the last upload is owed, not lost
-        residual = settle(residual, *_pending_upload(state, delta.shape[0], segments), config, server_round)
+        pending, pending_round = _pending_upload(state, delta.shape[0], segments)
+        if refused(config, pending_round):  # refused for its content: dropped with the residual, start from e = 0
+            residual = None
+        else:
+            residual = settle(residual, pending, pending_round, config, server_round)
     payload, feedback = compress_with_feedback(codec, delta, ErrorFeedback(residual=residual, enabled=use_feedback))
     if use_feedback:
         state.set(RESIDUAL, feedback.residual)

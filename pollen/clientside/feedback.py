@@ -10,8 +10,11 @@ applied back into the residual,
     applied round <  R:  e <- e + u                    (rejected, lost, skipped or rolled back)
 
 so the sum of what the server applied plus ``e`` equals the sum of the client's true updates, whatever
-happened to a reply. A message without ``pollen.applied-round`` (a strategy that does not keep the
-ledger) means "applied in full", the behaviour before the ledger existed.
+happened to a reply. An upload the server *refused* for its content (``pollen.refused-round`` is its round:
+the outlier screen, validation) is not owed: :func:`refused` tells the client to drop it and its residual,
+which would otherwise go out again inside every later upload and be refused every round. A message without
+``pollen.applied-round`` (a strategy that does not keep the ledger) means "applied in full", the behaviour
+before the ledger existed.
 """
 
 from __future__ import annotations
@@ -22,6 +25,14 @@ from typing import Any
 import numpy as np
 
 from pollen.wire import protocol
+
+
+def refused(config: Mapping[str, Any], pending_round: int | None) -> bool:
+    """Whether the server refused the upload of ``pending_round`` for its content (drop it and the residual)."""
+    value = config.get(protocol.CFG_REFUSED_ROUND)
+    return (
+        pending_round is not None and isinstance(value, int) and not isinstance(value, bool) and value == pending_round
+    )
 
 
 def owed(config: Mapping[str, Any], pending_round: int | None, server_round: int) -> float:

@@ -34,7 +34,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
 from pollen.clientside.compression_mod import RESIDUAL, client_state_for
-from pollen.clientside.feedback import settle
+from pollen.clientside.feedback import refused, settle
 from pollen.clientside.state import ClientState
 from pollen.compression import decode_payload, make_codec
 from pollen.core.layout import ModelLayout
@@ -209,8 +209,10 @@ def _judged_upload(
     last_used = state.get(UP_USED, shape=delta.shape, dtype=np.float32)
     last_round = state.get(UP_ROUND, shape=(), dtype=np.int64)
     server_round = int(config.get(protocol.CFG_SERVER_ROUND, 0))
-    if feedback and last_used is not None:
-        # what the server did not apply of our last upload (rejected, skipped, rolled back, clipped) is owed
+    if feedback and last_used is not None and refused(config, None if last_round is None else int(last_round)):
+        residual = None  # refused for its content (the outlier screen): dropped with the residual, not owed
+    elif feedback and last_used is not None:
+        # what the server did not apply of our last upload (skipped, rolled back, lost, clipped) is owed
         residual = settle(residual, last_used, None if last_round is None else int(last_round), config, server_round)
     compensated = delta if residual is None else np.add(delta, residual, dtype=np.float32)
     payload = codec.encode(compensated)

@@ -583,7 +583,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def screened(self, server_round: int, updates: list[ClientUpdate]) -> list[ClientUpdate]:
         """The kept updates that pass the outlier screen; outliers are failures with a reason."""
         return self.screen.filter(
-            updates, lambda u, why: self.replies.reject(server_round, u.node_id, why), f"round {server_round}"
+            updates, lambda u, why: self.replies.refuse(server_round, u.node_id, why), f"round {server_round}"
         )
 
     def aggregate_train(
@@ -605,7 +605,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             updates = self.collect(
                 server_round, replies, phase=phase, sink=records_first(self.screen, record_bounds, running, streamed)
             )
-            rejected = streamed.settle(lambda u, why: self.replies.reject(server_round, u.node_id, why), running.admit)
+            rejected = streamed.settle(lambda u, why: self.replies.refuse(server_round, u.node_id, why), running.admit)
             updates = [u for u in updates if id(u) not in rejected]
             result = self.apply_updates(server_round, updates, running)
             self.screen.drop_stale(streamed, f"round {server_round}")  # the next round judges itself, as round 1
@@ -646,6 +646,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
                     server_round,
                     err,
                 )
+        if self.keeps_ledger():
+            self.ledger.refuse(server_round, self.replies.refused(server_round))
         if applied:
             if self.keeps_ledger():
                 self.ledger.record(server_round, applied)

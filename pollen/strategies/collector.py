@@ -95,6 +95,7 @@ class ReplyCollector:
         self._metadata: dict[tuple[int, str], list[Metadata]] = {}
         self._undelivered: dict[tuple[int, str], set[int]] = {}
         self.client_devices: dict[str, str] = {}
+        self._refused: dict[int, set[str]] = {}
 
     # ------------------------------------------------------------------ the book
     def ask(self, server_round: int, phase: str, nodes: Iterable[int]) -> str:
@@ -130,6 +131,8 @@ class ReplyCollector:
                 del book[key]
         for done in [r for r in self._phase if r <= server_round]:
             del self._phase[done]
+        for done in [r for r in self._refused if r <= server_round]:
+            del self._refused[done]
 
     # ------------------------------------------------------------------ judging
     def reject(self, server_round: int, node: int, reason: str) -> None:
@@ -137,6 +140,16 @@ class ReplyCollector:
         client = self.sampler.key(node)
         self._accounting().round(server_round).fail(f"{client}: {reason}")
         log(WARNING, "\t> rejected reply from %s (node %d): %s", client, node, reason)
+
+    def refuse(self, server_round: int, node: int, reason: str) -> None:
+        """:meth:`reject` a reply the server read and refused for its content (validation, the outlier screen):
+        an error-fed client is told to drop that upload, not to owe it (:mod:`~pollen.strategies.ledger`)."""
+        self.reject(server_round, node, reason)
+        self._refused.setdefault(server_round, set()).add(self.sampler.key(node))
+
+    def refused(self, server_round: int) -> list[str]:
+        """The clients whose train reply of ``server_round`` was refused for its content (:meth:`refuse`)."""
+        return sorted(self._refused.get(server_round, ()))
 
     def from_asked(self, server_round: int, phase: str, replies: Iterable[Message]) -> list[Message]:
         """Replies from nodes asked in this phase, one each, in a fixed order; the rest are failures with a reason.
@@ -258,7 +271,7 @@ class ReplyCollector:
                 if sink is not None:
                     sink(update)
             except Exception as err:  # noqa: BLE001 - every failure is a rejected reply, never a crash
-                self.reject(server_round, node, reason_of(err))
+                (self.refuse if phase == TRAIN_PHASE else self.reject)(server_round, node, reason_of(err))
                 continue
             self.note_device(node, reply.content)
             updates.append(update)

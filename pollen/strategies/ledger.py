@@ -8,6 +8,14 @@ to that client carries both (``pollen.applied-round``, ``pollen.applied-scale``)
 the part that was not applied back into its residual (:func:`pollen.clientside.feedback.settle`). So
 "sum of what the server applied + the client's residual = the sum of the client's true updates" holds
 under skips, rollbacks, drop-outs, clipping and resume (the ledger is part of the strategy's state).
+
+An upload the server *refused for its content* (the outlier screen, or a reply that failed validation) is
+the exception: owing it would make the client send it again, inside every later upload, and be refused
+every round from then on (a client whose local training diverged once, advanced-pytorch with FedCAMS:
+the same norm of 3.3e7 refused in 7 of 13 rounds). The ledger records such a refusal (:meth:`refuse`), the
+next train message says so (``pollen.refused-round``), and the client drops that upload and its residual
+and starts again from ``e = 0``; the invariant then reads "applied + residual = the true updates, less
+what the server refused".
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ class AppliedLedger:
     def __init__(self) -> None:
         self.rounds: dict[str, int] = {}
         self.scales: dict[str, float] = {}
+        #: Client id -> the round of its last upload refused for its content.
+        self.refused: dict[str, int] = {}
 
     def record(self, server_round: int, applied: Iterable[Any]) -> None:
         """The server step of ``server_round`` committed these updates (``client_key``, ``applied_scale``)."""
@@ -32,34 +42,55 @@ class AppliedLedger:
             self.rounds[update.client_key] = server_round
             self.scales[update.client_key] = float(update.applied_scale)
 
+    def refuse(self, server_round: int, clients: Iterable[str]) -> None:
+        """The uploads of ``clients`` in ``server_round`` were refused for their content (told, then dropped)."""
+        for client in clients:
+            self.refused[client] = server_round
+
     def round_of(self, client: str) -> int:
         """The round of ``client``'s last applied upload (0: none)."""
         return self.rounds.get(client, 0)
 
     def config_for(self, client: str) -> dict[str, Any]:
         """The train-config entries that tell ``client`` what was applied of its last upload."""
-        return {
+        config: dict[str, Any] = {
             protocol.CFG_APPLIED_ROUND: self.round_of(client),
             protocol.CFG_APPLIED_SCALE: self.scales.get(client, 1.0),
         }
+        if client in self.refused:
+            config[protocol.CFG_REFUSED_ROUND] = self.refused[client]
+        return config
 
     def state_dict(self) -> dict[str, Any]:
-        return {client: [self.rounds[client], self.scales[client]] for client in sorted(self.rounds)}
+        """``{client: [applied round, applied fraction]}``, with the refused round third for a client that has one
+        (an applied round of 0 and fraction 1 where nothing of it was applied yet)."""
+        out: dict[str, Any] = {}
+        for client in sorted(set(self.rounds) | set(self.refused)):
+            entry = [self.rounds.get(client, 0), self.scales.get(client, 1.0)]
+            out[client] = entry + [self.refused[client]] if client in self.refused else entry
+        return out
 
     def load_state_dict(self, state: Any, *, last_round: int | None = None, where: str = "ledger") -> None:
         """Restore :meth:`state_dict`'s form, all or nothing; a :class:`~pollen.core.state_fields.StateError`
         (a ``ValueError``) names the entry that does not fit.
 
         Each entry is ``[round, fraction]``: a whole round in ``[1, last_round]`` (the checkpoint's round,
-        when known) and an applied fraction in ``(0, 1]``.
+        when known) and an applied fraction in ``(0, 1]``; or ``[round, fraction, refused round]``, where the
+        round may be 0 (nothing applied yet) and the refused round is in ``[1, last_round]``.
         """
-        rounds, scales = {}, {}
+        rounds, scales, refused = {}, {}, {}
         highest = fields.MAX_COUNT if last_round is None else max(int(last_round), 1)
         for client, entry in fields.mapping(state, where).items():
             at = fields.join(where, client)
-            server_round, scale = fields.sequence(entry, at, length=2)
-            rounds[client] = fields.whole(server_round, fields.join(at, 0), low=1, high=highest)
-            scales[client] = fields.finite_number(scale, fields.join(at, 1), low=0.0, high=1.0)
-            if scales[client] == 0.0:
+            values = fields.sequence(entry, at, most=3)
+            if len(values) < 2:
+                raise fields.StateError(at, f"has {len(values)} items; expected 2 or 3")
+            if len(values) == 3:
+                refused[client] = fields.whole(values[2], fields.join(at, 2), low=1, high=highest)
+            applied = fields.whole(values[0], fields.join(at, 0), low=0 if client in refused else 1, high=highest)
+            scale = fields.finite_number(values[1], fields.join(at, 1), low=0.0, high=1.0)
+            if scale == 0.0:
                 raise fields.StateError(fields.join(at, 1), "is 0; expected an applied fraction in (0, 1]")
-        self.rounds, self.scales = rounds, scales
+            if applied:
+                rounds[client], scales[client] = applied, scale
+        self.rounds, self.scales, self.refused = rounds, scales, refused

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from pollen.app.config import AppConfig, schema_defaults
 from pollen.app.experiment import build_strategy
@@ -226,6 +226,22 @@ class Attack:
         return server_round == self.server_round and phase >= self.phase
 
 
+def hide_refusal(msg: Message) -> None:
+    """Take the ledger's refusal (``pollen.refused-round``) out of a message to the attacker's honest client.
+
+    (In place; the hostile-reply tests call it too.)
+
+    Told that its (tampered) upload was refused, pollen's mod would drop its residual, and the attacker's own
+    client state would then differ from the silent reference's: the judge compares runs whose clients evolve
+    alike, and what an attacker's ClientApp does with being told is its own business, not the server's state.
+    """
+    for name, record in list(msg.content.config_records.items()):
+        if protocol.CFG_REFUSED_ROUND in record:
+            msg.content.config_records[name] = ConfigRecord(
+                {k: v for k, v in record.items() if k != protocol.CFG_REFUSED_ROUND}
+            )
+
+
 class AttackGrid(FakeGrid):
     """``FakeGrid`` whose attacker's replies pass through an :class:`Attack`.
 
@@ -251,6 +267,8 @@ class AttackGrid(FakeGrid):
             if msg.metadata.message_type == protocol.QUERY_IDENTIFY:
                 replies.append(self._identify(msg))
                 continue
+            if msg.metadata.dst_node_id == attack.attacker:
+                hide_refusal(msg)
             honest = self.client_fn(msg)
             node = msg.metadata.dst_node_id
             server_round, phase = phase_of(msg)
@@ -283,9 +301,19 @@ def run(name: str, attack: Attack, *, rounds: int = ROUNDS, **overrides: Any) ->
 def state_arrays(strategy: Any) -> dict[str, np.ndarray]:
     """Every array of the strategy's ``state_dict()`` (numbers too), flattened to path -> array.
 
-    The accounting (bytes, failure counts, timings) is left out: it differs between runs by design.
+    The accounting (bytes, failure counts, timings) is left out: it differs between runs by design. So are
+    the ledger's refusals (:mod:`~pollen.strategies.ledger`): telling a client that its upload was refused
+    is part of the counted rejection, not a trace of the reply in the model's state.
     """
     out: dict[str, np.ndarray] = {}
+    ledger = getattr(strategy, "ledger", None)
+    refused = getattr(ledger, "refused", None)
+    if refused:
+        ledger.refused = {}
+        try:
+            return state_arrays(strategy)
+        finally:
+            ledger.refused = refused
 
     def walk(prefix: str, value: Any) -> None:
         if isinstance(value, ArrayRecord):

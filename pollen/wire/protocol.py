@@ -52,6 +52,9 @@ CFG_ERROR_FEEDBACK = "pollen.error-feedback"
 # the fraction of it (1.0 unless the outlier screen clipped it). The client owes the rest to its residual.
 CFG_APPLIED_ROUND = "pollen.applied-round"
 CFG_APPLIED_SCALE = "pollen.applied-scale"
+#: The round of the client's last upload the server refused for its content (the outlier screen, validation):
+#: an error-fed client drops that upload and its residual instead of owing them (it would send them again).
+CFG_REFUSED_ROUND = "pollen.refused-round"
 CFG_GRANULARITY = "pollen.granularity"
 CFG_BUFFER_KEYS = "pollen.buffer-keys"
 CFG_PHASE = "pollen.phase"

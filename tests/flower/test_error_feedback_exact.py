@@ -1,7 +1,8 @@
 """Error feedback loses nothing at any seam, for every error-fed method the registry builds (issue 24).
 
-Per client and per side, "what the server applied + the client's residual + what it is still owed =
-the sum of the client's true updates" holds after rounds with a skipped round (``min-replies``), a
+Per client and per side, "what the server applied + the client's residual + what it is still owed (+ what
+it dropped when the server refused an upload for its content, issue 44) = the sum of the client's true
+updates" holds after rounds with a skipped round (``min-replies``), a
 rolled-back server step, a reply lost after the client trained (drop-out), an update clipped by the
 outlier screen, and a resume of the server from its state dict in the middle of the run. The methods are
 every registered strategy that, with an error-fed compressed uplink, keeps the ledger
@@ -25,7 +26,7 @@ from pollen.app.config import AppConfig, defaults_from_pyproject
 from pollen.app.experiment import build_strategy
 from pollen.app.methods import METHODS
 from pollen.clientside.compression_mod import RESIDUAL, _pending_upload, compression_mod
-from pollen.clientside.feedback import owed
+from pollen.clientside.feedback import owed, refused
 from pollen.clientside.lazy_mod import COPY_PREFIX, PREV_X, UP_ROUND, UP_USED, lazy_mod
 from pollen.clientside.state import STATE_KEY, ClientState
 from pollen.lazy import checksum
@@ -98,6 +99,8 @@ class Harness:
         self.true: dict[str, list[np.ndarray]] = {f"c{n}": [] for n in NODES}
         self.taken: list[tuple[str, np.ndarray]] = []
         self.applied: dict[str, list[np.ndarray]] = {f"c{n}": [] for n in NODES}
+        #: What each client dropped when told its upload was refused for its content (residual + that upload).
+        self.dropped: dict[str, list[np.ndarray]] = {f"c{n}": [] for n in NODES}
         self.lose: set[int] = set()
         self.inflate: set[int] = set()
         self.grid = FakeGrid(NODES, self.client, client_ids={n: f"c{n}" for n in NODES})
@@ -137,6 +140,14 @@ class Harness:
     def client(self, msg):  # noqa: ANN001, ANN201
         node = msg.metadata.dst_node_id
         context = self.contexts[node]
+        r = int(config_of(msg)[protocol.CFG_SERVER_ROUND])
+        state = ClientState(context, server_round=r)
+        if state.get(UP_USED) is not None:  # the lazy family: lazy_mod keeps the upload and the residual
+            pending, pending_round = state.get(UP_USED), int(state.get(UP_ROUND))
+        else:
+            pending, pending_round = _pending_upload(state, D, None)
+        if refused(config_of(msg), pending_round):  # the mod drops them both, as the server asked
+            self.dropped[f"c{node}"].append(self.residual(node) + np.asarray(pending, dtype=np.float64))
         reply = lazy_mod(copy.deepcopy(msg), context, lambda m, c: compression_mod(m, c, self.train))
         return None if node in self.lose else reply
 
@@ -160,6 +171,8 @@ class Harness:
             used, pending_round = _pending_upload(state, D, None)
         if used is None:
             return np.zeros(D)
+        if refused(config, pending_round):  # the client will drop it (with its residual): accounted as it stands
+            return np.asarray(used, dtype=np.float64)
         return owed(config, pending_round, next_round) * np.asarray(used, dtype=np.float64)
 
     def residual(self, node: int) -> np.ndarray:
@@ -208,10 +221,14 @@ def test_applied_plus_residual_plus_owed_equals_the_true_updates(name: str, outl
     assert any("rolled back" in reason for reason in stats[6].failure_reasons), stats[6].failure_reasons
     if outlier_rule == "clip":
         assert strategy.ledger.scales["c4"] < 0.5, "the outlier of round 7 was clipped and the client told so"
+    else:  # refused: the client was told and dropped that upload with its residual (not owed: it would come back)
+        assert strategy.ledger.refused.get("c4") in (7, 8), strategy.ledger.refused  # 8: a lazy client sent it late
+        assert harness.dropped["c4"] or strategy.ledger.refused["c4"] == ROUNDS
     for node in NODES:
         key = f"c{node}"
         applied = np.sum(harness.applied[key], axis=0) if harness.applied[key] else np.zeros(D)
-        balance = applied + harness.residual(node) + harness.owed_now(strategy, node, ROUNDS + 1)
+        dropped = np.sum(harness.dropped[key], axis=0) if harness.dropped[key] else np.zeros(D)
+        balance = applied + dropped + harness.residual(node) + harness.owed_now(strategy, node, ROUNDS + 1)
         np.testing.assert_allclose(balance, np.sum(harness.true[key], axis=0), atol=2e-5, err_msg=key)
 
 

@@ -32,6 +32,7 @@ from pollen.testing.fakes import (
     split_trainable,
     tiny_model,
 )
+from pollen.testing.hostile import hide_refusal
 from pollen.wire.records import protocol
 
 pytestmark = pytest.mark.flower_compat
@@ -70,6 +71,8 @@ def run(make, hostile, rounds=3, attack_round=2):  # noqa: ANN001, ANN201
     contexts: dict = {}
 
     def client(msg):  # noqa: ANN001, ANN202
+        if msg.metadata.dst_node_id == BAD:  # its client's state evolves as in the silent run (pollen.testing.hostile)
+            hide_refusal(msg)
         out = honest_reply(msg, contexts)
         node, rnd = msg.metadata.dst_node_id, int(config_of(msg)[protocol.CFG_SERVER_ROUND])
         if node == BAD and rnd == attack_round and msg.metadata.message_type == "train":
