@@ -32,6 +32,13 @@ EARLY = 5  # the round a newcomer's first run often stops at
 TOLERANCE = 0.05  # the promise: within 5 points of FedAvg
 
 
+def fedams_with(eta: float) -> harness.DropIn:
+    """FedAMS with its defaults but ``eta`` (the grid the default was chosen from)."""
+    from pollen.strategies import FedAMS
+
+    return harness.DropIn(f"FedAMS(eta={eta:g})", lambda f: FedAMS(eta=eta, fraction_train=f, fraction_evaluate=0.0))
+
+
 def screen_rejections(strategy: object) -> int:
     """Replies the outlier screen rejected in a pollen run (Flower's strategies keep no such count)."""
     accounting = getattr(strategy, "accounting", None)
@@ -47,6 +54,13 @@ def main() -> None:
     parser.add_argument("--projects", nargs="*", default=list(PROJECTS), choices=list(PROJECTS))
     parser.add_argument("--only", nargs="*", default=None, help="strategy names (as printed); FedAvg() always runs")
     parser.add_argument("--json", default=None, help="write every run's accuracy curve here")
+    parser.add_argument(
+        "--eta-grid",
+        type=float,
+        nargs="*",
+        default=[],
+        help="add FedAMS(eta=...) for each value (how the default was chosen)",
+    )
     parser.add_argument("--from-json", nargs="*", default=None, help="report saved runs (of one or more --json)")
     parser.add_argument("--markdown", action="store_true", help="also print the results page's table")
     args = parser.parse_args()
@@ -59,6 +73,7 @@ def main() -> None:
         return
     logging.getLogger("flwr").setLevel(logging.ERROR)
     drop_ins = [d for d in harness.drop_ins() if args.only is None or d.name in args.only or d.name == "FedAvg()"]
+    drop_ins += [fedams_with(eta) for eta in args.eta_grid]
     runs = []
     for name in args.projects:
         project = PROJECTS[name]

@@ -67,7 +67,7 @@ class FedAdaVR(AdaptiveStrategy):
     eta : float | None
         Server learning rate eta_s (run-config ``server-lr``); ``None`` takes the variant's
         (``fedadavr`` 0.01 with Adam, ``mifa`` / ``fedvarp`` 1.0 with plain SGD): the papers' values, which also drop in
-        (measured in tests/e2e/test_dropin_defaults.py).
+        (measured with benchmarks/bench_dropin.py).
     client_lr : float (default: 0.01)
         The clients' learning rate eta_c; the table stores ``update / eta_c``.
     client_lr_factor : Callable[[int], float] | None (default: None)

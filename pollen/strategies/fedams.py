@@ -44,7 +44,8 @@ class FedAMS(AdaptiveStrategy):
     The defaults of ``eta`` and ``eps`` are chosen for drop-in use (a Flower project that swaps
     ``FedAvg(...)`` for ``FedAMS(...)`` and changes nothing else), measured in three of Flower's own
     examples (``benchmarks/bench_dropin.py``, ``docs/results/dropin.md``); the paper's values are
-    ``eta=1.0, eps=1e-3``, which fit its setting and made a quickstart-style project diverge. The app's run-config always passes both.
+    ``eta=1.0, eps=1e-3``, which fit its setting and made a quickstart-style project diverge. The app's
+    run-config always passes both.
 
     Parameters
     ----------
@@ -58,7 +59,7 @@ class FedAMS(AdaptiveStrategy):
         Second-moment coefficient, in [0, 1).
     eps : float (default: 1e-8)
         Option 1: the floor inside the max (> 0). Option 2: added outside the sqrt (>= 0).
-        Default 1e-8 (chosen for drop-in use, measured in tests/e2e/test_dropin_defaults.py); the
+        Default 1e-8 (chosen for drop-in use, measured with benchmarks/bench_dropin.py); the
         paper's value is 1e-3.
     option : int (default: 1)
         1 = FedAMS (eps inside the max), 2 = FedAMSGrad (eps outside the sqrt), 3 = eps under the sqrt,

@@ -125,7 +125,7 @@ class FedLAMB(AdaptiveStrategy):
     eta : float (default: 0.003)
         Adp-Fed's server learning rate eta_g (> 0; run-config ``server-lr``); the other variants
         average models (rate 1).
-        Default 0.003 (chosen for drop-in use, measured in tests/e2e/test_dropin_defaults.py); the
+        Default 0.003 (chosen for drop-in use, measured with benchmarks/bench_dropin.py); the
         paper tunes eta_g in {0.001, 0.01} (its grid: 1e-4 to 0.1).
     weight_decay : float (default: 0.0)
         The local step's decoupled weight decay lambda, >= 0 (clients take it from run-config

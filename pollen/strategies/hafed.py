@@ -106,7 +106,7 @@ class HAFed(AdaptiveStrategy):
     ----------
     eta : float (default: 0.01)
         Server learning rate (the spec's Fashion-MNIST value; with ``eps`` it also drops in:
-        measured in tests/e2e/test_dropin_defaults.py).
+        measured with benchmarks/bench_dropin.py).
     beta_1, beta_2, eps : float (default: 0.9, 0.99, 1e-8)
         AMSGrad settings (§9).
     eps_mode : str (default: "inside")
