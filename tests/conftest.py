@@ -17,7 +17,10 @@ from pathlib import Path
 
 import pytest
 
-_NEEDS_TORCH = re.compile(r"^\s*(import torch|from torch|from pollen\.task|import pollen\.task)", re.MULTILINE)
+_NEEDS_TORCH = re.compile(
+    r"^\s*(import torch|from torch|from pollen\.(task|testing\.foreign)|import pollen\.(task|testing\.foreign))",
+    re.MULTILINE,
+)
 # Modules that need torch only through what they run (the app), not through an import.
 _RUNS_THE_APP = {"test_flwr_run.py", "test_deploy_e2e.py"}
 
