@@ -6,7 +6,7 @@ pollen's real ServerApp and ClientApp in one process (``pollen/testing/inprocess
 final accuracy with ``outlier-rule=reject`` (the default) and ``off``, and how many honest replies
 the screen rejected.
 
-Run: ``python benchmarks/bench_screen.py [--rounds 20] [--seeds 1 2]``.
+Run: ``python benchmarks/bench_screen.py [--rounds 20] [--seeds 1 2] [--mime]``.
 """
 
 from __future__ import annotations
@@ -36,10 +36,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--seeds", type=int, nargs="*", default=[1, 2])
+    parser.add_argument(
+        "--mime",
+        action="store_true",
+        help="Mime instead (both server-v readings, the fedlamb preset's local-lr 3e-4, batch 128): the run "
+        "whose honest steps grow ~30x from round 1 to 2",
+    )
     args = parser.parse_args()
+    runs = (("fedams", {}), ("fedcams", {"compressor": "sign"}))
+    if args.mime:
+        mime = {"local-lr": 0.0003, "batch-size": 128, "local-steps": 10}
+        runs = (("mime", {**mime, "mime-server-v": "plain"}), ("mime", {**mime, "mime-server-v": "bias-corrected"}))
     print(f"{'strategy':<14} {'seed':>4} {'screen':>7} {'final acc':>9} {'rejected':>8} {'replies':>8}")
     with tempfile.TemporaryDirectory() as tmp:
-        for strategy, extra in (("fedams", {}), ("fedcams", {"compressor": "sign"})):
+        for strategy, extra in runs:
             for seed in args.seeds:
                 for rule in ("reject", "off"):
                     rows = run_inprocess(
@@ -51,7 +61,7 @@ def main() -> None:
                             "outlier-rule": rule,
                             "num-server-rounds": args.rounds,
                             "results-dir": tmp,
-                            "run-name": f"{strategy}-{seed}-{rule}",
+                            "run-name": f"{strategy}-{seed}-{rule}-{len(extra)}",
                         },
                         num_nodes=20,
                     )
