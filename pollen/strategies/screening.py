@@ -22,10 +22,9 @@ on by default:
 
   Why both: judged against its history only, an honest round whose updates grow 7x from one round to
   the next (Flower's quickstart-pytorch between rounds 2 and 3: norm 51.3 against a history bound of
-  7.56) was thrown away whole when its replies were streamed, and a client with more data than the
-  others was rejected in every round. A streamed round therefore holds every reply beyond its history
-  bound to the end of the round and judges it then, as a round that kept its replies does
-  (:class:`StreamedRound`).
+  7.56) was thrown away whole when its replies were streamed. A streamed round therefore holds every
+  reply beyond its history bound to the end of the round and judges it then, as a round that kept its
+  replies does (:class:`StreamedRound`).
 
 The history holds accepted norms only, so a rejected reply leaves no trace in later rounds either.
 It is part of the strategy's saved state (resume stays exact).
