@@ -56,7 +56,7 @@ def example_client_app(
         trainset, _ = load_data(
             int(context.node_config["partition-id"]),
             int(context.node_config["num-partitions"]),
-            int(context.run_config["seed"]),
+            int(context.run_config.get("seed", 1)),  # a project without the key: seed 1
         )
         train_loss = train_fn(model, trainset, dict(msg.content["config"]))
         metrics = MetricRecord({"train_loss": train_loss, "num-examples": len(trainset[1])})
@@ -70,7 +70,7 @@ def example_client_app(
         _, valset = load_data(
             int(context.node_config["partition-id"]),
             int(context.node_config["num-partitions"]),
-            int(context.run_config["seed"]),
+            int(context.run_config.get("seed", 1)),  # a project without the key: seed 1
         )
         eval_loss, eval_acc = test_fn(model, valset)
         metrics = MetricRecord({"eval_loss": eval_loss, "eval_acc": eval_acc, "num-examples": len(valset[1])})
