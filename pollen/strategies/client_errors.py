@@ -9,8 +9,9 @@ characters still shows it.
 
 Some client errors say the ClientApp is set up so that it can never answer a pollen strategy; a round that
 waited for them would be the first of many empty ones. :func:`incompatibility` knows them, and the collector
-stops the run on the first one (:class:`ClientAppIncompatible`, raised out of ``start``) with the reason and
-what to change:
+stops the run when every reply of a phase is one (:class:`ClientAppIncompatible`, raised out of ``start``) with
+the reason and what to change; one among usable replies is rejected like any other error (a reason is the
+client's to write, and one client must not stop everybody's run):
 
 - Flower's ``secaggplus_mod`` / ``secagg_mod`` read the SecAgg+ stage record (``secaggplus_configs``) that only
   Flower's ``SecAggPlusWorkflow`` (legacy ServerApp API) sends;

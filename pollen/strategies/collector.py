@@ -190,9 +190,17 @@ class ReplyCollector:
             else:
                 seen.add(node)
                 kept.append(reply)
-                if reply.has_error() and (why := incompatibility(reply.error.reason)) is not None:
-                    self.stop_on(server_round, phase, node, reply.error.reason, why)
+        self._stop_if_none_can_answer(server_round, phase, kept)
         return kept
+
+    def _stop_if_none_can_answer(self, server_round: int, phase: str, kept: list[Message]) -> None:
+        """Stop the run when *every* reply of the phase is an error saying its ClientApp can never answer
+        (:func:`incompatibility`). One such reply among usable ones is rejected like any other error: its
+        reason is the client's to write, and one client must not be able to stop everybody's run."""
+        verdicts = [incompatibility(reply.error.reason) if reply.has_error() else None for reply in kept]
+        if kept and all(why is not None for why in verdicts):
+            first = kept[0]
+            self.stop_on(server_round, phase, first.metadata.src_node_id, first.error.reason, verdicts[0])
 
     def stop_on(self, server_round: int, phase: str, node: int, reason: str, why: str) -> None:
         """Stop the run: ``node``'s ClientApp answered with an error that says it can never answer this server."""

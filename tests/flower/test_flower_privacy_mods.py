@@ -220,6 +220,18 @@ def test_secaggplus_mod_stops_round_1_with_the_reason() -> None:
     assert len(grid.calls) == 1
 
 
+def test_one_client_whose_error_says_secaggplus_does_not_stop_everybodys_run() -> None:
+    """The reason of an error reply is the client's to write: one such reply among usable ones is rejected like
+    any other error and the run goes on; only a phase where every reply says so stops the run."""
+    honest, secagg = flower_runtime(client_app()), flower_runtime(client_app(mods=[secaggplus_mod]))
+    grid = FakeGrid(NODES, lambda msg: (secagg if msg.metadata.dst_node_id == NODES[0] else honest)(msg))
+    strategy = FedAMS(fraction_evaluate=0.0)
+    start(strategy, grid, num_rounds=2)
+    for rnd in (1, 2):
+        stats = strategy.accounting.rounds[rnd]
+        assert stats.replies == len(NODES) - 1 and any("secaggplus_configs" in r for r in stats.failure_reasons)
+
+
 def test_flower_legacy_local_dp_mod_stops_round_1_with_the_reason() -> None:
     grid = FakeGrid(NODES, flower_runtime(client_app(mods=[LegacyLocalDpMod(1.0, 0.1, 1.0, 1e-5)])))
     with pytest.raises(ClientAppIncompatible, match="fitins.parameters.*flwr.clientapp.mod"):
