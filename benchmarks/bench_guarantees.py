@@ -17,8 +17,8 @@ import statistics
 from bench_round import ReplyBank, resnet_arrays, run  # this script's folder is on sys.path when run by path
 
 from pollen.strategies import FedAMS, FedCAMS
-from pollen.strategies.base import AdaptiveStrategy
-from pollen.strategies.collector import ReplyCollector
+from pollen.strategies.engine.strategy import AdaptiveStrategy
+from pollen.strategies.engine.collector import ReplyCollector
 
 
 def without_guarantees() -> tuple:

@@ -36,7 +36,7 @@ from pollen.app.results import RunRecorder, RunState
 from pollen.app.trackers import open_trackers
 from pollen.app.trackers.base import FAILED, FINISHED, STOPPED
 from pollen.strategies import RunCheckpoint, RunInterrupted
-from pollen.strategies.rounds import SetupError
+from pollen.strategies.engine.rounds import SetupError
 from pollen.wire import protocol
 
 app = ServerApp()

@@ -1,6 +1,6 @@
 """A Griffe extension for pollen's API reference (``mkdocs.yml``): Sphinx roles in docstrings become code.
 
-pollen's docstrings name other objects the Sphinx way (``:class:`~pollen.strategies.model.GlobalModel```,
+pollen's docstrings name other objects the Sphinx way (``:class:`~pollen.strategies.engine.model.GlobalModel```,
 ``:func:`make_codec```); mkdocstrings renders Markdown, where a role would show as literal text. Each
 role becomes a code span of the name (the last component where Sphinx's ``~`` asks for it).
 """

@@ -3,7 +3,7 @@
 :mod:`pollen.aggregate.robust` holds the aggregators by name (:data:`AGGREGATORS`): the mean (which
 the strategies stream, one reply at a time), the coordinate-wise median, the coordinate-wise trimmed
 mean and the majority vote of scaled-sign uploads. The server side wires them in
-:mod:`pollen.strategies.robust`.
+:mod:`pollen.strategies.engine.aggregation`.
 """
 
 from pollen.aggregate.robust import (

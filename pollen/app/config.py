@@ -78,14 +78,14 @@ def strategy_names(methods: registry.Table | None = None) -> tuple[str, ...]:
 
 def _aggregations() -> tuple[str, ...]:
     """How a pollen strategy averages updates (owned by the strategies; read on the server only)."""
-    from pollen.strategies.base import AGGREGATIONS
+    from pollen.strategies.engine.strategy import AGGREGATIONS
 
     return AGGREGATIONS
 
 
 def _outlier_rules() -> tuple[str, ...]:
     """What the outlier screen does with an outlier (owned by the strategies; read on the server only)."""
-    from pollen.strategies.screening import RULES
+    from pollen.strategies.engine.screening import RULES
 
     return RULES
 

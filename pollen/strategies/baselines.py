@@ -4,7 +4,7 @@ The baselines are Flower's implementations unchanged (``flwr.serverapp.strategy`
 ``Metered`` observes the messages going out and the replies coming in, so the app
 reports the same per-round numbers (sampled, replies, failures, bytes each way) for
 every method. It holds back replies that cannot be trusted before Flower aggregates
-them, with the same reader pollen's strategies use (:func:`pollen.strategies.replies.read_reply`:
+them, with the same reader pollen's strategies use (:func:`pollen.strategies.engine.replies.read_reply`:
 names, shapes, dtypes, finite values after the cast, a positive bounded ``num-examples``),
 plus whatever Flower's own checks or aggregation would raise on, so that no reply can fail the
 round for the others: exactly one ArrayRecord and one MetricRecord, every array of exactly the
@@ -39,26 +39,26 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedYogi
 
 from pollen.core import state_fields as fields
 from pollen.core.layout import ModelLayout, TensorSpec, looks_like_buffer
-from pollen.strategies.accounting import Accounting
-from pollen.strategies.base import OUTLIER_FACTOR, OUTLIER_RULE
-from pollen.strategies.collector import EVALUATE_PHASE, TRAIN_PHASE, ReplyCollector, positive_weight, reason_of
-from pollen.strategies.declared import ARRAYS, load_field, save_declared
-from pollen.strategies.flower_wrappers import refuse_dp_wrapper
-from pollen.strategies.model import MAX_NDIM, MAX_TENSORS, saved_dtype
-from pollen.strategies.replies import ClientUpdate, ReplyRejected, count_records, read_reply
-from pollen.strategies.rounds import RoundLoop
-from pollen.strategies.sampling import ClientSampler
-from pollen.strategies.screening import UpdateScreen
-from pollen.strategies.transport import count_sent
+from pollen.strategies.engine.accounting import Accounting
+from pollen.strategies.engine.strategy import OUTLIER_FACTOR, OUTLIER_RULE
+from pollen.strategies.engine.collector import EVALUATE_PHASE, TRAIN_PHASE, ReplyCollector, positive_weight, reason_of
+from pollen.strategies.engine.declared import ARRAYS, load_field, save_declared
+from pollen.strategies.engine.flower_wrappers import refuse_dp_wrapper
+from pollen.strategies.engine.model import MAX_NDIM, MAX_TENSORS, saved_dtype
+from pollen.strategies.engine.replies import ClientUpdate, ReplyRejected, count_records, read_reply
+from pollen.strategies.engine.rounds import RoundLoop
+from pollen.strategies.engine.sampling import ClientSampler
+from pollen.strategies.engine.screening import UpdateScreen
+from pollen.strategies.engine.messages import count_sent
 from pollen.wire.records import record_to_arrays
 
 
 class Metered(RoundLoop):
     """Mixin: count messages and bytes around a Flower strategy's own steps, screen replies, keep state.
 
-    Replies go through the same :class:`~pollen.strategies.collector.ReplyCollector` as pollen's
+    Replies go through the same :class:`~pollen.strategies.engine.collector.ReplyCollector` as pollen's
     strategies (asked nodes per round, one reply each, rejections with reasons, silent nodes counted)
-    and the same :class:`~pollen.strategies.screening.UpdateScreen`; an outlier is rejected (Flower's
+    and the same :class:`~pollen.strategies.engine.screening.UpdateScreen`; an outlier is rejected (Flower's
     aggregation cannot take a clipped reply).
 
     Parameters
@@ -74,7 +74,7 @@ class Metered(RoundLoop):
     """
 
     #: Flower's own state of the FedOpt family (FedAvg keeps none of it), written and checked by
-    #: :mod:`pollen.strategies.declared`.
+    #: :mod:`pollen.strategies.engine.declared`.
     state_fields = {"current_arrays": ARRAYS, "m_t": ARRAYS, "v_t": ARRAYS}
 
     def __init__(  # noqa: D107
@@ -105,7 +105,7 @@ class Metered(RoundLoop):
 
     def _refuse_dp_wrapper(self) -> None:
         """FedAvg's aggregate is a mean, and Flower's DP wrappers around it are DP-FedAvg; FedAdam, FedYogi and
-        FedAdagrad step an optimiser on the noiseless mean first (:mod:`pollen.strategies.flower_wrappers`)."""
+        FedAdagrad step an optimiser on the noiseless mean first (:mod:`pollen.strategies.engine.flower_wrappers`)."""
         for flower in (FedAdam, FedYogi, FedAdagrad):
             if isinstance(self, flower):
                 refuse_dp_wrapper(self, f"its server optimiser (Flower's {flower.__name__} step)")

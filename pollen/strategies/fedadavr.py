@@ -27,7 +27,7 @@ import numpy as np
 
 from pollen.core.layout import ModelLayout
 from pollen.optim import BY_NAME, Transform, make_server_optimizer
-from pollen.strategies.base import (
+from pollen.strategies.engine.strategy import (
     OUTLIER_FACTOR,
     OUTLIER_RULE,
     OUTLIER_WINDOW,
@@ -36,11 +36,11 @@ from pollen.strategies.base import (
     MetricsAggregationFn,
     ScreenedSink,
 )
-from pollen.strategies.declared import PART
-from pollen.strategies.robust import Aggregator
-from pollen.strategies.screening import DEFAULT_MAX_ABS
-from pollen.strategies.uplink import Uplink
-from pollen.strategies.vr_store import StoredUpdates
+from pollen.strategies.engine.declared import PART
+from pollen.strategies.engine.aggregation import Aggregator
+from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
+from pollen.strategies.engine.uplink import Uplink
+from pollen.strategies.fedadavr_store import StoredUpdates
 from pollen.vr import VARIANTS, UpdateTable, get_variant
 from pollen.vr.aggregate import VRRound, check_weighting
 from pollen.wire import protocol

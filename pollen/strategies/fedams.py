@@ -21,16 +21,16 @@ from collections.abc import Iterable
 from typing import Any
 
 from pollen.optim import amsgrad
-from pollen.strategies.base import (
+from pollen.strategies.engine.strategy import (
     OUTLIER_FACTOR,
     OUTLIER_RULE,
     OUTLIER_WINDOW,
     AdaptiveStrategy,
     MetricsAggregationFn,
 )
-from pollen.strategies.robust import Aggregator
-from pollen.strategies.screening import DEFAULT_MAX_ABS
-from pollen.strategies.uplink import Uplink
+from pollen.strategies.engine.aggregation import Aggregator
+from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
+from pollen.strategies.engine.uplink import Uplink
 from pollen.wire import protocol
 
 OPTIONS = (1, 2, 3)

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pollen.compression import CODECS
-from pollen.strategies.base import OUTLIER_FACTOR, OUTLIER_RULE, OUTLIER_WINDOW, MetricsAggregationFn
+from pollen.strategies.engine.strategy import OUTLIER_FACTOR, OUTLIER_RULE, OUTLIER_WINDOW, MetricsAggregationFn
 from pollen.strategies.fedams import FedAMS
-from pollen.strategies.robust import Aggregator
-from pollen.strategies.screening import DEFAULT_MAX_ABS
-from pollen.strategies.uplink import Uplink
+from pollen.strategies.engine.aggregation import Aggregator
+from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
+from pollen.strategies.engine.uplink import Uplink
 from pollen.wire import protocol
 
 

@@ -34,7 +34,7 @@ from flwr.app import RecordDict
 
 from pollen.core import state_fields as fields
 from pollen.optim import adpfed_adam, sgd
-from pollen.strategies.base import (
+from pollen.strategies.engine.strategy import (
     OUTLIER_FACTOR,
     OUTLIER_RULE,
     OUTLIER_WINDOW,
@@ -42,11 +42,11 @@ from pollen.strategies.base import (
     AdaptiveStrategy,
     MetricsAggregationFn,
 )
-from pollen.strategies.declared import COUNT, COUNTS, MOMENT
-from pollen.strategies.replies import ClientUpdate, Extra, ReplySpec
-from pollen.strategies.robust import Aggregator
-from pollen.strategies.screening import DEFAULT_MAX_ABS
-from pollen.strategies.uplink import Uplink
+from pollen.strategies.engine.declared import COUNT, COUNTS, MOMENT
+from pollen.strategies.engine.replies import ClientUpdate, Extra, ReplySpec
+from pollen.strategies.engine.aggregation import Aggregator
+from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
+from pollen.strategies.engine.uplink import Uplink
 from pollen.wire import protocol
 from pollen.wire.protocol import (
     ADAPTIVE_LOCAL_STEP as LOCAL_STEP,

@@ -16,16 +16,16 @@ from typing import Any
 
 from pollen.core.layout import ModelLayout
 from pollen.optim import BY_NAME, SERVER_OPTIMIZERS, Transform, make_server_optimizer
-from pollen.strategies.base import (
+from pollen.strategies.engine.strategy import (
     OUTLIER_FACTOR,
     OUTLIER_RULE,
     OUTLIER_WINDOW,
     AdaptiveStrategy,
     MetricsAggregationFn,
 )
-from pollen.strategies.robust import Aggregator
-from pollen.strategies.screening import DEFAULT_MAX_ABS
-from pollen.strategies.uplink import Uplink
+from pollen.strategies.engine.aggregation import Aggregator
+from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
+from pollen.strategies.engine.uplink import Uplink
 from pollen.wire import protocol
 
 #: The strategy's spelling of each optimiser setting -> the optimiser's.

@@ -62,8 +62,8 @@ from pollen.gossip import (
     without_absent,
 )
 from pollen.optim import amsgrad
-from pollen.strategies.accounting import grad_evals_of
-from pollen.strategies.base import (
+from pollen.strategies.engine.accounting import grad_evals_of
+from pollen.strategies.engine.strategy import (
     OUTLIER_FACTOR,
     OUTLIER_RULE,
     OUTLIER_WINDOW,
@@ -71,11 +71,11 @@ from pollen.strategies.base import (
     AdaptiveStrategy,
     MetricsAggregationFn,
 )
-from pollen.strategies.replies import ClientUpdate, ReplySpec, record_norms
-from pollen.strategies.robust import Aggregator
-from pollen.strategies.rounds import SetupError
-from pollen.strategies.screening import DEFAULT_MAX_ABS
-from pollen.strategies.uplink import Uplink
+from pollen.strategies.engine.replies import ClientUpdate, ReplySpec, record_norms
+from pollen.strategies.engine.aggregation import Aggregator
+from pollen.strategies.engine.rounds import SetupError
+from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
+from pollen.strategies.engine.uplink import Uplink
 from pollen.wire import protocol
 
 #: Topologies that need at least three clients per cluster to mean anything.

@@ -46,7 +46,7 @@ from pollen.lazy.rules import (
     norm64,
     replay,
 )
-from pollen.strategies.base import (
+from pollen.strategies.engine.strategy import (
     OUTLIER_FACTOR,
     OUTLIER_RULE,
     OUTLIER_WINDOW,
@@ -54,12 +54,12 @@ from pollen.strategies.base import (
     ReplyRejected,
     ReplySpec,
 )
-from pollen.strategies.declared import PART
-from pollen.strategies.downlink import Downlink
+from pollen.strategies.engine.declared import PART
+from pollen.strategies.engine.downlink import Downlink
 from pollen.strategies.fedams import FedAMS
 from pollen.strategies.lazy_book import ClientBook
-from pollen.strategies.robust import Aggregator
-from pollen.strategies.screening import DEFAULT_MAX_ABS
+from pollen.strategies.engine.aggregation import Aggregator
+from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
 from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, payload_to_records
 
@@ -138,7 +138,7 @@ class FedLazy(FedAMS):
     tau_alpha : float (default: 1.0)
         The paper's ``alpha`` in that scaling, > 0.
     downlink : Downlink | None (default: None)
-        The compressed downlink as one part (:class:`~pollen.strategies.downlink.Downlink`); the
+        The compressed downlink as one part (:class:`~pollen.strategies.engine.downlink.Downlink`); the
         ``down_*`` arguments build it when it is not given (``down_compressor`` set).
     eta, beta_1, beta_2, eps, option, bias_correction
         The server's AMSGrad, as :class:`FedAMS` takes them (its defaults). The paper's server settings

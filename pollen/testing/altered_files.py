@@ -34,7 +34,7 @@ from flwr.app import ArrayRecord, Context, RecordDict
 from pollen.app.config import RESUME_MAY_DIFFER, AppConfig, defaults_from_pyproject
 from pollen.app.registry import build_strategy
 from pollen.core.checkpoint import load_checkpoint, save_checkpoint
-from pollen.strategies.checkpointing import CHECKPOINT_FILE, RunCheckpoint
+from pollen.strategies.engine.resume import CHECKPOINT_FILE, RunCheckpoint
 from pollen.testing.fakes import FakeGrid
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"

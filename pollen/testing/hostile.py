@@ -40,8 +40,8 @@ from pollen.app.experiment import build_strategy
 from pollen.app.methods import METHODS
 from pollen.clientside.compression_mod import compression_mod
 from pollen.clientside.lazy_mod import lazy_mod
-from pollen.strategies.replies import ReplySpec
-from pollen.strategies.rounds import RoundLoop
+from pollen.strategies.engine.replies import ReplySpec
+from pollen.strategies.engine.rounds import RoundLoop
 from pollen.testing.fakes import FakeGrid, config_of, full_model_reply, model_record, named_arrays
 from pollen.wire import protocol
 
@@ -302,7 +302,7 @@ def state_arrays(strategy: Any) -> dict[str, np.ndarray]:
     """Every array of the strategy's ``state_dict()`` (numbers too), flattened to path -> array.
 
     The accounting (bytes, failure counts, timings) is left out: it differs between runs by design. So are
-    the ledger's refusals (:mod:`~pollen.strategies.ledger`): telling a client that its upload was refused
+    the ledger's refusals (:mod:`~pollen.strategies.engine.ledger`): telling a client that its upload was refused
     is part of the counted rejection, not a trace of the reply in the model's state.
     """
     out: dict[str, np.ndarray] = {}

@@ -33,7 +33,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 
 from pollen.clientside.compression_mod import compress_reply
-from pollen.strategies.replies import ReplySpec
+from pollen.strategies.engine.replies import ReplySpec
 from pollen.testing import hostile
 from pollen.testing.fakes import FakeGrid, config_of, named_arrays
 from pollen.wire import protocol

@@ -16,7 +16,7 @@ from flwr.app import Context, Message, RecordDict
 from pollen.app.config import AppConfig, defaults_from_pyproject
 from pollen.app.methods.hafed import DEFAULT_CLUSTER_SIZE
 from pollen.app.registry import build_strategy
-from pollen.strategies.rounds import SetupError
+from pollen.strategies.engine.rounds import SetupError
 from pollen.testing.fakes import FakeGrid
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from pollen.app.config import AppConfig, ConfigError, defaults_from_pyproject
 from pollen.app.registry import build_strategy
 from pollen.clientside.compression_mod import client_state_for
-from pollen.strategies.sampling import ClientSampler
+from pollen.strategies.engine.sampling import ClientSampler
 from pollen.testing.fakes import FakeGrid, full_model_reply, model_record, run_train_round, tiny_model
 from pollen.wire import protocol
 

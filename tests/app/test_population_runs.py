@@ -17,7 +17,7 @@ from pollen.app.config import ConfigError, defaults_from_pyproject
 from pollen.app.registry import strategy_names
 from pollen.client_app import LocalTask
 from pollen.clientside.compression_mod import client_state_for
-from pollen.strategies.sampling import ClientSampler
+from pollen.strategies.engine.sampling import ClientSampler
 from pollen.testing.fakes import FakeGrid, capture_flwr_logs, messages_text
 from pollen.testing.inprocess import run_inprocess
 from pollen.wire import protocol

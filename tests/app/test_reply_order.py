@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pollen.app.methods import METHODS
-from pollen.strategies.collector import ReplyCollector
+from pollen.strategies.engine.collector import ReplyCollector
 from pollen.testing.inprocess import run_inprocess
 
 SMALL = {

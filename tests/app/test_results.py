@@ -192,7 +192,7 @@ def test_compare_refuses_a_folder_without_metrics(tmp_path, capsys):
 
 
 def test_gradient_evaluation_claims_from_clients_are_believed_only_when_sane():
-    from pollen.strategies.accounting import RoundStats, grad_evals_of
+    from pollen.strategies.engine.accounting import RoundStats, grad_evals_of
 
     assert grad_evals_of({"grad-evals": 12}) == 12 and grad_evals_of({"num-steps": 5}) == 5
     for bad in (float("nan"), float("inf"), -3, True, [1, 2], "7", 10**12):

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from pollen.app.config import AppConfig, defaults_from_pyproject
 from pollen.app.reporter import RoundReporter
 from pollen.app.results import RunRecorder
-from pollen.strategies.accounting import Accounting
+from pollen.strategies.engine.accounting import Accounting
 from pollen.testing.flwr_cli import REPO
 
 

@@ -8,7 +8,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from pollen.app.config import SCHEMA, AppConfig, ConfigError, defaults_from_pyproject
 from pollen.app.config import strategy_names as config_strategy_names
 from pollen.app.registry import build_strategy, implementations, strategy_names
-from pollen.strategies.sampling import ClientSampler
+from pollen.strategies.engine.sampling import ClientSampler
 from pollen.testing.fakes import FakeGrid
 from pollen.wire import protocol
 

@@ -28,7 +28,7 @@ from pollen.app.trackers.base import FINISHED, STOPPED
 from pollen.app.trackers.mlflow import MLflowTracker
 from pollen.app.trackers.tensorboard import TensorBoardTracker
 from pollen.core.processes import free_port
-from pollen.strategies.accounting import Accounting
+from pollen.strategies.engine.accounting import Accounting
 from pollen.testing.flwr_cli import REPO
 from pollen.testing.inprocess import run_inprocess
 from pollen.testing.mlflow_server import MlflowServer

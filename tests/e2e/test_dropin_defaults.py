@@ -30,7 +30,7 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from pollen.strategies import FedCAMS, FedLAMB, HAFed
-from pollen.strategies.rounds import SetupError
+from pollen.strategies.engine.rounds import SetupError
 from pollen.testing.foreign import harness
 from pollen.testing.foreign.fl_tabular import PROJECT as TABULAR
 from pollen.testing.foreign.quickstart_pytorch import PROJECT as QUICKSTART

@@ -6,7 +6,7 @@ updates" holds after rounds with a skipped round (``min-replies``), a
 rolled-back server step, a reply lost after the client trained (drop-out), an update clipped by the
 outlier screen, and a resume of the server from its state dict in the middle of the run. The methods are
 every registered strategy that, with an error-fed compressed uplink, keeps the ledger
-(:mod:`pollen.strategies.ledger`); the client runs pollen's two train mods (``lazy_mod`` around
+(:mod:`pollen.strategies.engine.ledger`); the client runs pollen's two train mods (``lazy_mod`` around
 ``compression_mod``) on a fake trainer. The bidirectional methods' downlink side is checked by its own
 invariant: the server's mirror of each client is bit for bit the model the client holds (or, after a
 round the server did not commit, the copy it kept of a round back), so ``theta - mirror`` is exactly
@@ -30,10 +30,10 @@ from pollen.clientside.feedback import owed, refused
 from pollen.clientside.lazy_mod import COPY_PREFIX, PREV_X, UP_ROUND, UP_USED, lazy_mod
 from pollen.clientside.state import STATE_KEY, ClientState
 from pollen.lazy import checksum
-from pollen.strategies import base as base_module
+from pollen.strategies.engine import strategy as base_module
 from pollen.strategies.fedadavr import _VRSink
 from pollen.strategies.lazy import FedLazy
-from pollen.strategies.sinks import RunningMean
+from pollen.strategies.engine.sinks import RunningMean
 from pollen.testing.fakes import (
     TRAINABLE,
     FakeGrid,

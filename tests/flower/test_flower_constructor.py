@@ -23,7 +23,7 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 import pollen.strategies as strategies
 from pollen.optim import sgd
 from pollen.strategies import AdaptiveStrategy, FedAMS
-from pollen.strategies.base import FLOWER_ARGUMENTS
+from pollen.strategies.engine.strategy import FLOWER_ARGUMENTS
 from pollen.testing.fakes import FakeGrid, model_record, named_arrays, tiny_model
 
 pytestmark = pytest.mark.flower_compat

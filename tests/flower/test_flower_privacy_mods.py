@@ -35,8 +35,8 @@ from flwr.serverapp.strategy import (
 
 from pollen.clientside import compression_mod
 from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, MeteredFedAdam, MeteredFedAvg
-from pollen.strategies.client_errors import ClientAppIncompatible, client_error_text
-from pollen.strategies.rounds import SetupError
+from pollen.strategies.engine.client_errors import ClientAppIncompatible, client_error_text
+from pollen.strategies.engine.rounds import SetupError
 from pollen.testing.fakes import FakeGrid, capture_flwr_logs, make_context, messages_text, model_record, tiny_model
 
 NODES = [11, 12, 13]

@@ -13,8 +13,8 @@ import pytest
 from flwr.app import MetricRecord
 
 from pollen.core.layout import ModelLayout
-from pollen.strategies.replies import Extra, ReplyRejected, ReplySpec, read_reply
-from pollen.strategies.screening import DEFAULT_MAX_ABS
+from pollen.strategies.engine.replies import Extra, ReplyRejected, ReplySpec, read_reply
+from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
 from pollen.testing.fakes import model_record, reply, tiny_model, train_message
 from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record

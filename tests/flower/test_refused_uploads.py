@@ -14,7 +14,7 @@ import pytest
 
 from pollen.clientside import compression_mod
 from pollen.strategies import FedCAMS
-from pollen.strategies.ledger import AppliedLedger
+from pollen.strategies.engine.ledger import AppliedLedger
 from pollen.testing.fakes import (
     FakeGrid,
     config_of,

@@ -546,9 +546,9 @@ def test_streaming_and_kept_paths_give_the_same_bits_and_a_bounded_reduction_err
     never touches the sum); before, each delta was scaled by ``1/M`` first. The two orders differ by
     float32 rounding only: bounded here against a float64 mean. The streaming path (round >= 2, replies
     summed as read) and the path that keeps every delta (round 1) give identical bits."""
-    from pollen.strategies.base import RunningMean
-    from pollen.strategies.replies import ClientUpdate
-    from pollen.strategies.screening import UpdateScreen
+    from pollen.strategies.engine.strategy import RunningMean
+    from pollen.strategies.engine.replies import ClientUpdate
+    from pollen.strategies.engine.screening import UpdateScreen
 
     rng = np.random.default_rng(0)
     deltas = [rng.standard_normal(10_000).astype(np.float32) * s for s in (1e-3, 1.0, 5.0, 0.2)]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pollen.strategies import FedAMS, FedLAMB
-from pollen.strategies.screening import UpdateScreen
+from pollen.strategies.engine.screening import UpdateScreen
 from pollen.testing.fakes import (
     FakeGrid,
     config_of,
@@ -156,7 +156,7 @@ def test_mimes_square_is_formed_in_float64_and_a_round_that_would_overflow_float
 
 def test_an_extra_declared_unscreened_gets_only_the_hard_limit() -> None:
     from pollen.core.layout import ModelLayout
-    from pollen.strategies.replies import Extra, ReplySpec, screened_kinds
+    from pollen.strategies.engine.replies import Extra, ReplySpec, screened_kinds
 
     layout = ModelLayout.from_arrays(with_running_var(tiny_model()))
     spec = ReplySpec(extras=(Extra("v"), Extra("scale", size=1, screen="off")))

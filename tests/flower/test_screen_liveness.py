@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from pollen.strategies import FedAMS, HAFed, MeteredFedAdam, RunCheckpoint, RunInterrupted, screening
-from pollen.strategies.screening import StreamedRound, UpdateScreen, history_is_stale
+from pollen.strategies import FedAMS, HAFed, MeteredFedAdam, RunCheckpoint, RunInterrupted
+from pollen.strategies.engine import screening
+from pollen.strategies.engine.screening import StreamedRound, UpdateScreen, history_is_stale
 from pollen.testing.fakes import (
     FakeGrid,
     capture_flwr_logs,

@@ -15,7 +15,7 @@ from pollen.clientside.steps.hafed import CFG_SEGMENT, active_iterations, segmen
 from pollen.gossip import mixing_matrix, without_absent
 from pollen.optim import amsgrad
 from pollen.strategies import HAFed
-from pollen.strategies.rounds import SetupError
+from pollen.strategies.engine.rounds import SetupError
 from pollen.testing.fakes import (
     FakeGrid,
     config_of,

@@ -670,7 +670,7 @@ def test_a_memory_mapped_book_resumes_bit_for_bit(tmp_path):
 
 def test_the_downlink_is_a_part_the_strategy_receives_and_equals_the_flat_arguments() -> None:
     """FedLazy(downlink=Downlink(...)) is FedBNLACA built from the down_* arguments, bit for bit."""
-    from pollen.strategies.downlink import Downlink
+    from pollen.strategies.engine.downlink import Downlink
 
     settings = dict(up_rule="nla", up_tau=0.5, compressor="topk", topk_ratio=0.25, **SERVER)
     flat = FedLazy(down_compressor="topk", down_rule="nla", down_tau=0.3, down_topk_ratio=0.5, **settings)

@@ -134,3 +134,25 @@ def test_the_unit_tests_need_no_flower() -> None:
                 if parts[0] == "flwr" or (parts[0] == "pollen" and len(parts) > 1 and parts[1] not in FLOWER_FREE):
                     wrong.append(f"{path.name}:{node.lineno}: {name}")
     assert not wrong, f"unit tests that import Flower or the glue: {wrong}"
+
+
+ENGINE = PACKAGE / "strategies" / "engine"
+
+
+@pytest.mark.parametrize("path", sorted(ENGINE.glob("*.py")), ids=lambda p: p.name)
+def test_the_engine_imports_no_method(path: Path) -> None:
+    """``strategies/engine/`` is below the methods beside it: an engine part imports other parts, never a method."""
+    wrong = [
+        f"line {line}: {module}"
+        for line, module in _imports(path, PACKAGE)
+        if module.startswith("pollen.strategies") and not module.startswith("pollen.strategies.engine")
+    ]
+    assert not wrong, f"engine/{path.name} imports a method module: {wrong}"
+
+
+def test_no_engine_module_shares_a_name_with_the_math_layer() -> None:
+    """One word, one meaning: an engine part's module is not named like a module or folder of the math layer
+    (a method's module shares its stem with its math on purpose: ``strategies/lazy.py`` and ``lazy/``)."""
+    glue = {p.stem for p in ENGINE.glob("*.py")} - {"__init__"}
+    math = {p.stem for entry in MATH for p in (PACKAGE / entry).rglob("*.py")} | MATH
+    assert not glue & math, f"the same name in strategies/ and in the math layer: {sorted(glue & math)}"

@@ -41,7 +41,7 @@ _AMSGRAD_EPS = {"paper": "max", "max": "max", "add": "add", "inside": "inside"}
 
 def uplink_of(cfg: Mapping[str, Any]) -> Any:
     """The :class:`pollen.strategies.Uplink` the run-config asks for, or ``None`` for ``compressor = "none"``."""
-    from pollen.strategies.uplink import Uplink
+    from pollen.strategies.engine.uplink import Uplink
 
     if cfg["compressor"] == "none":
         return None

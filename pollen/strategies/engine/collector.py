@@ -7,15 +7,15 @@ a guarantee about replies is written once:
   duplicate, an unsampled node's or a previous round's reply is a failure with a reason; each
   phase's messages carry a group id that Flower copies into their replies, so an answer to an
   earlier message is known as such);
-- every rejection is counted in the round's :class:`~pollen.strategies.accounting.RoundStats` and
+- every rejection is counted in the round's :class:`~pollen.strategies.engine.accounting.RoundStats` and
   logged with the client's stable id;
 - a node that was asked and did not answer is a failure too ("no reply before the timeout");
 - an error reply the SuperLink writes itself for a message it could not deliver (the node went offline:
   Flower's ``NODE_UNAVAILABLE``, sent from the SuperLink's own node id) is that node's failure, found by
   the id of the message it answers (:meth:`ReplyCollector.note_sent`), and counted once;
 - :meth:`ReplyCollector.read` judges each reply once with
-  :func:`~pollen.strategies.replies.read_reply` against the method's
-  :class:`~pollen.strategies.replies.ReplySpec`; a reply that cannot be trusted never reaches a sink.
+  :func:`~pollen.strategies.engine.replies.read_reply` against the method's
+  :class:`~pollen.strategies.engine.replies.ReplySpec`; a reply that cannot be trusted never reaches a sink.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from flwr.app import Message, Metadata, MetricRecord, RecordDict
 from flwr.common import log
 
 from pollen.core.layout import ModelLayout
-from pollen.strategies.accounting import Accounting
-from pollen.strategies.client_errors import (
+from pollen.strategies.engine.accounting import Accounting
+from pollen.strategies.engine.client_errors import (
     MAX_CLIENT_ERROR_LENGTH,
     ClientAppIncompatible,
     client_error_text,
     incompatibility,
 )
-from pollen.strategies.replies import (
+from pollen.strategies.engine.replies import (
     ClientErrorReply,
     ClientUpdate,
     ReplyRejected,
@@ -44,7 +44,7 @@ from pollen.strategies.replies import (
     count_records,
     read_reply,
 )
-from pollen.strategies.sampling import ClientSampler
+from pollen.strategies.engine.sampling import ClientSampler
 from pollen.wire import protocol
 
 try:  # the node id the SuperLink's own replies come from (1 in every Flower this library supports)
@@ -143,7 +143,7 @@ class ReplyCollector:
 
     def refuse(self, server_round: int, node: int, reason: str) -> None:
         """:meth:`reject` a reply the server read and refused for its content (validation, the outlier screen):
-        an error-fed client is told to drop that upload, not to owe it (:mod:`~pollen.strategies.ledger`)."""
+        an error-fed client is told to drop that upload, not to owe it (:mod:`~pollen.strategies.engine.ledger`)."""
         self.reject(server_round, node, reason)
         self._refused.setdefault(server_round, set()).add(self.sampler.key(node))
 

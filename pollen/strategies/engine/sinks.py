@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 from flwr.app import MetricRecord
 
-from pollen.strategies.replies import ClientUpdate, ReplyRejected
-from pollen.strategies.screening import StreamedRound, UpdateScreen
+from pollen.strategies.engine.replies import ClientUpdate, ReplyRejected
+from pollen.strategies.engine.screening import StreamedRound, UpdateScreen
 
 #: How client updates are combined: the papers' plain mean, or weighted by ``num-examples``.
 AGGREGATIONS = ("mean", "weighted")

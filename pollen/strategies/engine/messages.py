@@ -2,9 +2,9 @@
 
 :class:`Transport` builds a round's train messages from one shared ``RecordDict`` (or per-node
 content), sends the further messages of a multi-phase round (:meth:`Transport.exchange`), records
-whom it asked in the :class:`~pollen.strategies.collector.ReplyCollector`, and counts the bytes of
+whom it asked in the :class:`~pollen.strategies.engine.collector.ReplyCollector`, and counts the bytes of
 every record it sends (a record shared by several messages is measured once). In population mode
-(:mod:`pollen.strategies.sampling`) every message also names the partition its node plays
+(:mod:`pollen.strategies.engine.sampling`) every message also names the partition its node plays
 (:data:`~pollen.wire.protocol.CFG_PARTITION`, in a config record of the message's own).
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from pollen.strategies.accounting import Accounting, RoundStats
-from pollen.strategies.collector import EVALUATE_PHASE, ReplyCollector
+from pollen.strategies.engine.accounting import Accounting, RoundStats
+from pollen.strategies.engine.collector import EVALUATE_PHASE, ReplyCollector
 from pollen.wire import protocol
 
 

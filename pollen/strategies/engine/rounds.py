@@ -30,7 +30,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from pollen.strategies.checkpointing import RunCheckpoint
+from pollen.strategies.engine.resume import RunCheckpoint
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 

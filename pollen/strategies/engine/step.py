@@ -16,7 +16,7 @@ import numpy as np
 
 from pollen.core import state_fields as fields
 from pollen.optim import OptState, Transform
-from pollen.strategies.screening import DEFAULT_MAX_ABS, all_finite
+from pollen.strategies.engine.screening import DEFAULT_MAX_ABS, all_finite
 
 
 class ServerStep:

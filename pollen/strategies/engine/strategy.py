@@ -3,22 +3,22 @@
 ``AdaptiveStrategy`` wires the parts every adaptive federated method needs; each part has one job
 and a public surface, and no part touches another's private state:
 
-- :class:`~pollen.strategies.model.GlobalModel`: the global model as one flat float32 vector of
+- :class:`~pollen.strategies.engine.model.GlobalModel`: the global model as one flat float32 vector of
   trainable values plus the buffers (averaged, never fed to the optimiser), in and out of records;
-- :class:`~pollen.strategies.sampling.ClientSampler`: seeded sampling keyed by stable client ids;
-- :class:`~pollen.strategies.transport.Transport`: train, evaluate and mid-round messages, bytes;
-- :class:`~pollen.strategies.collector.ReplyCollector`: who was asked in each phase, one reply each,
-  every reply read once against the method's :class:`~pollen.strategies.replies.ReplySpec`,
+- :class:`~pollen.strategies.engine.sampling.ClientSampler`: seeded sampling keyed by stable client ids;
+- :class:`~pollen.strategies.engine.messages.Transport`: train, evaluate and mid-round messages, bytes;
+- :class:`~pollen.strategies.engine.collector.ReplyCollector`: who was asked in each phase, one reply each,
+  every reply read once against the method's :class:`~pollen.strategies.engine.replies.ReplySpec`,
   rejections with reasons;
-- :class:`~pollen.strategies.screening.UpdateScreen` and the sinks of :mod:`pollen.strategies.sinks`
+- :class:`~pollen.strategies.engine.screening.UpdateScreen` and the sinks of :mod:`pollen.strategies.engine.sinks`
   (the running mean; FedAdaVR's table sink): outliers out, the round's aggregate in;
-- :class:`~pollen.strategies.step.ServerStep`: the server optimiser (:mod:`pollen.optim` transform)
+- :class:`~pollen.strategies.engine.step.ServerStep`: the server optimiser (:mod:`pollen.optim` transform)
   stepped as a transaction;
-- :class:`~pollen.strategies.uplink.Uplink` (optional): what clients upload;
-- an :class:`~pollen.aggregate.Aggregator` (:mod:`pollen.strategies.robust`): the mean (streamed) or a
+- :class:`~pollen.strategies.engine.uplink.Uplink` (optional): what clients upload;
+- an :class:`~pollen.aggregate.Aggregator` (:mod:`pollen.strategies.engine.aggregation`): the mean (streamed) or a
   robust aggregate of the round's kept updates (median, trimmed mean, majority vote);
-- :class:`~pollen.strategies.accounting.Accounting`: per-round numbers measured on the wire;
-- state by declaration (:mod:`pollen.strategies.declared`): the parts and the fields a method
+- :class:`~pollen.strategies.engine.accounting.Accounting`: per-round numbers measured on the wire;
+- state by declaration (:mod:`pollen.strategies.engine.declared`): the parts and the fields a method
   declares in ``state_fields`` are written and restored for resume.
 
 A method overrides small steps: ``train_config`` (extra client config), ``node_content`` (what one
@@ -42,18 +42,18 @@ from flwr.serverapp.strategy import Strategy
 
 from pollen.core.layout import ModelLayout
 from pollen.optim import OptState, Transform
-from pollen.strategies.accounting import Accounting
-from pollen.strategies.collector import TRAIN_PHASE, ReplyCollector, reason_of
-from pollen.strategies.declared import restore_strategy_state, strategy_state
-from pollen.strategies.flower_wrappers import refuse_dp_wrapper
-from pollen.strategies.ledger import AppliedLedger
-from pollen.strategies.model import GlobalModel
-from pollen.strategies.replies import ClientUpdate, ReplyRejected, ReplySpec, screened_kinds
-from pollen.strategies.robust import Aggregator, check_codec, check_fits, make_aggregator, robust_delta
-from pollen.strategies.rounds import RoundLoop
-from pollen.strategies.sampling import ClientSampler
-from pollen.strategies.screening import DEFAULT_MAX_ABS, StreamedRound, UpdateScreen, all_finite
-from pollen.strategies.sinks import (
+from pollen.strategies.engine.accounting import Accounting
+from pollen.strategies.engine.collector import TRAIN_PHASE, ReplyCollector, reason_of
+from pollen.strategies.engine.declared import restore_strategy_state, strategy_state
+from pollen.strategies.engine.flower_wrappers import refuse_dp_wrapper
+from pollen.strategies.engine.ledger import AppliedLedger
+from pollen.strategies.engine.model import GlobalModel
+from pollen.strategies.engine.replies import ClientUpdate, ReplyRejected, ReplySpec, screened_kinds
+from pollen.strategies.engine.aggregation import Aggregator, check_codec, check_fits, make_aggregator, robust_delta
+from pollen.strategies.engine.rounds import RoundLoop
+from pollen.strategies.engine.sampling import ClientSampler
+from pollen.strategies.engine.screening import DEFAULT_MAX_ABS, StreamedRound, UpdateScreen, all_finite
+from pollen.strategies.engine.sinks import (
     AGGREGATIONS,
     RunningMean,
     ScreenedSink,
@@ -62,9 +62,9 @@ from pollen.strategies.sinks import (
     records_first,
     weights_of,
 )
-from pollen.strategies.step import ServerStep
-from pollen.strategies.transport import Transport
-from pollen.strategies.uplink import Uplink
+from pollen.strategies.engine.step import ServerStep
+from pollen.strategies.engine.messages import Transport
+from pollen.strategies.engine.uplink import Uplink
 from pollen.wire import protocol
 
 __all__ = [
@@ -223,13 +223,13 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         ``"mean"``: the papers' simple average ``(1/|S_t|) sum_i delta_i``;
         ``"weighted"``: weighted by ``weighted_by_key`` (Flower's FedAvg behaviour).
     aggregator : str | Aggregator (default: "mean")
-        How the round's updates become one delta (:mod:`pollen.strategies.robust`): ``"mean"``
+        How the round's updates become one delta (:mod:`pollen.strategies.engine.aggregation`): ``"mean"``
         (streamed, as ``aggregation`` says), ``"median"``, ``"trimmed-mean"`` (or
         ``pollen.aggregate.TrimmedMean(beta)``) or ``"majority-vote"`` (scaled-sign uploads only). A
         robust one keeps the round's updates, gives each client one vote (``aggregation="mean"``
         only) and is refused with a reason by methods it does not fit (``robust_refusal``).
     uplink : Uplink | None (default: None)
-        What clients upload (:class:`~pollen.strategies.uplink.Uplink`: codec, error feedback,
+        What clients upload (:class:`~pollen.strategies.engine.uplink.Uplink`: codec, error feedback,
         granularity); ``None`` asks for nothing and takes full models (any Flower ClientApp).
     buffer_keys : list[str] | None (default: None)
         Names of non-trainable arrays; ``None`` infers them (integer dtypes and
@@ -246,10 +246,10 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         0: one client per connected node. N > 0: N logical clients (``partition-0`` ..
         ``partition-<N-1>``) played by the connected nodes, bound anew each round; the
         fractions are of N and each message names the partition its node plays
-        (:mod:`pollen.strategies.sampling`). Needs pollen's ClientApp (or one that reads
+        (:mod:`pollen.strategies.engine.sampling`). Needs pollen's ClientApp (or one that reads
         ``pollen.partition``) and at least as many nodes as a round samples.
     outlier_rule : str (default: "reject")
-        Outlier screen of update norms (:mod:`pollen.strategies.screening`): ``"reject"``,
+        Outlier screen of update norms (:mod:`pollen.strategies.engine.screening`): ``"reject"``,
         ``"clip"`` or ``"off"``.
     outlier_factor : float (default: 10.0)
         The screen's bound is this factor times the median accepted norm of the last
@@ -273,7 +273,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     #: is kept (``aggregate_deltas`` is not called). Methods that need each delta set this False.
     streaming: bool = True
     #: What the method keeps across rounds beyond the base's parts, by attribute name and kind
-    #: (:mod:`pollen.strategies.declared`): written, restored and checked by the base.
+    #: (:mod:`pollen.strategies.engine.declared`): written, restored and checked by the base.
     state_fields: ClassVar[Mapping[str, str]] = {}
     #: Why a robust aggregator does not fit this method (``None``: its aggregate is a mean of updates).
     robust_refusal: ClassVar[str | None] = None
@@ -452,7 +452,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         return shared
 
     def reports_applied(self) -> bool:
-        """Whether each client is told what the server applied of its last upload (:mod:`~pollen.strategies.ledger`).
+        """Whether each client is told what the server applied of its last upload (:mod:`~pollen.strategies.engine.ledger`).
 
         On for error-fed uploads: the client puts whatever was not applied (a rejected, lost, skipped,
         rolled-back or clipped upload) back into its residual, so error feedback loses nothing.

@@ -13,7 +13,7 @@ checks and checkpoints.
 A strategy calls :func:`refuse_dp_wrapper` from the methods a wrapper calls into (``summary``, which
 Flower's ``start`` calls first, and ``configure_train``): it looks at the caller that is not the strategy
 itself, and when that is one of Flower's DP wrappers holding this strategy it raises
-:class:`~pollen.strategies.rounds.SetupError` with one line, before a message is sent. Nothing else is
+:class:`~pollen.strategies.engine.rounds.SetupError` with one line, before a message is sent. Nothing else is
 inspected, so a strategy driven by its own ``start``, a test or any other caller runs as before.
 """
 
@@ -23,7 +23,7 @@ import sys
 from types import FrameType
 from typing import Any
 
-from pollen.strategies.rounds import SetupError
+from pollen.strategies.engine.rounds import SetupError
 
 try:  # Flower's Message API DP wrappers (flwr >= 1.21); a Flower without them has nothing to refuse
     from flwr.serverapp.strategy import (

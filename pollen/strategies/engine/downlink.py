@@ -1,6 +1,6 @@
 """What the server sends down: a codec with error feedback against per-client mirrors, given as one part.
 
-The counterpart of :class:`~pollen.strategies.uplink.Uplink` for the other direction (FedBACA's
+The counterpart of :class:`~pollen.strategies.engine.uplink.Uplink` for the other direction (FedBACA's
 Algorithm 2, the spec's increment reading): the server keeps a mirror ``x_i`` of each client's model,
 the last increment ``c_prev_i`` and the downlink error ``e_i`` (:data:`Downlink.MIRRORS`, one
 per-client table each), and sends ``C(theta_t - x_i + e_i)`` judged by NLA / AA against

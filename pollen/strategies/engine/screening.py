@@ -30,7 +30,7 @@ The history holds accepted norms only, so a rejected reply leaves no trace in la
 It is part of the strategy's saved state (resume stays exact).
 
 **Records screened by kind.** The same rule and factor judge every other record a method declares as
-screened (:class:`~pollen.strategies.replies.Extra` ``screen="norm"``: a second moment ``v_i``, a
+screened (:class:`~pollen.strategies.engine.replies.Extra` ``screen="norm"``: a second moment ``v_i``, a
 gradient; the model's floating-point buffers, one kind per buffer: a BatchNorm ``running_var``),
 each against its own kind: the L2 norm of a reply's record against the median norm of the same
 record in the accepted replies of the last ``window`` rounds (a history per kind), else against the
@@ -312,9 +312,9 @@ class UpdateScreen:
         """Judge each screened record of ``update`` against its bound: the reason it is rejected, or ``None``.
 
         With ``rule="clip"`` an outlying record is scaled down to its bound (a new array; see
-        :func:`~pollen.strategies.replies.scale_record`) and its norm updated.
+        :func:`~pollen.strategies.engine.replies.scale_record`) and its norm updated.
         """
-        from pollen.strategies.replies import scale_record  # replies imports this module
+        from pollen.strategies.engine.replies import scale_record  # replies imports this module
 
         norms = getattr(update, "record_norms", {})
         for kind in sorted(norms):
@@ -479,7 +479,7 @@ class StreamedRound:
         """Judge each held update within its round (:meth:`UpdateScreen.spared_bounds` against the norms of
         every counted update), then ``admit`` it (clipped first under ``rule="clip"``) or hand it to
         ``on_reject`` with the reason; the ids of the rejected ones."""
-        from pollen.strategies.replies import scale_record  # replies imports this module
+        from pollen.strategies.engine.replies import scale_record  # replies imports this module
 
         rejected: set[int] = set()
         for update in self.held:

@@ -25,8 +25,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 
 from pollen.compression import decode_payload
 from pollen.core.layout import ModelLayout
-from pollen.strategies.client_errors import client_error_text
-from pollen.strategies.screening import vector_stats
+from pollen.strategies.engine.client_errors import client_error_text
+from pollen.strategies.engine.screening import vector_stats
 from pollen.wire import protocol
 from pollen.wire.records import record_to_arrays, records_to_payload
 
@@ -142,7 +142,7 @@ class ClientUpdate:
     ``delta`` is ``x_local - x_global`` as float32 (``None`` when the method allows a reply without
     an update); ``record_bytes`` the bytes of each record of the reply, by record name;
     ``applied_scale`` the fraction of the update the server applies (below 1 when the outlier screen
-    clipped it; the client is told, :mod:`pollen.strategies.ledger`); ``record_norms`` the L2 norm of
+    clipped it; the client is told, :mod:`pollen.strategies.engine.ledger`); ``record_norms`` the L2 norm of
     each record the outlier screen judges, by kind (``"extra:v"``, ``"buffer:bn.running_var"``);
     ``update_record`` the name of the record the update came in; ``reply`` the reply's MetricRecords and
     ConfigRecords (what a Flower metric aggregation function is given; the arrays are not kept).

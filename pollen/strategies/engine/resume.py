@@ -1,6 +1,6 @@
 """A run's checkpoint: the global model, the strategy's full state and the results so far, per round.
 
-:class:`RunCheckpoint` is what :meth:`pollen.strategies.rounds.RoundLoop.start` writes after every round
+:class:`RunCheckpoint` is what :meth:`pollen.strategies.engine.rounds.RoundLoop.start` writes after every round
 and reads back to resume. The file (``<run dir>/checkpoint.npz``) is written atomically by
 :mod:`pollen.core.checkpoint` (temporary file, fsync, rename), so a crash while writing leaves the previous
 checkpoint usable, and it is read without pickle. A checkpoint is tied to what wrote it: the strategy
@@ -41,7 +41,7 @@ from flwr.serverapp.strategy import Result
 from pollen.core import state_fields as fields
 from pollen.core.checkpoint import CheckpointError, describe_difference, load_checkpoint, save_checkpoint
 from pollen.core.files import sha256_of, write_bytes_atomically
-from pollen.strategies.model import saved_layout
+from pollen.strategies.engine.model import saved_layout
 from pollen.wire.records import arrays_to_record, record_to_arrays
 
 CHECKPOINT_FILE = "checkpoint.npz"

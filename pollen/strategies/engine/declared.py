@@ -1,7 +1,7 @@
 """State by declaration: a strategy names what it keeps; the base writes, reads and checks it.
 
 A strategy class sets ``state_fields = {"v_hat": VECTOR, "client_versions": COUNTS, "book": PART}``
-(attribute name -> kind). :class:`~pollen.strategies.base.AdaptiveStrategy` writes each declared
+(attribute name -> kind). :class:`~pollen.strategies.engine.strategy.AdaptiveStrategy` writes each declared
 attribute into ``state_dict()`` and restores it in ``load_state_dict()`` with the kind's checks,
 the way torch's ``Optimizer.state_dict`` serialises ``self.state`` for every optimiser: no strategy
 writes its own serialisation.
@@ -15,16 +15,16 @@ from typing import Any
 import numpy as np
 
 from pollen.core import state_fields as fields
-from pollen.strategies.accounting import Accounting
-from pollen.strategies.ledger import AppliedLedger
-from pollen.strategies.model import GlobalModel
-from pollen.strategies.screening import DEFAULT_MAX_ABS
-from pollen.strategies.step import ServerStep
+from pollen.strategies.engine.accounting import Accounting
+from pollen.strategies.engine.ledger import AppliedLedger
+from pollen.strategies.engine.model import GlobalModel
+from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
+from pollen.strategies.engine.step import ServerStep
 
 #: A flat float32 vector of the model's trainable dimension, finite (or ``None`` before the model is known).
 VECTOR = "vector"
 #: A VECTOR of second moments: finite, >= 0 and at most the updates' hard limit (``max_abs``; see
-#: :data:`pollen.strategies.step.SECOND_MOMENTS` for why that bound).
+#: :data:`pollen.strategies.engine.step.SECOND_MOMENTS` for why that bound).
 MOMENT = "moment"
 #: A whole number >= 0.
 COUNT = "count"

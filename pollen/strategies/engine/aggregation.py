@@ -1,6 +1,6 @@
 """Robust aggregation as a part any strategy takes: ``FedAMS(aggregator="median")``.
 
-Like :class:`~pollen.strategies.uplink.Uplink`, the aggregator is given to a strategy, not built into
+Like :class:`~pollen.strategies.engine.uplink.Uplink`, the aggregator is given to a strategy, not built into
 a class: every method whose round aggregate is a mean of decoded updates (FedAMS, FedCAMS, FedOpt,
 FedAdaVR's ``novr`` variant, the lazy family's resolved vectors, Fed-LAMB's model average) can swap that
 mean for one of :mod:`pollen.aggregate.robust` (coordinate-wise median, trimmed mean, or the majority
