@@ -28,8 +28,8 @@ SETUP = {
     "batch-size": 20,
     "local-lr": 0.05,
     "momentum": 0.0,  # the FedAdaVR family recommends the paper's 0.9: pinned, every method here ran without
-    "beta1": 0.9,
-    "beta2": 0.999,
+    "beta-1": 0.9,
+    "beta-2": 0.999,
     "eval-batch-size": 1000,
     "eval-every": 5,
 }

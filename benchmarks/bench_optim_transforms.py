@@ -142,7 +142,7 @@ def main() -> None:
         ),
         "adam": (make_server_optimizer("adam", eta=0.1, eps=1e-3), numpy_adam(d)),
         "lamb (62 segments)": (
-            make_server_optimizer("lamb", eta=0.01, segments=segments, eps=1e-8, beta2=0.999, bias_correction=True),
+            make_server_optimizer("lamb", eta=0.01, segments=segments, eps=1e-8, beta_2=0.999, bias_correction=True),
             numpy_lamb(d, segments),
         ),
     }

@@ -123,8 +123,8 @@ SAMPLING = {
 #: The server optimiser's settings every adaptive method shares (each family's defaults say its own).
 SERVER_OPTIMIZER = {
     "server-lr": positive(0.1),
-    "beta1": beta(0.9),
-    "beta2": beta(0.99),
+    "beta-1": beta(0.9),
+    "beta-2": beta(0.99),
     "eps": non_negative(0.001),
 }
 DATA = {

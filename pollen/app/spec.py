@@ -81,7 +81,7 @@ def unit_closed(default: float) -> Key:
 
 
 def beta(default: float) -> Key:
-    """A decay coefficient in [0, 1) (Adam's beta1 / beta2, SGD momentum)."""
+    """A decay coefficient in [0, 1) (the moment decays beta-1 / beta-2, SGD momentum)."""
     return Key(float, default, lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 

@@ -3,8 +3,8 @@
 Karimi, Li, Li (UAI 2023), Algorithm 1. Flower-free: any PyTorch training loop can use it. One local
 step (lines 10-13; ``g`` is the minibatch gradient at the current ``theta``)::
 
-    m     <- beta1 * m + (1 - beta1) * g                  # line 10
-    v     <- beta2 * v + (1 - beta2) * g**2               # line 11 (typo-corrected); uploaded, not used here
+    m     <- beta_1 * m + (1 - beta_1) * g                # line 10
+    v     <- beta_2 * v + (1 - beta_2) * g**2             # line 11 (typo-corrected); uploaded, not used here
     psi   <- m / sqrt(v_hat)                              # line 12; v_hat = the server's, fixed in a round
                                                           # (local_vhat: m / sqrt(max(v_hat, v)))
     for each parameter tensor ("layer"):
@@ -80,7 +80,7 @@ def _check_settings(s: dict[str, Any]) -> None:
         raise _fail("lr", s["lr"], "a finite number >= 0")
     betas = s["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise _fail("betas", betas, "a pair (beta1, beta2), each in [0, 1)")
+        raise _fail("betas", betas, "a pair (beta_1, beta_2), each in [0, 1)")
     for i, beta in enumerate(betas):
         b = _real(f"betas[{i}]", beta, "a number in [0, 1)")
         if not 0.0 <= b < 1.0:
@@ -135,7 +135,7 @@ class LocalLAMB(torch.optim.Optimizer):
         Local learning rate ``alpha_r`` (>= 0). With the trust ratio each layer moves by exactly
         ``lr * phi(||theta_l||)`` per step.
     betas : (float, float), default (0.9, 0.999)
-        ``(beta1, beta2)``, each in ``[0, 1)``: decay of ``m`` (line 10) and of the uploaded ``v`` (line 11).
+        ``(beta_1, beta_2)``, each in ``[0, 1)``: decay of ``m`` (line 10) and of the uploaded ``v`` (line 11).
     weight_decay : float, default 0.0
         ``lambda`` (>= 0; the paper tunes it in {0, 0.01, 0.1}), decoupled: added to the direction
         (``u = psi + lambda * theta``), never to the gradient or the moments.
@@ -312,7 +312,7 @@ class LocalLAMB(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+            beta_1, beta_2 = group["betas"]
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
                 g = p.grad
@@ -322,9 +322,9 @@ class LocalLAMB(torch.optim.Optimizer):
                     raise RuntimeError(f"{_NAME} does not support sparse gradients")
                 state = self._init_state(p, group)
                 m, v_hat = state["m"], state["v_hat"]
-                m.mul_(beta1).add_(g, alpha=1.0 - beta1)  # line 10
+                m.mul_(beta_1).add_(g, alpha=1.0 - beta_1)  # line 10
                 if group["track_v"]:
-                    state["v"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)  # line 11, uploaded only
+                    state["v"].mul_(beta_2).addcmul_(g, g, value=1.0 - beta_2)  # line 11, uploaded only
                 denom = torch.maximum(v_hat, state["v"]).sqrt() if group.get("local_vhat") else v_hat.sqrt()
                 if group["eps_mode"] == "add":
                     denom.add_(group["eps"])

@@ -16,13 +16,14 @@ downhill) and ``step`` is what the server **adds**: ``x_new = x + step``.
 Pieces (:mod:`pollen.optim.transforms`): ``scale_by_adam``, ``scale_by_amsgrad``, ``scale_by_yogi``,
 ``scale_by_belief``, ``scale_by_rss``, ``scale_by_adpfed``, ``scale_by_trust_ratio``, ``trace``,
 ``scale`` and ``chain``. Named optimisers (:mod:`pollen.optim.aliases`), one chain each: ``sgd``,
-``adam``, ``yogi``, ``adagrad``, ``adabelief``, ``lamb``, ``amsgrad``, ``adpfed_adam``.
+``adam``, ``yogi``, ``adagrad``, ``adabelief``, ``lamb``, ``amsgrad``, ``adpfed_adam``. By name
+(:mod:`pollen.optim.by_name`): :func:`settings_of` (what a name takes), :func:`make_server_optimizer`
+(one built from settings spelt as Flower's ``FedAdam``: ``eta``, ``beta_1``, ``beta_2``; ``eps`` for its ``tau``).
 """
 
 from __future__ import annotations
 
 from .aliases import (
-    BY_NAME,
     SERVER_OPTIMIZERS,
     adabelief,
     adagrad,
@@ -30,11 +31,11 @@ from .aliases import (
     adpfed_adam,
     amsgrad,
     lamb,
-    make_server_optimizer,
     sgd,
     yogi,
 )
 from .base import OptState, Transform, spare_like
+from .by_name import BY_NAME, make_server_optimizer, refuse_unused, settings_of
 from .transforms import (
     EPS_MODES,
     Chain,
@@ -66,6 +67,7 @@ __all__ = [
     "chain",
     "lamb",
     "make_server_optimizer",
+    "refuse_unused",
     "scale",
     "scale_by_adam",
     "scale_by_adpfed",
@@ -75,6 +77,7 @@ __all__ = [
     "scale_by_trust_ratio",
     "scale_by_yogi",
     "segments_from_sizes",
+    "settings_of",
     "sgd",
     "spare_like",
     "trace",

@@ -448,17 +448,17 @@ def adaptive_step(
     eta: float,
     eps: float,
     t: int,
-    beta1: float,
-    beta2: float,
+    beta_1: float,
+    beta_2: float,
     bias_correction: bool,
     denominator_positive: bool = False,
 ) -> np.ndarray:
     """Write ``eta * m_hat / (sqrt(second_hat) + eps)`` into ``out`` (ε outside the sqrt).
 
     Without bias correction this is ``eta * m / (sqrt(second) + eps)`` (Reddi et al.,
-    FedCAMS eq. 3.4). With it, ``m_hat = m / (1 - beta1**t)`` and
-    ``second_hat = second / (1 - beta2**t)`` (FedAdaVR App. B), computed in the
-    FedCAMS code's form ``(eta / (1 - beta1**t)) * m / (sqrt(second) / sqrt(1 - beta2**t) + eps)``,
+    FedCAMS eq. 3.4). With it, ``m_hat = m / (1 - beta_1**t)`` and
+    ``second_hat = second / (1 - beta_2**t)`` (FedAdaVR App. B), computed in the
+    FedCAMS code's form ``(eta / (1 - beta_1**t)) * m / (sqrt(second) / sqrt(1 - beta_2**t) + eps)``,
     which is the same expression. ``out`` may not alias ``m``; it may alias ``second``.
 
     ``eta`` is the step size the transform was told to fold in (a following ``scale(eta)``; 1.0 when
@@ -470,11 +470,11 @@ def adaptive_step(
     """
     np.sqrt(second, out=out)
     if bias_correction:
-        out /= math.sqrt(1.0 - beta2**t)
+        out /= math.sqrt(1.0 - beta_2**t)
     if eps != 0.0:  # skipping `+ 0.0` is exact
         out += eps
     divide_into_denominator(m, out, may_be_zero=eps == 0.0 and not denominator_positive)
-    scale = eta / (1.0 - beta1**t) if bias_correction else eta
+    scale = eta / (1.0 - beta_1**t) if bias_correction else eta
     if scale != 1.0:  # skipping a multiply by 1 is exact
         out *= scale
     return out

@@ -11,7 +11,7 @@ the client update already points downhill, and ``scale(eta)`` takes ``eta > 0``.
 
 Scalar factors are folded, not applied twice: in a chain, a ``scale(c)`` that follows a piece which can
 take it (``folds_scale``: every piece here) becomes that piece's own last multiply. So
-``chain(scale_by_adam(...), scale(eta))`` multiplies by ``eta / (1 - beta1**t)`` once (one float64
+``chain(scale_by_adam(...), scale(eta))`` multiplies by ``eta / (1 - beta_1**t)`` once (one float64
 scalar, one float32 multiply) and LAMB multiplies each tensor's step by ``eta * ratio`` once: the numbers
 of the fused chains are those of the single-class optimisers this package had before, bit for bit
 (``tests/unit/test_optim_transforms.py``). Consecutive scales fold into one factor, their product.
@@ -78,22 +78,22 @@ def update_moments(
     m: np.ndarray,
     v: np.ndarray,
     delta: np.ndarray,
-    beta1: float,
-    beta2: float,
+    beta_1: float,
+    beta_2: float,
     *,
     scratch: np.ndarray,
 ) -> None:
-    """``m = beta1*m_old + (1-beta1)*delta`` and ``v = beta2*v_old + (1-beta2)*delta**2``, into ``m``, ``v``.
+    """``m = beta_1*m_old + (1-beta_1)*delta`` and ``v = beta_2*v_old + (1-beta_2)*delta**2``, into ``m``, ``v``.
 
     Shared by Adam, AMSGrad, LAMB and Adp-Fed's Adam so that they agree bit for bit. ``scratch`` may be
     ``out`` of the caller; it must not be ``delta``.
     """
-    np.multiply(m_old, beta1, out=m)  # m = beta1 * m
-    m += np.multiply(delta, 1.0 - beta1, out=scratch)  #     + (1 - beta1) * Delta
+    np.multiply(m_old, beta_1, out=m)  # m = beta_1 * m
+    m += np.multiply(delta, 1.0 - beta_1, out=scratch)  #     + (1 - beta_1) * Delta
     np.multiply(delta, delta, out=scratch)  # Delta**2
-    scratch *= 1.0 - beta2
-    np.multiply(v_old, beta2, out=v)  # v = beta2 * v
-    v += scratch  #     + (1 - beta2) * Delta**2
+    scratch *= 1.0 - beta_2
+    np.multiply(v_old, beta_2, out=v)  # v = beta_2 * v
+    v += scratch  #     + (1 - beta_2) * Delta**2
 
 
 # -------------------------------------------------------------------------------- scale, trace
@@ -189,21 +189,21 @@ class ScaleByAdam(Transform):
 
     FedCAMS spec §3.3, eqs. (3.2)-(3.4), ``m_0 = v_0 = 0``::
 
-        m_t = beta1 * m_{t-1} + (1 - beta1) * Delta_t
-        v_t = beta2 * v_{t-1} + (1 - beta2) * Delta_t**2
+        m_t = beta_1 * m_{t-1} + (1 - beta_1) * Delta_t
+        v_t = beta_2 * v_{t-1} + (1 - beta_2) * Delta_t**2
         x_{t+1} = x_t + eta * m_t / (sqrt(v_t) + eps)
 
     ``bias_correction=True`` is FedAdaVR App. B, Alg. 4 (eqs. 14-18) with the round counter
     ``t`` (1 in the first round)::
 
-        m_hat = m_t / (1 - beta1**t);  v_hat = v_t / (1 - beta2**t)
+        m_hat = m_t / (1 - beta_1**t);  v_hat = v_t / (1 - beta_2**t)
         x_{t+1} = x_t + eta * m_hat / (sqrt(v_hat) + eps)
 
     (FedAdaVR subtracts because its ``G = -Delta``.) The FedCAMS code's form (spec §3.9),
-    ``denom = sqrt(v)/sqrt(1 - beta2**t) + eps``, ``x += (eta/(1 - beta1**t)) * m/denom``,
-    is the same expression, since ``sqrt(v/(1-beta2**t)) = sqrt(v)/sqrt(1-beta2**t)``: the two
+    ``denom = sqrt(v)/sqrt(1 - beta_2**t) + eps``, ``x += (eta/(1 - beta_1**t)) * m/denom``,
+    is the same expression, since ``sqrt(v/(1-beta_2**t)) = sqrt(v)/sqrt(1-beta_2**t)``: the two
     readings agree, ε included. (Flower's ``FedAdam`` instead scales ``eta`` by
-    ``sqrt(1-beta2**t)/(1-beta1**t)`` and keeps ``sqrt(v) + eps``, which puts ε on a different
+    ``sqrt(1-beta_2**t)/(1-beta_1**t)`` and keeps ``sqrt(v) + eps``, which puts ε on a different
     scale; that is not what either paper writes.)
 
     This piece is the direction ``m_hat / (sqrt(v_hat) + eps)``; ``eta`` is a following ``scale(eta)``,
@@ -211,10 +211,10 @@ class ScaleByAdam(Transform):
 
     Parameters
     ----------
-    beta1 : float, default 0.9
-        First-moment decay, ``0 <= beta1 < 1``.
-    beta2 : float, default 0.99
-        Second-moment decay, ``0 <= beta2 < 1``.
+    beta_1 : float, default 0.9
+        First-moment decay, ``0 <= beta_1 < 1``.
+    beta_2 : float, default 0.99
+        Second-moment decay, ``0 <= beta_2 < 1``.
     eps : float, default 1e-3
         Added to ``sqrt(v)`` (outside the sqrt), ``>= 0``.
     bias_correction : bool, default False
@@ -227,9 +227,9 @@ class ScaleByAdam(Transform):
     folds_scale = True
 
     def __init__(
-        self, *, beta1: float = 0.9, beta2: float = 0.99, eps: float = 1e-3, bias_correction: bool = False
+        self, *, beta_1: float = 0.9, beta_2: float = 0.99, eps: float = 1e-3, bias_correction: bool = False
     ) -> None:
-        _set_moment_settings(self, beta1, beta2, eps, bias_correction)
+        _set_moment_settings(self, beta_1, beta_2, eps, bias_correction)
 
     def _block(
         self,
@@ -243,7 +243,7 @@ class ScaleByAdam(Transform):
         scratch: np.ndarray,
     ) -> None:
         m, v = new["m"], new["v"]
-        update_moments(old["m"], old["v"], m, v, u, self.beta1, self.beta2, scratch=out)
+        update_moments(old["m"], old["v"], m, v, u, self.beta_1, self.beta_2, scratch=out)
         adaptive_step(  # [eta *] m_hat / (sqrt(v_hat) + eps)
             m,
             v,
@@ -251,19 +251,19 @@ class ScaleByAdam(Transform):
             eta=factor,
             eps=self.eps,
             t=t,
-            beta1=self.beta1,
-            beta2=self.beta2,
+            beta_1=self.beta_1,
+            beta_2=self.beta_2,
             bias_correction=self.bias_correction,
         )
 
 
-def _set_moment_settings(tr: Transform, beta1: Any, beta2: Any, eps: Any, bias_correction: Any) -> None:
+def _set_moment_settings(tr: Transform, beta_1: Any, beta_2: Any, eps: Any, bias_correction: Any) -> None:
     """Check and keep the settings the Adam family shares (Adam, Yogi, AdaBelief)."""
-    tr.beta1 = check_beta(tr.name, "beta1", beta1)
-    tr.beta2 = check_beta(tr.name, "beta2", beta2)
+    tr.beta_1 = check_beta(tr.name, "beta_1", beta_1)
+    tr.beta_2 = check_beta(tr.name, "beta_2", beta_2)
     tr.eps = check_eps(tr.name, eps)
     tr.bias_correction = check_bool(tr.name, "bias_correction", bias_correction)
-    tr._hyper = {"beta1": tr.beta1, "beta2": tr.beta2, "eps": tr.eps, "bias_correction": tr.bias_correction}
+    tr._hyper = {"beta_1": tr.beta_1, "beta_2": tr.beta_2, "eps": tr.eps, "bias_correction": tr.bias_correction}
 
 
 # -------------------------------------------------------------------------------- AMSGrad
@@ -277,8 +277,8 @@ class ScaleByAMSGrad(Transform):
 
     FedCAMS spec §3.5, Algorithm 1 lines 14-17, ``m_0 = v_0 = 0``::
 
-        m_t = beta1 * m_{t-1} + (1 - beta1) * Delta_t                          # line 14
-        v_t = beta2 * v_{t-1} + (1 - beta2) * Delta_t**2                       # line 15
+        m_t = beta_1 * m_{t-1} + (1 - beta_1) * Delta_t                        # line 14
+        v_t = beta_2 * v_{t-1} + (1 - beta_2) * Delta_t**2                     # line 15
         Option 1 (eps_mode="max", "FedAMS"):
             v_hat_t = max(v_hat_{t-1}, v_t, eps);  x_{t+1} = x_t + eta * m_t / sqrt(v_hat_t)          # line 16
         Option 2 (eps_mode="add", "FedAMSGrad"):
@@ -292,11 +292,11 @@ class ScaleByAMSGrad(Transform):
     ``bias_correction=True`` is the official code's form (spec §3.9), off by default (the paper has
     none): the max is taken on the *un*-corrected ``v`` and ::
 
-        x_{t+1} = x_t + (eta / (1 - beta1**t)) * m_t / (sqrt(v_hat_t) / sqrt(1 - beta2**t) + eps')
+        x_{t+1} = x_t + (eta / (1 - beta_1**t)) * m_t / (sqrt(v_hat_t) / sqrt(1 - beta_2**t) + eps')
 
     with ``eps' = eps`` for Option 2 and ``eps' = 0`` for Option 1 (the code runs Option 1 as
-    ``eps=0, max_init=eps``). At ``t = 1`` with ``beta1 = 0.9, beta2 = 0.99`` Option 1 takes the same
-    step with and without correction (``1 - beta1 == sqrt(1 - beta2) == 0.1``, equal up to float
+    ``eps=0, max_init=eps``). At ``t = 1`` with ``beta_1 = 0.9, beta_2 = 0.99`` Option 1 takes the same
+    step with and without correction (``1 - beta_1 == sqrt(1 - beta_2) == 0.1``, equal up to float
     rounding); Option 2 then differs only in ε's scale (``eps`` vs ``0.1 * eps``).
 
     ``max_stabilisation=False`` drops ``v_hat_{t-1}`` from the max and keeps no ``v_hat`` slot:
@@ -307,10 +307,10 @@ class ScaleByAMSGrad(Transform):
 
     Parameters
     ----------
-    beta1 : float, default 0.9
-        First-moment decay, ``0 <= beta1 < 1``.
-    beta2 : float, default 0.99
-        Second-moment decay, ``0 <= beta2 < 1``.
+    beta_1 : float, default 0.9
+        First-moment decay, ``0 <= beta_1 < 1``.
+    beta_2 : float, default 0.99
+        Second-moment decay, ``0 <= beta_2 < 1``.
     eps : float, default 1e-3
         Option 1: floor inside the max (``> 0``; the denominator is at least ``sqrt(eps)``).
         Option 2: added outside the sqrt (``>= 0``). "inside": added to ``v_hat`` under the sqrt (``>= 0``).
@@ -330,15 +330,15 @@ class ScaleByAMSGrad(Transform):
     def __init__(
         self,
         *,
-        beta1: float = 0.9,
-        beta2: float = 0.99,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
         eps: float = 1e-3,
         eps_mode: str = "max",
         bias_correction: bool = False,
         max_stabilisation: bool = True,
     ) -> None:
-        self.beta1 = check_beta(self.name, "beta1", beta1)
-        self.beta2 = check_beta(self.name, "beta2", beta2)
+        self.beta_1 = check_beta(self.name, "beta_1", beta_1)
+        self.beta_2 = check_beta(self.name, "beta_2", beta_2)
         self.eps_mode = check_choice(self.name, "eps_mode", eps_mode, EPS_MODES)
         if self.eps_mode == "max":
             self.eps = check_real(self.name, "eps", eps, low=0.0, low_open=True)
@@ -348,8 +348,8 @@ class ScaleByAMSGrad(Transform):
         self.max_stabilisation = check_bool(self.name, "max_stabilisation", max_stabilisation)
         self.slot_names = ("m", "v", "v_hat") if self.max_stabilisation else ("m", "v")
         self._hyper = {
-            "beta1": self.beta1,
-            "beta2": self.beta2,
+            "beta_1": self.beta_1,
+            "beta_2": self.beta_2,
             "eps": self.eps,
             "eps_mode": self.eps_mode,
             "bias_correction": self.bias_correction,
@@ -374,7 +374,7 @@ class ScaleByAMSGrad(Transform):
         scratch: np.ndarray,
     ) -> None:
         m, v = new["m"], new["v"]
-        update_moments(old["m"], old["v"], m, v, u, self.beta1, self.beta2, scratch=out)  # lines 14-15
+        update_moments(old["m"], old["v"], m, v, u, self.beta_1, self.beta_2, scratch=out)  # lines 14-15
         option1 = self.eps_mode == "max"
         if self.max_stabilisation:
             v_hat = new["v_hat"]
@@ -394,8 +394,8 @@ class ScaleByAMSGrad(Transform):
                 eta=factor,
                 eps=0.0,
                 t=t,
-                beta1=self.beta1,
-                beta2=self.beta2,
+                beta_1=self.beta_1,
+                beta_2=self.beta_2,
                 bias_correction=self.bias_correction,
                 denominator_positive=self.eps > 0,
             )
@@ -408,8 +408,8 @@ class ScaleByAMSGrad(Transform):
             eta=factor,
             eps=0.0 if option1 else self.eps,
             t=t,
-            beta1=self.beta1,
-            beta2=self.beta2,
+            beta_1=self.beta_1,
+            beta_2=self.beta_2,
             bias_correction=self.bias_correction,
             denominator_positive=option1,  # Option 1: v_hat >= eps > 0
         )
@@ -425,30 +425,30 @@ class ScaleByYogi(Transform):
 
     ::
 
-        m_t = beta1 * m_{t-1} + (1 - beta1) * Delta_t
-        v_t = v_{t-1} - (1 - beta2) * Delta_t**2 * sign(v_{t-1} - Delta_t**2)
+        m_t = beta_1 * m_{t-1} + (1 - beta_1) * Delta_t
+        v_t = v_{t-1} - (1 - beta_2) * Delta_t**2 * sign(v_{t-1} - Delta_t**2)
         x_{t+1} = x_t + eta * m_t / (sqrt(v_t) + eps)                     # bias_correction=False
         x_{t+1} = x_t + eta * m_hat / (sqrt(v_hat) + eps)                 # bias_correction=True
-            m_hat = m_t / (1 - beta1**t),  v_hat = v_t / (1 - beta2**t)  # FedAdaVR eqs. 26-28
+            m_hat = m_t / (1 - beta_1**t),  v_hat = v_t / (1 - beta_2**t)  # FedAdaVR eqs. 26-28
 
     ``v_0 = 0`` (FedAdaVR Alg. 2 and the FedCAMS code; Reddi et al. start at ``tau**2``).
     ``v`` never goes negative: when ``v_{t-1} > Delta**2`` it shrinks by less than
-    ``(1-beta2) v_{t-1}``, otherwise it grows.
+    ``(1-beta_2) v_{t-1}``, otherwise it grows.
 
     Bias correction: FedAdaVR corrects ``m`` and ``v`` as in Adam (ε outside ``sqrt(v_hat)``); this
     is what ``bias_correction=True`` does. The FedCAMS code instead scales the step size by
-    ``sqrt(1-beta2**t)/(1-beta1**t)`` and keeps ``sqrt(v) + eps`` (spec §3.4), i.e. an ε that is
-    ``1/sqrt(1-beta2**t)`` times larger; the two agree when ``eps == 0`` and differ by that ε
+    ``sqrt(1-beta_2**t)/(1-beta_1**t)`` and keeps ``sqrt(v) + eps`` (spec §3.4), i.e. an ε that is
+    ``1/sqrt(1-beta_2**t)`` times larger; the two agree when ``eps == 0`` and differ by that ε
     scaling otherwise. We follow FedAdaVR (one bias-correction form for Adam, Yogi, AdaBelief, LAMB).
 
     ``eta`` is a following ``scale(eta)``, folded in.
 
     Parameters
     ----------
-    beta1 : float, default 0.9
-        First-moment decay, ``0 <= beta1 < 1``.
-    beta2 : float, default 0.99
-        Second-moment rate, ``0 <= beta2 < 1``.
+    beta_1 : float, default 0.9
+        First-moment decay, ``0 <= beta_1 < 1``.
+    beta_2 : float, default 0.99
+        Second-moment rate, ``0 <= beta_2 < 1``.
     eps : float, default 1e-3
         Added to ``sqrt(v)`` (outside the sqrt), ``>= 0``.
     bias_correction : bool, default False
@@ -461,9 +461,9 @@ class ScaleByYogi(Transform):
     folds_scale = True
 
     def __init__(
-        self, *, beta1: float = 0.9, beta2: float = 0.99, eps: float = 1e-3, bias_correction: bool = False
+        self, *, beta_1: float = 0.9, beta_2: float = 0.99, eps: float = 1e-3, bias_correction: bool = False
     ) -> None:
-        _set_moment_settings(self, beta1, beta2, eps, bias_correction)
+        _set_moment_settings(self, beta_1, beta_2, eps, bias_correction)
 
     def _block(
         self,
@@ -478,13 +478,13 @@ class ScaleByYogi(Transform):
     ) -> None:
         m, v = new["m"], new["v"]
         sgn = scratch  # block-sized buffer, not state
-        np.multiply(old["m"], self.beta1, out=m)  # m = beta1 * m
-        m += np.multiply(u, 1.0 - self.beta1, out=out)  #     + (1 - beta1) * Delta
+        np.multiply(old["m"], self.beta_1, out=m)  # m = beta_1 * m
+        m += np.multiply(u, 1.0 - self.beta_1, out=out)  #     + (1 - beta_1) * Delta
         g2 = np.multiply(u, u, out=out)  # Delta**2
         np.sign(np.subtract(old["v"], g2, out=sgn), out=sgn)  # sign(v_{t-1} - Delta**2)
         sgn *= g2  # Delta**2 * sign(...)
-        sgn *= 1.0 - self.beta2
-        np.subtract(old["v"], sgn, out=v)  # v = v - (1 - beta2) * Delta**2 * sign(...)
+        sgn *= 1.0 - self.beta_2
+        np.subtract(old["v"], sgn, out=v)  # v = v - (1 - beta_2) * Delta**2 * sign(...)
         adaptive_step(
             m,
             v,
@@ -492,8 +492,8 @@ class ScaleByYogi(Transform):
             eta=factor,
             eps=self.eps,
             t=t,
-            beta1=self.beta1,
-            beta2=self.beta2,
+            beta_1=self.beta_1,
+            beta_2=self.beta_2,
             bias_correction=self.bias_correction,
         )
 
@@ -509,25 +509,25 @@ class ScaleByBelief(Transform):
 
     ::
 
-        m_t = beta1 * m_{t-1} + (1 - beta1) * Delta_t
-        z_t = beta2 * z_{t-1} + (1 - beta2) * (Delta_t - m_t)**2     # uses the NEW m_t
-        m_hat = m_t / (1 - beta1**t);  z_hat = z_t / (1 - beta2**t)
+        m_t = beta_1 * m_{t-1} + (1 - beta_1) * Delta_t
+        z_t = beta_2 * z_{t-1} + (1 - beta_2) * (Delta_t - m_t)**2     # uses the NEW m_t
+        m_hat = m_t / (1 - beta_1**t);  z_hat = z_t / (1 - beta_2**t)
         x_{t+1} = x_t + eta * m_hat / (sqrt(z_hat) + eps)
 
     ``m_0 = z_0 = 0``, ``t`` is the round counter (1 in the first round). The paper has no
     ``+ eps`` inside ``z_t``; the original AdaBelief (Zhuang et al. 2020) has
     ``z_t = ... + eps``: ``inner_eps=True`` adds it (spec §7 item 10).
-    First step (``t=1``, ``|Delta| >> eps``): ``z_1 = (1-beta2) beta1**2 Delta**2`` so
-    ``step ~= eta * sign(Delta) / beta1`` (``1.11 eta`` for ``beta1 = 0.9``).
+    First step (``t=1``, ``|Delta| >> eps``): ``z_1 = (1-beta_2) beta_1**2 Delta**2`` so
+    ``step ~= eta * sign(Delta) / beta_1`` (``1.11 eta`` for ``beta_1 = 0.9``).
 
     ``eta`` is a following ``scale(eta)``, folded in.
 
     Parameters
     ----------
-    beta1 : float, default 0.9
-        First-moment decay, ``0 <= beta1 < 1``.
-    beta2 : float, default 0.999
-        Belief (second-moment) decay, ``0 <= beta2 < 1``.
+    beta_1 : float, default 0.9
+        First-moment decay, ``0 <= beta_1 < 1``.
+    beta_2 : float, default 0.999
+        Belief (second-moment) decay, ``0 <= beta_2 < 1``.
     eps : float, default 1e-8
         Added to ``sqrt(z_hat)`` (outside the sqrt), ``>= 0``.
     bias_correction : bool, default True
@@ -544,13 +544,13 @@ class ScaleByBelief(Transform):
     def __init__(
         self,
         *,
-        beta1: float = 0.9,
-        beta2: float = 0.999,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
         eps: float = 1e-8,
         bias_correction: bool = True,
         inner_eps: bool = False,
     ) -> None:
-        _set_moment_settings(self, beta1, beta2, eps, bias_correction)
+        _set_moment_settings(self, beta_1, beta_2, eps, bias_correction)
         self.inner_eps = check_bool(self.name, "inner_eps", inner_eps)
         self._hyper["inner_eps"] = self.inner_eps
 
@@ -566,13 +566,13 @@ class ScaleByBelief(Transform):
         scratch: np.ndarray,
     ) -> None:
         m, z = new["m"], new["z"]
-        np.multiply(old["m"], self.beta1, out=m)  # m = beta1 * m
-        m += np.multiply(u, 1.0 - self.beta1, out=out)  #     + (1 - beta1) * Delta
+        np.multiply(old["m"], self.beta_1, out=m)  # m = beta_1 * m
+        m += np.multiply(u, 1.0 - self.beta_1, out=out)  #     + (1 - beta_1) * Delta
         s = np.subtract(u, m, out=out)  # Delta - m_t
         s *= s  # (Delta - m_t)**2
-        s *= 1.0 - self.beta2
-        np.multiply(old["z"], self.beta2, out=z)  # z = beta2 * z
-        z += s  #     + (1 - beta2) * (Delta - m_t)**2
+        s *= 1.0 - self.beta_2
+        np.multiply(old["z"], self.beta_2, out=z)  # z = beta_2 * z
+        z += s  #     + (1 - beta_2) * (Delta - m_t)**2
         if self.inner_eps:
             z += self.eps  #     (+ eps, original AdaBelief)
         adaptive_step(
@@ -582,8 +582,8 @@ class ScaleByBelief(Transform):
             eta=factor,
             eps=self.eps,
             t=t,
-            beta1=self.beta1,
-            beta2=self.beta2,
+            beta_1=self.beta_1,
+            beta_2=self.beta_2,
             bias_correction=self.bias_correction,
         )
 
@@ -602,8 +602,8 @@ class ScaleByRss(Transform):
         x_{t+1} = x_t + eta * Delta_t / (sqrt(z_t) + eps)
 
     Reddi et al. (and Flower's ``FedAdagrad``) add a first moment
-    ``m_t = beta1 * m_{t-1} + (1 - beta1) * Delta_t`` and step with ``m_t``; with the default
-    ``beta1 = 0`` (Flower's value too) ``m_t = Delta_t`` and that is exactly FedAdaVR's form, and
+    ``m_t = beta_1 * m_{t-1} + (1 - beta_1) * Delta_t`` and step with ``m_t``; with the default
+    ``beta_1 = 0`` (Flower's value too) ``m_t = Delta_t`` and that is exactly FedAdaVR's form, and
     no ``m`` slot is kept. ``initial_accumulator`` sets ``z_0`` (Reddi et al. use ``tau**2``; 0 here).
     (optax: ``scale_by_rss``, the root of the sum of squares.)
 
@@ -613,8 +613,8 @@ class ScaleByRss(Transform):
     ----------
     eps : float, default 1e-3
         Added to ``sqrt(z)`` (outside the sqrt), ``>= 0``.
-    beta1 : float, default 0.0
-        Optional first-moment decay (Reddi et al.), ``0 <= beta1 < 1``; 0 = FedAdaVR Alg. 3.
+    beta_1 : float, default 0.0
+        Optional first-moment decay (Reddi et al.), ``0 <= beta_1 < 1``; 0 = FedAdaVR Alg. 3.
     initial_accumulator : float, default 0.0
         ``z_0`` for every coordinate, ``>= 0``.
     """
@@ -623,12 +623,12 @@ class ScaleByRss(Transform):
     reads_input_late = True
     folds_scale = True
 
-    def __init__(self, *, eps: float = 1e-3, beta1: float = 0.0, initial_accumulator: float = 0.0) -> None:
+    def __init__(self, *, eps: float = 1e-3, beta_1: float = 0.0, initial_accumulator: float = 0.0) -> None:
         self.eps = check_eps(self.name, eps)
-        self.beta1 = check_beta(self.name, "beta1", beta1)
+        self.beta_1 = check_beta(self.name, "beta_1", beta_1)
         self.initial_accumulator = check_real(self.name, "initial_accumulator", initial_accumulator, low=0.0)
-        self.slot_names = ("m", "z") if self.beta1 > 0.0 else ("z",)
-        self._hyper = {"eps": self.eps, "beta1": self.beta1, "initial_accumulator": self.initial_accumulator}
+        self.slot_names = ("m", "z") if self.beta_1 > 0.0 else ("z",)
+        self._hyper = {"eps": self.eps, "beta_1": self.beta_1, "initial_accumulator": self.initial_accumulator}
 
     def _initial_slots(self, dim: int) -> dict[str, np.ndarray]:
         slots = super()._initial_slots(dim)
@@ -647,10 +647,10 @@ class ScaleByRss(Transform):
         scratch: np.ndarray,
     ) -> None:
         z = new["z"]
-        if self.beta1 > 0.0:
+        if self.beta_1 > 0.0:
             m = new["m"]
-            np.multiply(old["m"], self.beta1, out=m)  # m = beta1 * m
-            m += np.multiply(u, 1.0 - self.beta1, out=out)  #     + (1 - beta1) * Delta
+            np.multiply(old["m"], self.beta_1, out=m)  # m = beta_1 * m
+            m += np.multiply(u, 1.0 - self.beta_1, out=out)  #     + (1 - beta_1) * Delta
         else:
             m = u  # m = Delta (FedAdaVR Alg. 3)
         np.add(old["z"], np.multiply(u, u, out=out), out=z)  # z = z + Delta**2
@@ -661,8 +661,8 @@ class ScaleByRss(Transform):
             eta=factor,
             eps=self.eps,
             t=t,
-            beta1=0.0,
-            beta2=0.0,
+            beta_1=0.0,
+            beta_2=0.0,
             bias_correction=False,
         )
 
@@ -677,12 +677,12 @@ class ScaleByAdpFed(Transform):
 
     Algorithm 2, lines 13-15, with ``m_0 = 0`` and ``v_0 = v0`` (the paper's ``eps``)::
 
-        m_r = beta1 * m_{r-1} + (1 - beta1) * Delta_r
-        v_r = beta2 * v_{r-1} + (1 - beta2) * Delta_r**2
+        m_r = beta_1 * m_{r-1} + (1 - beta_1) * Delta_r
+        v_r = beta_2 * v_{r-1} + (1 - beta_2) * Delta_r**2
         x_r = x_{r-1} + eta * m_r / sqrt(v_r)
 
     No bias correction and no ``eps`` in the denominator: ``v_0`` is the only guard and it decays as
-    ``beta2**r * v0``. A floor ``max(v_r, floor)`` (default 1e-16) only avoids ``0/0`` for a coordinate
+    ``beta_2**r * v0``. A floor ``max(v_r, floor)`` (default 1e-16) only avoids ``0/0`` for a coordinate
     that never changes (§9 D3); it is far below any ``v`` a changing coordinate has. This differs from
     :class:`ScaleByAdam` (Reddi et al.'s FedAdam: ``sqrt(v) + eps`` with ``v_0 = 0``).
 
@@ -690,7 +690,7 @@ class ScaleByAdpFed(Transform):
 
     Parameters
     ----------
-    beta1, beta2 : float, default 0.9, 0.999
+    beta_1, beta_2 : float, default 0.9, 0.999
         Moment decays, ``0 <= beta < 1`` (the paper's values for all adaptive methods).
     v0 : float, default 1e-8
         Initial second moment (the paper's ``eps``), > 0.
@@ -703,12 +703,12 @@ class ScaleByAdpFed(Transform):
     reads_input_late = True
     folds_scale = True
 
-    def __init__(self, *, beta1: float = 0.9, beta2: float = 0.999, v0: float = 1e-8, floor: float = 1e-16) -> None:
-        self.beta1 = check_beta(self.name, "beta1", beta1)
-        self.beta2 = check_beta(self.name, "beta2", beta2)
+    def __init__(self, *, beta_1: float = 0.9, beta_2: float = 0.999, v0: float = 1e-8, floor: float = 1e-16) -> None:
+        self.beta_1 = check_beta(self.name, "beta_1", beta_1)
+        self.beta_2 = check_beta(self.name, "beta_2", beta_2)
         self.v0 = check_real(self.name, "v0", v0, low=0.0, low_open=True)
         self.floor = check_real(self.name, "floor", floor, low=0.0)
-        self._hyper = {"beta1": self.beta1, "beta2": self.beta2, "v0": self.v0, "floor": self.floor}
+        self._hyper = {"beta_1": self.beta_1, "beta_2": self.beta_2, "v0": self.v0, "floor": self.floor}
 
     def _initial_slots(self, dim: int) -> dict[str, np.ndarray]:
         return {"m": np.zeros(dim, dtype=np.float32), "v": np.full(dim, self.v0, dtype=np.float32)}
@@ -725,7 +725,7 @@ class ScaleByAdpFed(Transform):
         scratch: np.ndarray,
     ) -> None:
         m, v = new["m"], new["v"]
-        update_moments(old["m"], old["v"], m, v, u, self.beta1, self.beta2, scratch=out)
+        update_moments(old["m"], old["v"], m, v, u, self.beta_1, self.beta_2, scratch=out)
         np.maximum(v, self.floor, out=out)  # max(v, floor)
         np.sqrt(out, out=out)
         np.divide(m, out, out=out)  # m / sqrt(v)
@@ -744,7 +744,7 @@ class ScaleByTrustRatio(Transform):
 
     LAMB is ``chain(scale_by_adam(bias_correction=True, ...), scale_by_trust_ratio(...), scale(eta))``::
 
-        m_t, v_t as in Adam;  m_hat = m_t / (1 - beta1**t);  v_hat = v_t / (1 - beta2**t)
+        m_t, v_t as in Adam;  m_hat = m_t / (1 - beta_1**t);  v_hat = v_t / (1 - beta_2**t)
         r_hat = m_hat / (sqrt(v_hat) + eps)                      # scale_by_adam, eta 1
         weight_norm = ||x_t||,  update_norm = ||r_hat||          # per tensor (default) or whole model
         r = weight_norm / update_norm  if both > 0  else 1.0     # this piece
@@ -848,7 +848,7 @@ class Chain(Transform):
 
     Scalar factors are fused: a ``scale(c)`` right after a piece with ``folds_scale`` is not a
     separate pass but that piece's own last multiply (by ``c`` times what it multiplied by anyway,
-    e.g. ``c / (1 - beta1**t)`` in Adam), and consecutive scales become one factor, their product.
+    e.g. ``c / (1 - beta_1**t)`` in Adam), and consecutive scales become one factor, their product.
     That is what keeps the aliases bit-identical to the single-class optimisers they replaced.
 
     Parameters
@@ -916,7 +916,7 @@ def _fuse(stages: Iterable[_Stage]) -> tuple[_Stage, ...]:
     return tuple(fused)
 
 
-# The pieces under optax's lower-case names: ``scale_by_adam(beta1=0.9, ...)`` builds one.
+# The pieces under optax's lower-case names: ``scale_by_adam(beta_1=0.9, ...)`` builds one.
 chain = Chain
 scale = Scale
 trace = Trace

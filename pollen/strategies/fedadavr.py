@@ -19,14 +19,13 @@ SuperNode reconnects; clients that cannot say fall back to ``node-<id>``.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
 from pollen.core.layout import ModelLayout
-from pollen.optim import BY_NAME, Transform, make_server_optimizer
+from pollen.optim import Transform, make_server_optimizer, settings_of
 from pollen.strategies.engine.strategy import (
     OUTLIER_FACTOR,
     OUTLIER_RULE,
@@ -75,7 +74,7 @@ class FedAdaVR(AdaptiveStrategy):
         ``client_lr * client_lr_factor(r)``, so the table stays in gradient units when it decays.
     beta_1, beta_2, eps : float
         Optimiser settings (paper: 0.9, 0.999, 1e-8, eps outside the sqrt). ``beta_1`` and ``beta_2``
-        (with bias correction, Appendix B) go to the optimisers with a second-moment decay ``beta2``
+        (with bias correction, Appendix B) go to the optimisers with a second-moment decay ``beta_2``
         (Adam, Yogi, AdaBelief, LAMB); Adagrad (Alg. 3) takes ``eps`` only, SGD neither.
     vr_weighting : str | None
         ``sampled-normalised`` (default), ``horvitz-thompson``, ``literal`` or ``none``.
@@ -198,20 +197,20 @@ class FedAdaVR(AdaptiveStrategy):
         make_server_optimizer(self.optimizer_name, **self._optimizer_kwargs(None))
 
     def _optimizer_kwargs(self, layout: ModelLayout | None) -> dict[str, Any]:
-        """This strategy's settings that the chosen optimiser has a parameter for (read off its alias):
-        ``eta`` and ``eps``; ``beta1``, ``beta2`` and Appendix B's bias correction where it has a
-        second-moment decay ``beta2``; LAMB's per-tensor ``segments`` (whole-model norms until the
+        """This strategy's settings that the chosen optimiser takes (:func:`pollen.optim.settings_of`):
+        ``eta`` and ``eps``; ``beta_1``, ``beta_2`` and Appendix B's bias correction where it has a
+        second-moment decay ``beta_2``; LAMB's per-tensor ``segments`` (whole-model norms until the
         layout is known)."""
-        accepted = inspect.signature(BY_NAME[self.optimizer_name]).parameters
+        takes = settings_of(self.optimizer_name)
         settings: dict[str, Any] = {"eta": self.eta, "eps": self.eps}
-        if "beta2" in accepted:
-            settings.update(beta1=self.beta_1, beta2=self.beta_2, bias_correction=True)
-        if "segments" in accepted:
+        if "beta_2" in takes:
+            settings.update(beta_1=self.beta_1, beta_2=self.beta_2, bias_correction=True)
+        if "segments" in takes:
             settings.update(
                 segments=layout.segments if layout is not None else None,
                 layerwise=self.lamb_layerwise and layout is not None,
             )
-        return {key: value for key, value in settings.items() if key in accepted}
+        return {key: value for key, value in settings.items() if key in takes}
 
     def build_optimizer(self, layout: ModelLayout) -> Transform:
         return make_server_optimizer(self.optimizer_name, **self._optimizer_kwargs(layout))

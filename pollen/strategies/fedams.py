@@ -118,8 +118,8 @@ class FedAMS(AdaptiveStrategy):
             )
         optimizer = amsgrad(
             eta=eta,
-            beta1=beta_1,
-            beta2=beta_2,
+            beta_1=beta_1,
+            beta_2=beta_2,
             eps=eps,
             eps_mode=OPTION_EPS_MODES[option],
             bias_correction=bias_correction,

@@ -52,8 +52,8 @@ from pollen.wire.protocol import (
     ADAPTIVE_LOCAL_STEP as LOCAL_STEP,
 )
 from pollen.wire.protocol import (
-    CFG_BETA1,
-    CFG_BETA2,
+    CFG_BETA_1,
+    CFG_BETA_2,
     CFG_EPS,
     CFG_LOCAL_VHAT,
     CFG_STAT,
@@ -230,7 +230,7 @@ class FedLAMB(AdaptiveStrategy):
             raise ValueError(f"server_v={server_v!r} is unknown; allowed: {', '.join(SERVER_V_READINGS)}")
         chosen = VARIANTS[variant]
         if chosen.server_adam:
-            optimizer = adpfed_adam(eta=eta, beta1=beta_1, beta2=beta_2, v0=eps)
+            optimizer = adpfed_adam(eta=eta, beta_1=beta_1, beta_2=beta_2, v0=eps)
         else:
             optimizer = sgd(eta=1.0)
         super().__init__(
@@ -306,8 +306,8 @@ class FedLAMB(AdaptiveStrategy):
             CFG_SYNC: self.is_sync_round(server_round),
             CFG_STAT: self.variant.stat,
             CFG_TRUST_RATIO: self.variant.trust_ratio,
-            CFG_BETA1: self.beta_1,
-            CFG_BETA2: self.beta_2,
+            CFG_BETA_1: self.beta_1,
+            CFG_BETA_2: self.beta_2,
             CFG_EPS: self.eps,
             CFG_LOCAL_VHAT: self.round1_denominator == "local-v" and self.v_hat_version == 1,
         }

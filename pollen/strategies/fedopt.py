@@ -3,19 +3,18 @@
 ``FedOpt(optimizer="adabelief", eta=0.01, uplink=Uplink("sign"))`` is AdaBelief on the server with
 scaled-sign, error-fed uploads; ``FedOpt(optimizer="amsgrad", eps_mode="max")`` is FedAMS. The
 server optimiser is picked by name from :func:`pollen.optim.make_server_optimizer` (one way for every
-strategy); the strategy's spelling of the settings (``eta``, ``beta_1``, ``beta_2``, ``eps``, as
-Flower's ``FedAdam``) is handed to the optimiser under the names it takes, and a setting the chosen
-optimiser has no use for is refused with its name.
+strategy); its settings have one spelling from here down to the optimiser (``eta``, ``beta_1``,
+``beta_2``, as Flower's ``FedAdam``; ``eps``), and a setting the chosen optimiser has no use for is
+refused with its name.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable
 from typing import Any
 
 from pollen.core.layout import ModelLayout
-from pollen.optim import BY_NAME, SERVER_OPTIMIZERS, Transform, make_server_optimizer
+from pollen.optim import SERVER_OPTIMIZERS, Transform, make_server_optimizer, refuse_unused, settings_of
 from pollen.strategies.engine.strategy import (
     OUTLIER_FACTOR,
     OUTLIER_RULE,
@@ -28,16 +27,9 @@ from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
 from pollen.strategies.engine.uplink import Uplink
 from pollen.wire import protocol
 
-#: The strategy's spelling of each optimiser setting -> the optimiser's.
-_SPELLING = {
-    "eta": "eta",
-    "beta_1": "beta1",
-    "beta_2": "beta2",
-    "eps": "eps",
-    "bias_correction": "bias_correction",
-    "eps_mode": "eps_mode",
-    "layerwise": "layerwise",
-}
+#: The optimiser settings this strategy takes as arguments (named as the optimisers name them; lamb's
+#: ``segments`` come from the model's layout, not from the user).
+_SETTINGS = ("eta", "beta_1", "beta_2", "eps", "bias_correction", "eps_mode", "layerwise")
 
 
 class FedOpt(AdaptiveStrategy):
@@ -51,7 +43,7 @@ class FedOpt(AdaptiveStrategy):
     eta : float (default: 0.01)
         Server learning rate.
     beta_1, beta_2, eps, bias_correction, eps_mode, layerwise : (default: None)
-        The optimiser's settings in the strategy's spelling (``eps_mode`` for amsgrad, ``layerwise`` for
+        The optimiser's settings, named as it names them (``eps_mode`` for amsgrad, ``layerwise`` for
         lamb); ``None`` keeps the optimiser's own default, and a setting the chosen optimiser has no use
         for is refused with its name.
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes : float, int
@@ -142,27 +134,14 @@ class FedOpt(AdaptiveStrategy):
         self._optimizer_for(None)  # a bad setting fails here, not in round 1
 
     def _optimizer_for(self, layout: ModelLayout | None) -> Transform:
-        hyper = {_SPELLING[key]: value for key, value in self.settings.items()}
-        accepted = self._accepted()
-        refused = sorted(key for key in self.settings if _SPELLING[key] not in accepted)
-        if refused:
-            raise ValueError(
-                f"{self.optimizer_name} takes no setting {refused[0]}; allowed: "
-                + ", ".join(k for k, v in _SPELLING.items() if v in accepted)
-            )
-        if self.optimizer_name == "lamb":
-            layerwise = hyper.get("layerwise", True) and layout is not None
-            hyper.update(layerwise=layerwise, segments=layout.segments if layerwise else None)
-        return make_server_optimizer(self.optimizer_name, **hyper)
-
-    def _accepted(self) -> set[str]:
-        return set(inspect.signature(BY_NAME[self.optimizer_name]).parameters)
-
-    @staticmethod
-    def settings_of(optimizer: str) -> tuple[str, ...]:
-        """The settings (in the strategy's spelling) that the named optimiser takes."""
-        accepted = set(inspect.signature(BY_NAME[optimizer]).parameters)
-        return tuple(key for key, name in _SPELLING.items() if name in accepted)
+        """The named optimiser with this strategy's settings (one it has no use for is refused by name);
+        lamb's trust ratio per tensor once the layout is known (whole-model norms until then)."""
+        refuse_unused(self.optimizer_name, self.settings, offered=_SETTINGS)
+        settings = dict(self.settings)
+        if "segments" in settings_of(self.optimizer_name):
+            layerwise = settings.get("layerwise", True) and layout is not None
+            settings.update(layerwise=layerwise, segments=layout.segments if layerwise else None)
+        return make_server_optimizer(self.optimizer_name, **settings)
 
     def build_optimizer(self, layout: ModelLayout) -> Transform:
         return self._optimizer_for(layout)

@@ -217,7 +217,7 @@ class HAFed(AdaptiveStrategy):
                 "(one SuperNode per client), or clustered=False (fedamsgrad-uniform)"
             )
         optimizer = amsgrad(
-            eta=eta, beta1=beta_1, beta2=beta_2, eps=eps, eps_mode=eps_mode, bias_correction=bias_correction
+            eta=eta, beta_1=beta_1, beta_2=beta_2, eps=eps, eps_mode=eps_mode, bias_correction=bias_correction
         )
         super().__init__(
             fraction_train=fraction_train,

@@ -54,7 +54,7 @@ VARIANTS: dict[str, VRVariant] = {
             optimizer="adam",
             server_lr=0.01,
             note="FedAdaVR (Alg. 2): SAGA table + adaptive server optimiser, any of adagrad | adam | adabelief | "
-            "yogi | lamb with the paper's settings (beta1 0.9, beta2 0.999, eps 1e-8 outside the sqrt, bias "
+            "yogi | lamb with the paper's settings (beta_1 0.9, beta_2 0.999, eps 1e-8 outside the sqrt, bias "
             "correction by round count); eta_s in {0.001, 0.005, 0.01}.",
         ),
         VRVariant(

@@ -71,8 +71,8 @@ CFG_TRUST_RATIO = "pollen.trust-ratio"
 # The local step divides by sqrt(max(v_hat, local v)) this round (v_hat is still its initial eps; the
 # authors' round-1 reading, run-config round1-denominator = "local-v").
 CFG_LOCAL_VHAT = "pollen.local-vhat"
-CFG_BETA1 = "pollen.beta1"
-CFG_BETA2 = "pollen.beta2"
+CFG_BETA_1 = "pollen.beta-1"
+CFG_BETA_2 = "pollen.beta-2"
 CFG_EPS = "pollen.eps"
 ADAPTIVE_LOCAL_STEP = "adaptive-local"
 # HA-Fed: the local step, the gossip phase and their settings

@@ -78,7 +78,7 @@ def test_unknown_names_are_rejected(defaults, key, value, allowed):
         ("fraction-train", 0.0, "(0, 1]"),
         ("fraction-train", 1.5, "(0, 1]"),
         ("fraction-evaluate", 1.01, "[0, 1]"),
-        ("beta1", 1.0, "[0, 1)"),
+        ("beta-1", 1.0, "[0, 1)"),
         ("num-server-rounds", 0, ">= 1"),
         ("topk-ratio", 0.0, "(0, 1]"),
     ],

@@ -27,6 +27,9 @@ DEFAULTS = defaults_from_pyproject(str(REPO / "pyproject.toml"))
         ("server_lr", "server-lr"),
         ("num-rounds", "num-server-rounds"),
         ("SERVER-LR", "server-lr"),
+        ("beta1", "beta-1"),  # the old spellings of the moment decays
+        ("beta2", "beta-2"),
+        ("beta_1", "beta-1"),  # the strategies' spelling
     ],
 )
 def test_nearest_allowed_key(typed: str, meant: str) -> None:
@@ -43,6 +46,12 @@ def test_the_app_config_names_the_nearest_key() -> None:
     with pytest.raises(ConfigError) as err:
         AppConfig.from_run_config({**DEFAULTS, "compresor": "topk"})
     assert str(err.value).startswith("run-config key 'compresor' is unknown; nearest allowed: 'compressor'; allowed:")
+
+
+def test_the_old_spelling_of_a_moment_decay_is_refused_with_the_new_one() -> None:
+    with pytest.raises(ConfigError) as err:
+        AppConfig.from_run_config({**DEFAULTS, "beta1": 0.9})
+    assert str(err.value).startswith("run-config key 'beta1' is unknown; nearest allowed: 'beta-1'; allowed:")
 
 
 def test_a_preset_with_a_misspelt_key_names_the_nearest(tmp_path) -> None:

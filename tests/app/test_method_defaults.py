@@ -98,9 +98,9 @@ def test_every_method_has_a_family_and_valid_recommended_values() -> None:
 #: One method per family: keys its paper sets to a value other than the pyproject default.
 PAPER_VALUES = {
     "fedamsgrad": {"eps": 0.1},  # papers/fedcams.md 5.1: FedAMSGrad (Option 2) with eps 0.1
-    "fedadavr": {"beta2": 0.999, "eps": 1e-8, "server-lr": 0.01, "batch-size": 20, "local-epochs": 3, "momentum": 0.9},
-    "mifa": {"server-lr": 1.0, "beta2": 0.999},
-    "fed-lamb": {"beta2": 0.999, "eps": 1e-8, "batch-size": 128},
+    "fedadavr": {"beta-2": 0.999, "eps": 1e-8, "server-lr": 0.01, "batch-size": 20, "local-epochs": 3, "momentum": 0.9},
+    "mifa": {"server-lr": 1.0, "beta-2": 0.999},
+    "fed-lamb": {"beta-2": 0.999, "eps": 1e-8, "batch-size": 128},
     "hafed": {"server-lr": 0.01, "eps": 1e-8, "batch-size": 50, "local-lr": 0.1},
     "fedamsgrad-uniform": {"fraction-train": 0.25, "eps": 1e-8},
     "fedbaca": {"local-epochs": 3, "compressor": "topk", "topk-ratio": 0.125},
@@ -130,7 +130,7 @@ def test_a_method_alone_runs_with_its_papers_values(defaults: dict, name: str) -
 @pytest.mark.parametrize("name", list(PAPER_VALUES))
 def test_a_value_the_user_gives_wins_over_the_methods(defaults: dict, name: str) -> None:
     for key, value in PAPER_VALUES[name].items():
-        mine = {"compressor": "fp16", "fraction-train": 0.4, "momentum": 0.5, "beta2": 0.95}.get(
+        mine = {"compressor": "fp16", "fraction-train": 0.4, "momentum": 0.5, "beta-2": 0.95}.get(
             key, SCHEMA[key].default * 2
         )
         assert mine not in (value, defaults[key]), key
@@ -167,7 +167,7 @@ def test_a_preset_wins_over_the_methods_values(defaults: dict, tmp_path: Path) -
 def test_baselines_recommend_flowers_own_constructor_defaults() -> None:
     from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedYogi
 
-    names = {"server-lr": "eta", "beta1": "beta_1", "beta2": "beta_2", "eps": "tau"}
+    names = {"server-lr": "eta", "beta-1": "beta_1", "beta-2": "beta_2", "eps": "tau"}
     for method, cls in (("fedadam", FedAdam), ("fedyogi", FedYogi), ("fedadagrad", FedAdagrad)):
         flower = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()}
         recommended = families.baselines.DEFAULTS[method]

@@ -183,7 +183,7 @@ def run_fed_lamb_round(fed, results):
             "num-server-rounds": 1,
             "run-name": "e2e-fed-lamb",
             "eps": 1e-8,
-            "beta2": 0.999,
+            "beta-2": 0.999,
         },
     )
     del config["compressor"]

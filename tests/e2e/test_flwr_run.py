@@ -297,7 +297,7 @@ def _fed_lamb_config(name: str) -> dict:
     # 16 SuperNodes, 2 sampled, batch 256: Mime's full local pass over 1/16 of Fashion-MNIST is 15 batches
     return {
         "strategy": name,
-        "beta2": 0.999,
+        "beta-2": 0.999,
         "eps": 1e-8,
         "fraction-train": 0.125,
         "fraction-evaluate": 0.0,

@@ -159,7 +159,7 @@ def test_mimes_plain_server_v_is_the_papers_ema_without_correction() -> None:
     strategy = _mime_run("plain", grads, 3)
     v, seen = 0.0, [EPS]
     for g in grads:
-        v = B2 * v + (1 - B2) * g * g  # lines 22-23: v_1 = (1 - beta2) g^2, no correction
+        v = B2 * v + (1 - B2) * g * g  # lines 22-23: v_1 = (1 - beta_2) g^2, no correction
         seen.append(v)
     np.testing.assert_allclose(strategy.v, v, rtol=1e-5)
     np.testing.assert_allclose(strategy.v_hat, max(seen), rtol=1e-5)
@@ -177,7 +177,7 @@ def test_mimes_bias_corrected_server_v_divides_by_one_minus_beta2_to_the_k() -> 
     np.testing.assert_allclose(strategy.v_hat, max(corrected), rtol=1e-5)
     np.testing.assert_allclose(corrected[0], 0.25, rtol=1e-12)  # round 1: exactly mean(G)^2
     assert strategy.v_syncs == 3
-    # Mime's AMSGrad step divides by sqrt(v_hat): the plain reading's is 1/sqrt(1 - beta2) ~ 31.6x larger.
+    # Mime's AMSGrad step divides by sqrt(v_hat): the plain reading's is 1/sqrt(1 - beta_2) ~ 31.6x larger.
     plain = _mime_run("plain", grads, 1)
     ratio = math.sqrt(float(_mime_run("bias-corrected", grads, 1).v_hat[0]) / float(plain.v_hat[0]))
     assert ratio == pytest.approx(1 / math.sqrt(1 - B2), rel=1e-4)

@@ -143,7 +143,7 @@ def test_weight_decay_is_decoupled_from_the_moments():
 
 
 def test_uploaded_v_is_the_closed_form_and_v_hat_stays_fixed():
-    """Spec 8.3 / §4.2: v^T = beta2^T v_hat + (1 - beta2) sum_t beta2^(T - t) g_t^2; v_hat never moves."""
+    """Spec 8.3 / §4.2: v^T = beta_2^T v_hat + (1 - beta_2) sum_t beta_2^(T - t) g_t^2; v_hat never moves."""
     params = _layers(torch.float64)
     v_hat = _vhat(params)
     opt = _installed(LocalLAMB(params, lr=0.01, weight_decay=0.01), [v.clone() for v in v_hat])

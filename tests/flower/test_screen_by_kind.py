@@ -5,7 +5,7 @@ far below it, and still a million times what every other client sends. The outli
 each screened record (an extra a method declares ``screen="norm"``, every floating-point buffer) by
 its norm against the same record of the other replies, or its history: such a reply is rejected as a
 whole and the server's state ends bit-identical to a run where that client stayed silent. Mime's
-``v <- beta2 v + (1 - beta2) mean(G)^2`` is formed in float64 inside the step's transaction, and the
+``v <- beta_2 v + (1 - beta_2) mean(G)^2`` is formed in float64 inside the step's transaction, and the
 server step refuses an optimiser state that would hold NaN or Inf. No torch.
 """
 

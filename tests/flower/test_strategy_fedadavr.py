@@ -75,7 +75,7 @@ def test_round_one_is_fedavg_aggregate_then_adam_step():
     arrays, _, replies = run_train_round(s, grid, 1, model_record(x0))
     sampled = [ids[r.metadata.src_node_id] for r in replies]
     mean_delta = np.mean([delta_of(k, 1, 19) for k in sampled], axis=0).astype(np.float32)
-    opt = make_server_optimizer("adam", eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True)
+    opt = make_server_optimizer("adam", eta=0.01, beta_1=0.9, beta_2=0.999, eps=1e-8, bias_correction=True)
     step, _ = opt.update(opt.init(19), mean_delta)
     want = flat_trainable(x0) + step
     np.testing.assert_allclose(flat_trainable(named_arrays(arrays)), want, rtol=1e-5, atol=1e-7)
@@ -161,7 +161,7 @@ def test_memory_mapped_table_on_disk(tmp_path):
 @pytest.mark.parametrize("layerwise", [True, False])
 def test_server_optimizer_gets_the_settings_of_appendix_b(name, layerwise):
     """Built by name only (no branch per optimiser), each gets what the paper's Appendix B gives it:
-    eta and eps; beta1, beta2 and bias correction for the Adam family; LAMB the model's segments."""
+    eta and eps; beta_1, beta_2 and bias correction for the Adam family; LAMB the model's segments."""
     from pollen.core.layout import ModelLayout
     from pollen.optim import BY_NAME
 
@@ -171,14 +171,14 @@ def test_server_optimizer_gets_the_settings_of_appendix_b(name, layerwise):
     if name != "sgd":
         want["eps"] = 1e-6
     if name not in ("sgd", "adagrad"):
-        want.update(beta1=0.8, beta2=0.95, bias_correction=True)
+        want.update(beta_1=0.8, beta_2=0.95, bias_correction=True)
     if name == "lamb":
         want.update(segments=layout.segments, layerwise=layerwise)
     built = s.build_optimizer(layout)
     assert built.name == name
     assert built.hyperparameters() == BY_NAME[name](**want).hyperparameters()
     if name == "adagrad":
-        assert built.hyperparameters()["beta1"] == 0.0  # FedAdaVR's Alg. 3: no first moment
+        assert built.hyperparameters()["beta_1"] == 0.0  # FedAdaVR's Alg. 3: no first moment
 
 
 @pytest.mark.parametrize(
@@ -212,7 +212,7 @@ def test_streamed_rounds_equal_a_plain_transcription_of_the_boxed_estimator(prec
     s = strategy(table_precision=precision)
     arrays = model_record(tiny_model(0))
     x = flat_trainable(tiny_model(0)).astype(np.float64)
-    opt = make_server_optimizer("adam", eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True)
+    opt = make_server_optimizer("adam", eta=0.01, beta_1=0.9, beta_2=0.999, eps=1e-8, bias_correction=True)
     opt_state = opt.init(19)
     table: dict[str, np.ndarray] = {}
     for rnd in range(1, 6):

@@ -94,7 +94,7 @@ def train_rounds(grid: FakeGrid):  # noqa: ANN201
 
 
 # --------------------------------------------------------------------------- reference maths
-def reference_algorithm1(x0, deltas, *, eta, beta1, beta2, eps, option, running_max=True):  # noqa: ANN001, ANN201
+def reference_algorithm1(x0, deltas, *, eta, beta_1, beta_2, eps, option, running_max=True):  # noqa: ANN001, ANN201
     """Algorithm 1 lines 14-17, float64, ``m_0 = v_0 = 0``; returns x after each round."""
     x = np.array(x0, dtype=np.float64)
     m = np.zeros_like(x)
@@ -102,8 +102,8 @@ def reference_algorithm1(x0, deltas, *, eta, beta1, beta2, eps, option, running_
     v_hat = np.zeros_like(x)
     xs, v_hats, vs = [], [], []
     for delta in deltas:
-        m = beta1 * m + (1 - beta1) * delta
-        v = beta2 * v + (1 - beta2) * delta**2
+        m = beta_1 * m + (1 - beta_1) * delta
+        v = beta_2 * v + (1 - beta_2) * delta**2
         previous = v_hat if running_max else np.zeros_like(v)
         if option == 1:
             v_hat = np.maximum(np.maximum(previous, v), eps)
@@ -132,13 +132,13 @@ def test_fedams_three_rounds_match_algorithm1(option):
     """x_{t+1} equals a numpy transcription of Alg. 1 (mean over the *sampled* clients, v_hat max,
     eps inside the max for Option 1 / outside the sqrt for Option 2); buffers are averaged, not
     optimised, and the integer buffer stays an integer."""
-    eta, beta1, beta2, eps = 0.3, 0.9, 0.9, 1e-3
+    eta, beta_1, beta_2, eps = 0.3, 0.9, 0.9, 1e-3
     nodes = [101, 205, 333, 478]
     grid = FakeGrid(nodes, full_model_client)
     strategy = FedAMS(
         eta=eta,
-        beta_1=beta1,
-        beta_2=beta2,
+        beta_1=beta_1,
+        beta_2=beta_2,
         eps=eps,
         option=option,
         fraction_train=0.5,
@@ -155,7 +155,7 @@ def test_fedams_three_rounds_match_algorithm1(option):
         assert len(entries) == 2 and all(reply is not None for _, _, reply in entries)
     deltas = [mean_delta(entries) for entries in rounds]
     expected_xs, v_hats, vs = reference_algorithm1(
-        flat_trainable(x0), deltas, eta=eta, beta1=beta1, beta2=beta2, eps=eps, option=option
+        flat_trainable(x0), deltas, eta=eta, beta_1=beta_1, beta_2=beta_2, eps=eps, option=option
     )
 
     # x_2, x_3 are what the server sent in rounds 2 and 3; x_4 is the final result.
@@ -173,16 +173,16 @@ def test_fedams_three_rounds_match_algorithm1(option):
     # ...and the test tells the variants apart by far more than its tolerance.
     x_final = flat_trainable(final)
     no_max, _, _ = reference_algorithm1(
-        flat_trainable(x0), deltas, eta=eta, beta1=beta1, beta2=beta2, eps=eps, option=option, running_max=False
+        flat_trainable(x0), deltas, eta=eta, beta_1=beta_1, beta_2=beta_2, eps=eps, option=option, running_max=False
     )
     other, _, _ = reference_algorithm1(
-        flat_trainable(x0), deltas, eta=eta, beta1=beta1, beta2=beta2, eps=eps, option=3 - option
+        flat_trainable(x0), deltas, eta=eta, beta_1=beta_1, beta_2=beta_2, eps=eps, option=3 - option
     )
     all_clients = []
     for t, _entries in enumerate(rounds, start=1):
         all_clients.append(np.mean([client_delta(n, t).astype(np.float64) for n in nodes], axis=0))
     everyone, _, _ = reference_algorithm1(
-        flat_trainable(x0), all_clients, eta=eta, beta1=beta1, beta2=beta2, eps=eps, option=option
+        flat_trainable(x0), all_clients, eta=eta, beta_1=beta_1, beta_2=beta_2, eps=eps, option=option
     )
     for variant in (no_max, other, everyone):
         assert np.max(np.abs(variant[-1] - x_final)) > 1e-3
@@ -238,11 +238,17 @@ def test_weighted_aggregation_uses_num_examples():
     }
     weighted = sum(counts[n] * deltas[n] for n in counts) / sum(counts.values())
     (want,), _, _ = reference_algorithm1(
-        flat_trainable(x0), [weighted], eta=0.5, beta1=0.9, beta2=0.99, eps=1e-3, option=2
+        flat_trainable(x0), [weighted], eta=0.5, beta_1=0.9, beta_2=0.99, eps=1e-3, option=2
     )
     np.testing.assert_allclose(strategy.params, want, rtol=1e-5, atol=1e-6)
     (plain,), _, _ = reference_algorithm1(
-        flat_trainable(x0), [np.mean(list(deltas.values()), axis=0)], eta=0.5, beta1=0.9, beta2=0.99, eps=1e-3, option=2
+        flat_trainable(x0),
+        [np.mean(list(deltas.values()), axis=0)],
+        eta=0.5,
+        beta_1=0.9,
+        beta_2=0.99,
+        eps=1e-3,
+        option=2,
     )
     assert np.max(np.abs(plain - want)) > 1e-3
 
@@ -309,7 +315,7 @@ def test_option2_versus_flower_fedadam():
     Why they differ, and by exactly how much:
 
     - Flower's FedAdam takes ``x += eta_norm_t * m_t / (sqrt(v_t) + tau)`` with
-      ``eta_norm_t = eta * sqrt(1 - beta2**(t+1)) / (1 - beta1**(t+1))``: a bias-corrected
+      ``eta_norm_t = eta * sqrt(1 - beta_2**(t+1)) / (1 - beta_1**(t+1))``: a bias-corrected
       learning rate whose exponent is the *round number plus one* (so even round 1 is not
       Adam's textbook correction), and no running max on v.
     - FedAMS Option 2 (the paper's Algorithm 1, no bias correction) takes
@@ -323,7 +329,7 @@ def test_option2_versus_flower_fedadam():
     correction: ``Flower step_t == that step_t * eta_norm_t / eta`` for every round; and the
     max-stabilised step really differs once v falls below its past maximum.
     """
-    eta, beta1, beta2, tau = 0.3, 0.9, 0.99, 1e-3
+    eta, beta_1, beta_2, tau = 0.3, 0.9, 0.99, 1e-3
     nodes = [11, 22, 33, 44]
     rounds = 3
     x0 = {name: tiny_model(2)[name] for name in TRAINABLE}  # Flower's FedAdam would "optimise" buffers
@@ -343,13 +349,13 @@ def test_option2_versus_flower_fedadam():
         return steps, deltas
 
     sampling = dict(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=4, min_available_nodes=4)
-    flower_steps, flower_deltas = trajectory(FedAdam(eta=eta, beta_1=beta1, beta_2=beta2, tau=tau, **sampling))
-    our_steps, our_deltas = trajectory(FedAMS(option=2, eta=eta, beta_1=beta1, beta_2=beta2, eps=tau, **sampling))
+    flower_steps, flower_deltas = trajectory(FedAdam(eta=eta, beta_1=beta_1, beta_2=beta_2, tau=tau, **sampling))
+    our_steps, our_deltas = trajectory(FedAMS(option=2, eta=eta, beta_1=beta_1, beta_2=beta_2, eps=tau, **sampling))
     for a, b in zip(flower_deltas, our_deltas):  # same inputs to both optimisers
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
 
     def eta_norm(t: int) -> float:
-        return eta * math.sqrt(1 - beta2 ** (t + 1)) / (1 - beta1 ** (t + 1))
+        return eta * math.sqrt(1 - beta_2 ** (t + 1)) / (1 - beta_1 ** (t + 1))
 
     # Flower averages the float32 client models in float32 before subtracting x_t, which costs
     # ~6e-8 absolute on Delta (1e-5 relative on the smallest coordinates): hence rtol 1e-4.
@@ -359,8 +365,8 @@ def test_option2_versus_flower_fedadam():
     assert abs(eta_norm(1) / eta - 1) > 0.1  # the factor is real (~0.74), not a rounding matter
 
     # Every round, on the optimiser level: Flower == (AMSGrad without max) * eta_norm_t / eta.
-    no_max = amsgrad(eta=eta, beta1=beta1, beta2=beta2, eps=tau, eps_mode="add", max_stabilisation=False)
-    with_max = amsgrad(eta=eta, beta1=beta1, beta2=beta2, eps=tau, eps_mode="add")
+    no_max = amsgrad(eta=eta, beta_1=beta_1, beta_2=beta_2, eps=tau, eps_mode="add", max_stabilisation=False)
+    with_max = amsgrad(eta=eta, beta_1=beta_1, beta_2=beta_2, eps=tau, eps_mode="add")
     s_no, s_max = no_max.init(D), with_max.init(D)
     for t in range(1, rounds + 1):
         step_no, s_no = no_max.update(s_no, flower_deltas[t - 1].astype(np.float32))
@@ -370,7 +376,7 @@ def test_option2_versus_flower_fedadam():
         if t == 1:
             np.testing.assert_array_equal(step_no, step_max)
     # By round 3 the updates shrank, v fell below its past maximum and the max shrank the step
-    # (v_hat >= v can only make it smaller; with beta2 = 0.99 v decays by ~1% a round).
+    # (v_hat >= v can only make it smaller; with beta_2 = 0.99 v decays by ~1% a round).
     ratio = np.abs(step_max) / np.maximum(np.abs(step_no), 1e-12)
     assert np.all(ratio <= 1 + 1e-5)
     assert np.min(ratio) < 0.995

@@ -2,7 +2,7 @@
 
 The fake clients return ``x + a_i`` and, on sync rounds, a known statistic (``v_i`` or a gradient);
 the server's ``v_hat`` is checked against the spec's equations: Fed-LAMB ``max(v_hat, mean v_i)``
-(line 20), Mime ``v <- beta2 v + (1 - beta2) mean(G)^2``, ``v_hat <- max(v_hat, v)`` (lines 22-23).
+(line 20), Mime ``v <- beta_2 v + (1 - beta_2) mean(G)^2``, ``v_hat <- max(v_hat, v)`` (lines 22-23).
 No torch: these run against the newest Flower too.
 """
 
@@ -176,13 +176,13 @@ def client_steps(grid: FakeGrid, rounds: int) -> list[np.ndarray]:
 
 
 def test_adp_fed_is_algorithm_2_server_adam_without_bias_correction():
-    eta, beta1, beta2, eps = 0.05, 0.9, 0.99, 1e-8
-    strategy, grid, seen = run("adp-fed", 3, eta=eta, beta_1=beta1, beta_2=beta2, eps=eps)
+    eta, beta_1, beta_2, eps = 0.05, 0.9, 0.99, 1e-8
+    strategy, grid, seen = run("adp-fed", 3, eta=eta, beta_1=beta_1, beta_2=beta_2, eps=eps)
     x = np.concatenate([tiny_model()[n].reshape(-1) for n in TRAINABLE]).astype(np.float64)
     m, v = np.zeros(D), np.full(D, eps)
     for delta in client_steps(grid, 3):  # lines 13-15, v_0 = eps, nothing added to sqrt(v)
-        m = beta1 * m + (1 - beta1) * delta
-        v = beta2 * v + (1 - beta2) * delta**2
+        m = beta_1 * m + (1 - beta_1) * delta
+        v = beta_2 * v + (1 - beta_2) * delta**2
         x = x + eta * m / np.sqrt(v)
     np.testing.assert_allclose(strategy.params, x, rtol=1e-5, atol=1e-6)
     assert not any(got or sync for _, _, got, sync in seen)  # no v_hat, no statistic

@@ -108,7 +108,7 @@ def remember_uploaders(monkeypatch):
 
 
 def amsgrad_step(x: np.ndarray, delta: np.ndarray, eta: float = 0.01) -> np.ndarray:
-    opt = amsgrad(eta=eta, beta1=0.9, beta2=0.99, eps=1e-8, eps_mode="inside")
+    opt = amsgrad(eta=eta, beta_1=0.9, beta_2=0.99, eps=1e-8, eps_mode="inside")
     s, _ = opt.update(opt.init(D), delta.astype(np.float32))
     return x + s
 

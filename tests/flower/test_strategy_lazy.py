@@ -155,7 +155,7 @@ def test_bidirectional_at_tau_zero_is_fedcams_with_error_fed_downlink():
 
     theta = flat_trainable(tiny_model(2)).astype(np.float32)
     up, down = make_codec("topk", topk_ratio=0.25), make_codec("topk", topk_ratio=0.5)
-    opt = amsgrad(eta=0.1, beta1=0.9, beta2=0.99, eps=1e-3, eps_mode="max")
+    opt = amsgrad(eta=0.1, beta_1=0.9, beta_2=0.99, eps=1e-3, eps_mode="max")
     state = opt.init(D)
     x, e = {}, {}
     for r, nodes in zip(range(1, rounds + 1), sampled):

@@ -16,12 +16,12 @@ from pollen.optim import OptState, Transform, adam, amsgrad, make_server_optimiz
 F32 = np.float32
 
 # Three rounds on three coordinates with numbers that are exact in binary:
-# beta1 = beta2 = 0.5, eps = 0.25, eta = 0.5.
+# beta_1 = beta_2 = 0.5, eps = 0.25, eta = 0.5.
 #   coordinate a: Delta = 2, 0, 0     -> v falls, the running max keeps v_hat = 2
 #   coordinate b: Delta = .5, -.5, 1  -> v below eps at first (Option 1 floor), then above
 #   coordinate c: Delta = 0, 0, 0     -> never moves
 DELTAS = [[2.0, 0.5, 0.0], [0.0, -0.5, 0.0], [0.0, 1.0, 0.0]]
-HAND = dict(eta=0.5, beta1=0.5, beta2=0.5, eps=0.25)
+HAND = dict(eta=0.5, beta_1=0.5, beta_2=0.5, eps=0.25)
 
 
 def _run(opt, deltas, state=None):
@@ -113,7 +113,7 @@ def test_option1_floor_and_step_bound():
         assert np.all(np.abs(step) <= bound * (1 + 1e-6))
 
 
-def _plain_amsgrad(deltas, eta, beta1, beta2):
+def _plain_amsgrad(deltas, eta, beta_1, beta_2):
     """Reddi et al. (2018) AMSGrad without epsilon, in plain Python floats."""
     d = len(deltas[0])
     m, v, vh = [0.0] * d, [0.0] * d, [0.0] * d
@@ -122,8 +122,8 @@ def _plain_amsgrad(deltas, eta, beta1, beta2):
         row = []
         for i in range(d):
             g = float(delta[i])
-            m[i] = beta1 * m[i] + (1 - beta1) * g
-            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            m[i] = beta_1 * m[i] + (1 - beta_1) * g
+            v[i] = beta_2 * v[i] + (1 - beta_2) * g * g
             vh[i] = max(vh[i], v[i])
             row.append(eta * m[i] / math.sqrt(vh[i]))
         steps.append(row)
@@ -133,7 +133,7 @@ def _plain_amsgrad(deltas, eta, beta1, beta2):
 def test_option2_with_eps_zero_is_plain_amsgrad():
     rng = np.random.default_rng(1)
     deltas = [rng.standard_normal(50).astype(F32) for _ in range(12)]
-    _, steps = _run(amsgrad(eta=0.3, beta1=0.9, beta2=0.99, eps=0.0, eps_mode="add"), deltas)
+    _, steps = _run(amsgrad(eta=0.3, beta_1=0.9, beta_2=0.99, eps=0.0, eps_mode="add"), deltas)
     for got, want in zip(steps, _plain_amsgrad(deltas, 0.3, 0.9, 0.99)):
         # float32 state vs float64 reference: m can cancel to ~1e-4 of its history
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -176,7 +176,7 @@ def test_option1_depends_on_eps_only_through_the_floor():
 
 @pytest.mark.parametrize("bias_correction", [False, True])
 def test_option2_without_max_is_fedadam_bit_for_bit(bias_correction):
-    kw = dict(eta=0.1, beta1=0.9, beta2=0.99, eps=1e-3, bias_correction=bias_correction)
+    kw = dict(eta=0.1, beta_1=0.9, beta_2=0.99, eps=1e-3, bias_correction=bias_correction)
     deltas = _random_deltas()
     _, a = _run(amsgrad(eps_mode="add", max_stabilisation=False, **kw), deltas)
     _, b = _run(adam(**kw), deltas)
@@ -187,7 +187,7 @@ def test_option2_without_max_is_fedadam_bit_for_bit(bias_correction):
 def test_option1_without_max_keeps_eps_floor():
     eta, eps = 1.0, 1e-2
     deltas = [[0.01, 1.0], [0.0, 0.0], [0.02, 0.5]]
-    _, steps = _run(amsgrad(eta=eta, beta1=0.5, beta2=0.5, eps=eps, max_stabilisation=False), deltas)
+    _, steps = _run(amsgrad(eta=eta, beta_1=0.5, beta_2=0.5, eps=eps, max_stabilisation=False), deltas)
     m, v = [0.0, 0.0], [0.0, 0.0]
     for delta, got in zip(deltas, steps):
         want = []
@@ -201,7 +201,7 @@ def test_option1_without_max_keeps_eps_floor():
 # ----------------------------------------------------------------------------- bias correction (§3.9)
 
 
-def _code_style(deltas, eta, beta1, beta2, eps, max_init):
+def _code_style(deltas, eta, beta_1, beta_2, eps, max_init):
     """The official code's loop (spec §3.9) in plain Python floats."""
     d = len(deltas[0])
     m, v, vh = [0.0] * d, [0.0] * d, [max_init] * d
@@ -210,11 +210,11 @@ def _code_style(deltas, eta, beta1, beta2, eps, max_init):
         row = []
         for i in range(d):
             g = float(delta[i])
-            m[i] = beta1 * m[i] + (1 - beta1) * g
-            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            m[i] = beta_1 * m[i] + (1 - beta_1) * g
+            v[i] = beta_2 * v[i] + (1 - beta_2) * g * g
             vh[i] = max(vh[i], v[i])
-            denom = math.sqrt(vh[i]) / math.sqrt(1 - beta2**t) + eps
-            row.append(eta / (1 - beta1**t) * m[i] / denom)
+            denom = math.sqrt(vh[i]) / math.sqrt(1 - beta_2**t) + eps
+            row.append(eta / (1 - beta_1**t) * m[i] / denom)
         steps.append(row)
     return steps
 
@@ -230,7 +230,7 @@ def test_bias_correction_matches_code_option1_and_option2():
 
 
 def test_bias_correction_first_step_identical_for_paper_betas():
-    """t = 1, beta1 = 0.9, beta2 = 0.99: 1 - beta1 == sqrt(1 - beta2), so Option 1 steps agree.
+    """t = 1, beta_1 = 0.9, beta_2 = 0.99: 1 - beta_1 == sqrt(1 - beta_2), so Option 1 steps agree.
 
     Not bit-identical: in float64 1 - 0.9 = 0.09999999999999998 and sqrt(1 - 0.99) = 0.1000000000000000044.
     """
@@ -259,8 +259,8 @@ def test_factory_builds_amsgrad_with_options():
     assert isinstance(opt, Transform) and opt.name == "amsgrad"
     assert opt.hyperparameters() == {
         "eta": 1.0,
-        "beta1": 0.9,
-        "beta2": 0.99,
+        "beta_1": 0.9,
+        "beta_2": 0.99,
         "eps": 1e-3,
         "eps_mode": "add",
         "bias_correction": False,
@@ -276,7 +276,7 @@ def test_factory_builds_amsgrad_with_options():
         (dict(eps=-1e-3, eps_mode="add"), "eps"),
         (dict(max_stabilisation="yes"), "max_stabilisation"),
         (dict(bias_correction=1), "bias_correction"),
-        (dict(beta2=1.0), "beta2"),
+        (dict(beta_2=1.0), "beta_2"),
     ],
 )
 def test_bad_amsgrad_values_name_the_key(kw, key):
@@ -287,7 +287,7 @@ def test_bad_amsgrad_values_name_the_key(kw, key):
 def test_inside_mode_is_ha_feds_fedamsgrad_eps_under_the_sqrt():
     """HA-Fed eq. (3.2): v_hat = max(v_hat, v) from 0, x += eta * m / sqrt(v_hat + eps), no bias correction."""
     eta, b1, b2, eps = 0.01, 0.9, 0.99, 1e-8
-    opt = amsgrad(eta=eta, beta1=b1, beta2=b2, eps=eps, eps_mode="inside")
+    opt = amsgrad(eta=eta, beta_1=b1, beta_2=b2, eps=eps, eps_mode="inside")
     state = opt.init(4)
     assert not state.slots["v_hat"].any()
     m = v = v_hat = np.zeros(4)

@@ -25,7 +25,7 @@ CONFIGS = {
     "sgd": dict(eta=0.5, momentum=0.9),
     "adam": dict(eta=0.1, bias_correction=True),
     "yogi": dict(eta=0.01, bias_correction=True),
-    "adagrad": dict(eta=0.1, beta1=0.5),
+    "adagrad": dict(eta=0.1, beta_1=0.5),
     "adabelief": dict(eta=0.01, inner_eps=True),
     "lamb": dict(eta=0.01, segments=SEGS),
     "amsgrad": dict(eta=1.0, eps=1e-3, eps_mode="max", bias_correction=True),
@@ -153,7 +153,7 @@ def test_unknown_hyper_parameter_names_key_and_allowed():
     with pytest.raises(ValueError) as e:
         make_server_optimizer("adam", tau=1e-3)
     msg = str(e.value)
-    assert "tau=0.001" in msg and "beta1" in msg and "eps" in msg
+    assert "tau=0.001" in msg and "beta_1" in msg and "eps" in msg
 
 
 @pytest.mark.parametrize(
@@ -164,17 +164,17 @@ def test_unknown_hyper_parameter_names_key_and_allowed():
         ("sgd", "momentum", 1.0),
         ("sgd", "momentum", -0.1),
         ("adam", "eta", float("nan")),
-        ("adam", "beta1", 1.0),
-        ("adam", "beta2", -0.5),
+        ("adam", "beta_1", 1.0),
+        ("adam", "beta_2", -0.5),
         ("adam", "eps", -1e-8),
         ("adam", "eta", "0.1"),
         ("adam", "bias_correction", "true"),
-        ("yogi", "beta2", 2.0),
+        ("yogi", "beta_2", 2.0),
         ("yogi", "eps", float("inf")),
         ("adagrad", "initial_accumulator", -1.0),
-        ("adagrad", "beta1", 1.5),
+        ("adagrad", "beta_1", 1.5),
         ("adabelief", "inner_eps", 0),
-        ("adabelief", "beta1", True),
+        ("adabelief", "beta_1", True),
         ("lamb", "layerwise", None),
         ("lamb", "eta", 0),
         ("amsgrad", "eps_mode", "outside"),

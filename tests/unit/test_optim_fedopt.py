@@ -15,7 +15,7 @@ import pytest
 from pollen.optim import OptState, adabelief, adagrad, adam, lamb, segments_from_sizes, sgd, yogi
 
 F32 = np.float32
-ADAVR = dict(beta1=0.9, beta2=0.999, eps=1e-8)  # FedAdaVR Table 1
+ADAVR = dict(beta_1=0.9, beta_2=0.999, eps=1e-8)  # FedAdaVR Table 1
 
 
 def _run(opt, deltas, params=None):
@@ -72,17 +72,17 @@ def test_fedavgm_heavy_ball_closed_form():
 # ----------------------------------------------------------------------------- Adam
 
 
-def _plain_adam(deltas, eta, beta1, beta2, eps, bc):
+def _plain_adam(deltas, eta, beta_1, beta_2, eps, bc):
     d = len(deltas[0])
     m, v, out = [0.0] * d, [0.0] * d, []
     for t, delta in enumerate(deltas, start=1):
         row = []
         for i in range(d):
             g = float(delta[i])
-            m[i] = beta1 * m[i] + (1 - beta1) * g
-            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            m[i] = beta_1 * m[i] + (1 - beta_1) * g
+            v[i] = beta_2 * v[i] + (1 - beta_2) * g * g
             if bc:  # FedAdaVR eqs. 16-18
-                row.append(eta * (m[i] / (1 - beta1**t)) / (math.sqrt(v[i] / (1 - beta2**t)) + eps))
+                row.append(eta * (m[i] / (1 - beta_1**t)) / (math.sqrt(v[i] / (1 - beta_2**t)) + eps))
             else:  # FedCAMS eq. 3.4
                 row.append(eta * m[i] / (math.sqrt(v[i]) + eps))
         out.append(row)
@@ -92,7 +92,7 @@ def _plain_adam(deltas, eta, beta1, beta2, eps, bc):
 @pytest.mark.parametrize("bc", [False, True])
 def test_adam_matches_reference(bc):
     deltas = _deltas()
-    _, steps = _run(adam(eta=0.1, beta1=0.9, beta2=0.99, eps=1e-3, bias_correction=bc), deltas)
+    _, steps = _run(adam(eta=0.1, beta_1=0.9, beta_2=0.99, eps=1e-3, bias_correction=bc), deltas)
     for got, want in zip(steps, _plain_adam(deltas, 0.1, 0.9, 0.99, 1e-3, bc)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
@@ -100,7 +100,7 @@ def test_adam_matches_reference(bc):
 def test_adam_moments_closed_form():
     b1, b2 = 0.9, 0.99
     deltas = _deltas(rounds=10)
-    state, _ = _run(adam(beta1=b1, beta2=b2), deltas)
+    state, _ = _run(adam(beta_1=b1, beta_2=b2), deltas)
     T = len(deltas)
     m = sum((1 - b1) * b1 ** (T - 1 - s) * deltas[s].astype(np.float64) for s in range(T))
     v = sum((1 - b2) * b2 ** (T - 1 - s) * deltas[s].astype(np.float64) ** 2 for s in range(T))
@@ -138,19 +138,19 @@ def test_step_points_along_delta():
 # ----------------------------------------------------------------------------- Yogi
 
 
-def _plain_yogi(deltas, eta, beta1, beta2, eps, bc):
+def _plain_yogi(deltas, eta, beta_1, beta_2, eps, bc):
     d = len(deltas[0])
     m, v, out = [0.0] * d, [0.0] * d, []
     for t, delta in enumerate(deltas, start=1):
         row = []
         for i in range(d):
             g = float(delta[i])
-            m[i] = beta1 * m[i] + (1 - beta1) * g
+            m[i] = beta_1 * m[i] + (1 - beta_1) * g
             diff = v[i] - g * g
             sgn = (diff > 0) - (diff < 0)
-            v[i] = v[i] - (1 - beta2) * g * g * sgn
+            v[i] = v[i] - (1 - beta_2) * g * g * sgn
             if bc:  # FedAdaVR eqs. 26-28
-                row.append(eta * (m[i] / (1 - beta1**t)) / (math.sqrt(v[i] / (1 - beta2**t)) + eps))
+                row.append(eta * (m[i] / (1 - beta_1**t)) / (math.sqrt(v[i] / (1 - beta_2**t)) + eps))
             else:
                 row.append(eta * m[i] / (math.sqrt(v[i]) + eps))
         out.append(row)
@@ -160,7 +160,7 @@ def _plain_yogi(deltas, eta, beta1, beta2, eps, bc):
 @pytest.mark.parametrize("bc", [False, True])
 def test_yogi_matches_reference(bc):
     deltas = _deltas(rounds=10)
-    _, steps = _run(yogi(eta=0.01, beta1=0.9, beta2=0.99, eps=1e-3, bias_correction=bc), deltas)
+    _, steps = _run(yogi(eta=0.01, beta_1=0.9, beta_2=0.99, eps=1e-3, bias_correction=bc), deltas)
     for got, want in zip(steps, _plain_yogi(deltas, 0.01, 0.9, 0.99, 1e-3, bc)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
 
@@ -205,7 +205,7 @@ def test_adagrad_fedadavr_form_and_accumulator_telescopes():
 def test_adagrad_reddi_momentum_and_initial_accumulator():
     deltas = _deltas(rounds=5)
     eta, eps, b1, z0 = 0.1, 1e-3, 0.9, 0.01
-    _, steps = _run(adagrad(eta=eta, eps=eps, beta1=b1, initial_accumulator=z0), deltas)
+    _, steps = _run(adagrad(eta=eta, eps=eps, beta_1=b1, initial_accumulator=z0), deltas)
     m, z = 0.0, z0
     for d, got in zip(deltas, steps):
         m = b1 * m + (1 - b1) * d.astype(np.float64)
@@ -222,16 +222,16 @@ def test_adagrad_first_step_is_sign_step():
 # ----------------------------------------------------------------------------- AdaBelief
 
 
-def _plain_adabelief(deltas, eta, beta1, beta2, eps, inner):
+def _plain_adabelief(deltas, eta, beta_1, beta_2, eps, inner):
     d = len(deltas[0])
     m, z, out = [0.0] * d, [0.0] * d, []
     for t, delta in enumerate(deltas, start=1):
         row = []
         for i in range(d):
             g = float(delta[i])
-            m[i] = beta1 * m[i] + (1 - beta1) * g
-            z[i] = beta2 * z[i] + (1 - beta2) * (g - m[i]) ** 2 + (eps if inner else 0.0)
-            row.append(eta * (m[i] / (1 - beta1**t)) / (math.sqrt(z[i] / (1 - beta2**t)) + eps))
+            m[i] = beta_1 * m[i] + (1 - beta_1) * g
+            z[i] = beta_2 * z[i] + (1 - beta_2) * (g - m[i]) ** 2 + (eps if inner else 0.0)
+            row.append(eta * (m[i] / (1 - beta_1**t)) / (math.sqrt(z[i] / (1 - beta_2**t)) + eps))
         out.append(row)
     return out
 
@@ -256,16 +256,16 @@ def test_adabelief_first_step_is_sign_over_beta1():
 # ----------------------------------------------------------------------------- LAMB
 
 
-def _plain_lamb(deltas, params, segments, eta, beta1, beta2, eps):
+def _plain_lamb(deltas, params, segments, eta, beta_1, beta_2, eps):
     d = len(deltas[0])
     m, v, out = [0.0] * d, [0.0] * d, []
     for t, delta in enumerate(deltas, start=1):
         r_hat = []
         for i in range(d):
             g = float(delta[i])
-            m[i] = beta1 * m[i] + (1 - beta1) * g
-            v[i] = beta2 * v[i] + (1 - beta2) * g * g
-            r_hat.append((m[i] / (1 - beta1**t)) / (math.sqrt(v[i] / (1 - beta2**t)) + eps))
+            m[i] = beta_1 * m[i] + (1 - beta_1) * g
+            v[i] = beta_2 * v[i] + (1 - beta_2) * g * g
+            r_hat.append((m[i] / (1 - beta_1**t)) / (math.sqrt(v[i] / (1 - beta_2**t)) + eps))
         row = [0.0] * d
         for a, b in segments:
             wn = math.sqrt(sum(float(w) ** 2 for w in params[a:b]))

@@ -78,40 +78,40 @@ def _old_sgd(s, d, p, t, eta=1.0, momentum=0.0):
     return d * eta
 
 
-def _old_adam(s, d, p, t, eta=0.1, beta1=0.9, beta2=0.99, eps=1e-3, bias_correction=False):
-    _old_moments(s, d, beta1, beta2)
-    return _old_adaptive_step(s["m"], s["v"], eta=eta, eps=eps, t=t, b1=beta1, b2=beta2, bc=bias_correction)
+def _old_adam(s, d, p, t, eta=0.1, beta_1=0.9, beta_2=0.99, eps=1e-3, bias_correction=False):
+    _old_moments(s, d, beta_1, beta_2)
+    return _old_adaptive_step(s["m"], s["v"], eta=eta, eps=eps, t=t, b1=beta_1, b2=beta_2, bc=bias_correction)
 
 
-def _old_yogi(s, d, p, t, eta=0.01, beta1=0.9, beta2=0.99, eps=1e-3, bias_correction=False):
-    s["m"] = s["m"] * beta1 + d * (1.0 - beta1)
+def _old_yogi(s, d, p, t, eta=0.01, beta_1=0.9, beta_2=0.99, eps=1e-3, bias_correction=False):
+    s["m"] = s["m"] * beta_1 + d * (1.0 - beta_1)
     g2 = d * d
-    s["v"] = s["v"] - np.sign(s["v"] - g2) * g2 * (1.0 - beta2)
-    return _old_adaptive_step(s["m"], s["v"], eta=eta, eps=eps, t=t, b1=beta1, b2=beta2, bc=bias_correction)
+    s["v"] = s["v"] - np.sign(s["v"] - g2) * g2 * (1.0 - beta_2)
+    return _old_adaptive_step(s["m"], s["v"], eta=eta, eps=eps, t=t, b1=beta_1, b2=beta_2, bc=bias_correction)
 
 
-def _old_adagrad(s, d, p, t, eta=0.1, eps=1e-3, beta1=0.0, initial_accumulator=0.0):
-    if beta1 > 0.0:
-        s["m"] = s["m"] * beta1 + d * (1.0 - beta1)
-    m = s["m"] if beta1 > 0.0 else d
+def _old_adagrad(s, d, p, t, eta=0.1, eps=1e-3, beta_1=0.0, initial_accumulator=0.0):
+    if beta_1 > 0.0:
+        s["m"] = s["m"] * beta_1 + d * (1.0 - beta_1)
+    m = s["m"] if beta_1 > 0.0 else d
     s["z"] = s["z"] + d * d
     return _old_adaptive_step(m, s["z"], eta=eta, eps=eps, t=t, b1=0.0, b2=0.0, bc=False)
 
 
-def _old_adabelief(s, d, p, t, eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True, inner_eps=False):
-    s["m"] = s["m"] * beta1 + d * (1.0 - beta1)
+def _old_adabelief(s, d, p, t, eta=0.01, beta_1=0.9, beta_2=0.999, eps=1e-8, bias_correction=True, inner_eps=False):
+    s["m"] = s["m"] * beta_1 + d * (1.0 - beta_1)
     diff = d - s["m"]
-    s["z"] = s["z"] * beta2 + (diff * diff) * (1.0 - beta2)
+    s["z"] = s["z"] * beta_2 + (diff * diff) * (1.0 - beta_2)
     if inner_eps:
         s["z"] = s["z"] + eps
-    return _old_adaptive_step(s["m"], s["z"], eta=eta, eps=eps, t=t, b1=beta1, b2=beta2, bc=bias_correction)
+    return _old_adaptive_step(s["m"], s["z"], eta=eta, eps=eps, t=t, b1=beta_1, b2=beta_2, bc=bias_correction)
 
 
 def _old_lamb(
-    s, d, p, t, eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True, segments=None, layerwise=True
+    s, d, p, t, eta=0.01, beta_1=0.9, beta_2=0.999, eps=1e-8, bias_correction=True, segments=None, layerwise=True
 ):
-    _old_moments(s, d, beta1, beta2)
-    r_hat = _old_adaptive_step(s["m"], s["v"], eta=1.0, eps=eps, t=t, b1=beta1, b2=beta2, bc=bias_correction)
+    _old_moments(s, d, beta_1, beta_2)
+    r_hat = _old_adaptive_step(s["m"], s["v"], eta=1.0, eps=eps, t=t, b1=beta_1, b2=beta_2, bc=bias_correction)
     for start, stop in segments if layerwise else ((0, d.shape[0]),):
         w, r = p[start:stop], r_hat[start:stop]
         weight_norm = math.sqrt(float(np.dot(w, w)))
@@ -122,9 +122,19 @@ def _old_lamb(
 
 
 def _old_amsgrad(
-    s, d, p, t, eta=1.0, beta1=0.9, beta2=0.99, eps=1e-3, eps_mode="max", bias_correction=False, max_stabilisation=True
+    s,
+    d,
+    p,
+    t,
+    eta=1.0,
+    beta_1=0.9,
+    beta_2=0.99,
+    eps=1e-3,
+    eps_mode="max",
+    bias_correction=False,
+    max_stabilisation=True,
 ):
-    _old_moments(s, d, beta1, beta2)
+    _old_moments(s, d, beta_1, beta_2)
     option1 = eps_mode == "max"
     if max_stabilisation:
         s["v_hat"] = np.maximum(s["v_hat"], s["v"])
@@ -133,14 +143,14 @@ def _old_amsgrad(
         v_hat = s["v_hat"]
     else:
         v_hat = np.maximum(s["v"], eps) if option1 else s["v"]
-    kw = dict(eta=eta, t=t, b1=beta1, b2=beta2, bc=bias_correction)
+    kw = dict(eta=eta, t=t, b1=beta_1, b2=beta_2, bc=bias_correction)
     if eps_mode == "inside":
         return _old_adaptive_step(s["m"], v_hat + eps, eps=0.0, positive=eps > 0, **kw)
     return _old_adaptive_step(s["m"], v_hat, eps=0.0 if option1 else eps, positive=option1, **kw)
 
 
-def _old_adpfed_adam(s, d, p, t, eta=0.01, beta1=0.9, beta2=0.999, v0=1e-8, floor=1e-16):
-    _old_moments(s, d, beta1, beta2)
+def _old_adpfed_adam(s, d, p, t, eta=0.01, beta_1=0.9, beta_2=0.999, v0=1e-8, floor=1e-16):
+    _old_moments(s, d, beta_1, beta_2)
     out = np.sqrt(np.maximum(s["v"], floor))
     out = s["m"] / out
     out *= eta
@@ -154,7 +164,7 @@ OLD = {
     "adagrad": (
         _old_adagrad,
         lambda kw, d: {
-            **({"m": np.zeros(d, F32)} if kw.get("beta1", 0.0) > 0 else {}),
+            **({"m": np.zeros(d, F32)} if kw.get("beta_1", 0.0) > 0 else {}),
             "z": np.full(d, kw.get("initial_accumulator", 0.0), F32),
         },
     ),
@@ -181,9 +191,9 @@ def _settings():
     for mom, eta in itertools.product((0.0, 0.9), (1.0, 0.5)):
         out.append(("sgd", dict(eta=eta, momentum=mom)))
     for name, bc, eps, eta in itertools.product(("adam", "yogi"), (False, True), (0.0, 1e-3), (1.0, 0.1)):
-        out.append((name, dict(eta=eta, eps=eps, bias_correction=bc, beta2=0.999 if bc else 0.99)))
+        out.append((name, dict(eta=eta, eps=eps, bias_correction=bc, beta_2=0.999 if bc else 0.99)))
     for b1, eps in itertools.product((0.0, 0.5), (0.0, 1e-3)):
-        out.append(("adagrad", dict(eta=0.1, eps=eps, beta1=b1, initial_accumulator=0.01 if b1 else 0.0)))
+        out.append(("adagrad", dict(eta=0.1, eps=eps, beta_1=b1, initial_accumulator=0.01 if b1 else 0.0)))
     for inner, bc in itertools.product((False, True), (False, True)):
         out.append(("adabelief", dict(eta=0.01, inner_eps=inner, bias_correction=bc)))
     for lw, bc, eta in itertools.product((False, True), (False, True), (1.0, 0.01)):
@@ -347,8 +357,8 @@ def test_a_foreign_state_is_refused_by_name():
 
 def test_chain_of_pieces_equals_the_alias_bit_for_bit():
     deltas, _ = _rounds(5, seed=7)
-    pieces = chain(scale_by_adam(beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True), scale(0.01))
-    named = adam(eta=0.01, beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True)
+    pieces = chain(scale_by_adam(beta_1=0.9, beta_2=0.999, eps=1e-8, bias_correction=True), scale(0.01))
+    named = adam(eta=0.01, beta_1=0.9, beta_2=0.999, eps=1e-8, bias_correction=True)
     s1, s2 = pieces.init(D), named.init(D)
     for d in deltas:
         a, s1 = pieces.update(s1, d)
@@ -433,7 +443,7 @@ def test_lamb_is_adam_then_a_separable_trust_ratio_then_eta():
     direction (rate 1) times ``eta * ||x_l|| / ||r_l||``, one multiply by that product."""
     deltas, params = _rounds(5, seed=13)
     eta = 0.01
-    adam_kw = dict(beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True)
+    adam_kw = dict(beta_1=0.9, beta_2=0.999, eps=1e-8, bias_correction=True)
     named = lamb(eta=eta, segments=SEGS, **adam_kw)
     pieces = chain(scale_by_adam(**adam_kw), scale_by_trust_ratio(segments=SEGS), scale(eta))
     direction = scale_by_adam(**adam_kw)  # the same first piece alone: r_hat

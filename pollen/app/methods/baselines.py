@@ -18,8 +18,8 @@ KEYS: dict = {}
 
 DEFAULTS: dict[str, Mapping[str, Any]] = {
     "fedavg": {},
-    "fedadam": {"server-lr": 0.1, "beta1": 0.9, "beta2": 0.99, "eps": 0.001},
-    "fedyogi": {"server-lr": 0.01, "beta1": 0.9, "beta2": 0.99, "eps": 0.001},
+    "fedadam": {"server-lr": 0.1, "beta-1": 0.9, "beta-2": 0.99, "eps": 0.001},
+    "fedyogi": {"server-lr": 0.01, "beta-1": 0.9, "beta-2": 0.99, "eps": 0.001},
     "fedadagrad": {"server-lr": 0.1, "eps": 0.001},
 }
 
@@ -38,7 +38,7 @@ def _flower_kwargs(cfg: Mapping[str, Any], name: str) -> dict[str, Any]:
 def _optimizer_kwargs(cfg: Mapping[str, Any], *, moments: bool = True) -> dict[str, Any]:
     kwargs = dict(eta=cfg["server-lr"], eta_l=cfg["local-lr"], tau=cfg["eps"])
     if moments:
-        kwargs.update(beta_1=cfg["beta1"], beta_2=cfg["beta2"])
+        kwargs.update(beta_1=cfg["beta-1"], beta_2=cfg["beta-2"])
     return kwargs
 
 

@@ -54,8 +54,8 @@ VARIANT_OF = {
 }
 
 _PAPER = {
-    "beta1": 0.9,
-    "beta2": 0.999,
+    "beta-1": 0.9,
+    "beta-2": 0.999,
     "eps": 1e-8,
     "momentum": 0.9,
     "batch-size": 20,
@@ -98,8 +98,8 @@ def builder(name: str) -> Callable[[Mapping[str, Any]], Any]:
             eta=cfg["server-lr"],
             client_lr=cfg["local-lr"],
             client_lr_factor=lambda server_round: schedule_factor(cfg, server_round),
-            beta_1=cfg["beta1"],
-            beta_2=cfg["beta2"],
+            beta_1=cfg["beta-1"],
+            beta_2=cfg["beta-2"],
             eps=cfg["eps"],
             vr_weighting=cfg["vr-weighting"] if own_table else None,
             table_precision=cfg["table-precision"] if own_table else None,

@@ -38,8 +38,8 @@ KEYS = {
 
 _SERVER = {
     "server-lr": 0.1,
-    "beta1": 0.9,
-    "beta2": 0.99,
+    "beta-1": 0.9,
+    "beta-2": 0.99,
     "eps": 0.001,
     "eps-mode": "paper",
     "bias-correction": False,
@@ -66,8 +66,8 @@ def fedams_kwargs(cfg: Mapping[str, Any], option: int | None = None, *, inside: 
     return dict(
         **adaptive_kwargs(cfg),
         eta=cfg["server-lr"],
-        beta_1=cfg["beta1"],
-        beta_2=cfg["beta2"],
+        beta_1=cfg["beta-1"],
+        beta_2=cfg["beta-2"],
         eps=cfg["eps"],
         option=option or by_mode.get(cfg["eps-mode"], 1),
         bias_correction=cfg["bias-correction"],

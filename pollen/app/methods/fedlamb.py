@@ -61,8 +61,8 @@ KEYS = {
 VARIANTS = ("fed-lamb", "mime-lamb", "fed-ams", "mime", "adp-fed", "fed-sgd")
 
 _PAPER = {
-    "beta1": 0.9,
-    "beta2": 0.999,
+    "beta-1": 0.9,
+    "beta-2": 0.999,
     "eps": 1e-8,
     "fraction-train": 0.5,
     "local-epochs": 1,
@@ -98,8 +98,8 @@ def builder(variant: str) -> Callable[[Mapping[str, Any]], Any]:
         return FedLAMB(
             **adaptive_kwargs(cfg),
             variant=variant,
-            beta_1=cfg["beta1"],
-            beta_2=cfg["beta2"],
+            beta_1=cfg["beta-1"],
+            beta_2=cfg["beta-2"],
             eps=cfg["eps"],
             weight_decay=cfg["weight-decay"],
             sync_every=cfg["sync-every"],

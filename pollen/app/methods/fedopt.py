@@ -1,8 +1,8 @@
 """FedOpt: any server optimiser on the mean of client updates, with any uplink (a composition, not a paper).
 
 ``strategy=fedopt`` builds :class:`pollen.strategies.FedOpt` from keys other families own:
-``server-optimizer`` (any name of :data:`pollen.optim.SERVER_OPTIMIZERS`), ``server-lr``, ``beta1``,
-``beta2``, ``eps``, ``bias-correction`` and ``eps-mode`` (for amsgrad), and the uplink keys
+``server-optimizer`` (any name of :data:`pollen.optim.SERVER_OPTIMIZERS`), ``server-lr``, ``beta-1``,
+``beta-2``, ``eps``, ``bias-correction`` and ``eps-mode`` (for amsgrad), and the uplink keys
 ``compressor``, ``topk-ratio``, ``error-feedback``, ``compression-granularity``; ``compressor = "none"``
 asks clients for nothing (full models, any Flower ClientApp). ``aggregation`` picks the mean or the
 example-weighted mean. So "AdaBelief with scaled-sign uploads" is
@@ -27,8 +27,8 @@ DEFAULTS: dict[str, Mapping[str, Any]] = {
     "fedopt": {
         "server-optimizer": "adam",
         "server-lr": 0.01,
-        "beta1": 0.9,
-        "beta2": 0.99,
+        "beta-1": 0.9,
+        "beta-2": 0.99,
         "eps": 0.001,
         "bias-correction": False,
         "compressor": "none",
@@ -56,16 +56,17 @@ def uplink_codec(cfg: Mapping[str, Any]) -> str:
 
 def build_fedopt(cfg: Mapping[str, Any]) -> Any:
     """FedOpt with the named server optimiser, given the settings it takes, and the uplink."""
+    from pollen.optim import settings_of
     from pollen.strategies.fedopt import FedOpt
 
     name = cfg["server-optimizer"]
     given = {
-        "beta_1": cfg["beta1"],
-        "beta_2": cfg["beta2"],
+        "beta_1": cfg["beta-1"],
+        "beta_2": cfg["beta-2"],
         "eps": cfg["eps"],
         "bias_correction": cfg["bias-correction"],
         "eps_mode": _AMSGRAD_EPS[cfg["eps-mode"]],
     }
-    takes = set(FedOpt.settings_of(name))
+    takes = settings_of(name)
     settings = {key: value for key, value in given.items() if key in takes}
     return FedOpt(optimizer=name, eta=cfg["server-lr"], uplink=uplink_of(cfg), **settings, **adaptive_kwargs(cfg))

@@ -51,8 +51,8 @@ KEYS = {
 
 _PAPER = {
     "server-lr": 0.01,
-    "beta1": 0.9,
-    "beta2": 0.99,
+    "beta-1": 0.9,
+    "beta-2": 0.99,
     "eps": 1e-8,
     "eps-mode": "paper",
     "bias-correction": False,
@@ -87,8 +87,8 @@ def builder(topology: str | None, clustered: bool) -> Callable[[Mapping[str, Any
         return HAFed(
             **adaptive_kwargs(cfg),
             eta=cfg["server-lr"],
-            beta_1=cfg["beta1"],
-            beta_2=cfg["beta2"],
+            beta_1=cfg["beta-1"],
+            beta_2=cfg["beta-2"],
             eps=cfg["eps"],
             eps_mode="inside" if mode == "paper" else mode,
             bias_correction=cfg["bias-correction"],

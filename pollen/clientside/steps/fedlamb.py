@@ -15,7 +15,7 @@ What is fixed within a round and what moves (Algorithm 1 of Karimi, Li, Li, UAI 
 state. ``v_hat`` is the server's ``v_hat_{r-1}``, the same for every client and fixed for the round;
 :func:`set_global_v_hat` puts it in the optimiser's state (floored at ``eps`` in ``eps_mode="floor"``)
 and resets the local ``v`` to it (line 6, ``v^0_{r,i} = v_hat_{r-1}``), so after ``T`` steps
-``v = beta2**T v_hat + (1 - beta2) sum_t beta2**(T-t) g_t**2``: what Fed-LAMB / Fed-AMS upload
+``v = beta_2**T v_hat + (1 - beta_2) sum_t beta_2**(T-t) g_t**2``: what Fed-LAMB / Fed-AMS upload
 (line 16, :func:`flat_local_v`). Mime-LAMB and Mime build their ``v_hat`` on the server from
 full-batch gradients and keep no local ``v`` (``track_v=False``).
 
@@ -44,8 +44,8 @@ from pollen.clientside.steps.work import LocalWork, StepOutcome, run_sgd, train_
 from pollen.core.layout import segments_from_sizes
 from pollen.wire import protocol
 from pollen.wire.protocol import (
-    CFG_BETA1,
-    CFG_BETA2,
+    CFG_BETA_1,
+    CFG_BETA_2,
     CFG_EPS,
     CFG_LOCAL_VHAT,
     CFG_STAT,
@@ -141,7 +141,7 @@ def run(work: LocalWork) -> StepOutcome:
     optimizer = LocalLAMB(
         params,
         lr=float(work.setting("local-lr")),
-        betas=(float(config[CFG_BETA1]), float(config[CFG_BETA2])),
+        betas=(float(config[CFG_BETA_1]), float(config[CFG_BETA_2])),
         weight_decay=float(work.setting("weight-decay")),
         eps=float(config[CFG_EPS]),
         trust_ratio=bool(config[CFG_TRUST_RATIO]),
