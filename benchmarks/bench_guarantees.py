@@ -17,20 +17,20 @@ import statistics
 from bench_round import ReplyBank, resnet_arrays, run  # this script's folder is on sys.path when run by path
 
 from pollen.strategies import FedAMS, FedCAMS
-from pollen.strategies.engine.strategy import AdaptiveStrategy
 from pollen.strategies.engine.collector import ReplyCollector
+from pollen.strategies.engine.ledger import AppliedLedger
 
 
 def without_guarantees() -> tuple:
     """Arrival order and no ledger; returns what puts them back."""
-    order, reports = ReplyCollector.in_fixed_order, AdaptiveStrategy.reports_applied
+    order, told = ReplyCollector.in_fixed_order, AppliedLedger.told
     ReplyCollector.in_fixed_order = lambda self, replies: list(replies)
-    AdaptiveStrategy.reports_applied = lambda self: False
-    return order, reports
+    AppliedLedger.told = lambda self, content, *_: content
+    return order, told
 
 
 def restore(saved: tuple) -> None:
-    ReplyCollector.in_fixed_order, AdaptiveStrategy.reports_applied = saved
+    ReplyCollector.in_fixed_order, AppliedLedger.told = saved
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ import numpy as np
 from flwr.app import ConfigRecord  # noqa: E402
 
 from pollen.strategies import FedAdaVR, FedAMS  # noqa: E402
+from pollen.strategies.engine.parts import ClientSampler, EngineParts
 from pollen.testing.fakes import FakeGrid, config_of, full_model_reply, global_arrays_of, model_record  # noqa: E402
 from pollen.wire import protocol  # noqa: E402
 
@@ -85,7 +86,11 @@ def main() -> None:
     args = parser.parse_args()
     makes = {
         "FedAMS": lambda f: FedAMS(
-            eta=0.1, fraction_train=f, fraction_evaluate=0.0, min_train_nodes=M, identify_clients=True
+            eta=0.1,
+            fraction_train=f,
+            fraction_evaluate=0.0,
+            min_train_nodes=M,
+            parts=EngineParts(sampler=ClientSampler(identify_clients=True)),
         ),
         "FedAdaVR int4": lambda f: FedAdaVR(
             table_precision="int4", eta=0.01, fraction_train=f, fraction_evaluate=0.0, min_train_nodes=M

@@ -45,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pollen.strategies.engine.parts import ClientSampler, EngineParts
+
 M = 100
 D = 29_034
 
@@ -257,7 +259,10 @@ def server_methods(n: int, tmp: str) -> dict:
     lazy = {"up_rule": "nla", "up_tau": 1.3, "compressor": "topk", "topk_ratio": 0.125}
     lazy.update(down_compressor="topk", down_rule="nla", down_tau=0.65, down_topk_ratio=0.125)
     return {
-        "FedAMS": lambda: (FedAMS(eta=0.1, identify_clients=True, **common), _plain_client),
+        "FedAMS": lambda: (
+            FedAMS(eta=0.1, parts=EngineParts(sampler=ClientSampler(identify_clients=True)), **common),
+            _plain_client,
+        ),
         "FedAdaVR Int4 (memory-mapped)": lambda: (
             FedAdaVR(table_precision="int4", table_path=f"{tmp}/table.bin", eta=0.01, **common),
             _plain_client,

@@ -36,7 +36,7 @@ take, on top, ``CIFAR_EXTRA`` (one local step of batch 4), so that ResNet-18 and
 The fingerprint's hashes and floats are those of this machine's CPU kernels and library versions (recorded
 under ``versions``): compare fingerprints made on the same machine; ``--baseline`` makes both in one go.
 
-The metric rows' wall-clock columns (``*_seconds``) are left out; everything else in a row is compared as JSON
+The metric rows' wall-clock columns (``*_seconds``) and the process's memory (``*_rss_bytes``) are left out; everything else in a row is compared as JSON
 text, whose floats are ``repr`` (exact: ``float(repr(x)) == x`` bit for bit, ``-0.0`` and ``nan`` kept).
 """
 
@@ -83,6 +83,8 @@ DATA: dict[str, Any] = {
 }
 #: Row columns that measure wall-clock time: never compared, never written.
 TIME_COLUMNS_SUFFIX = "seconds"
+#: The process's memory columns: what the process holds (its libraries, its earlier runs), not what a run computed.
+MEMORY_COLUMNS_SUFFIX = "rss_bytes"
 
 
 # ----------------------------------------------------------------------------------------------- fingerprints
@@ -127,8 +129,13 @@ def state_sha256(path: Path) -> str | None:
 
 
 def clean_row(row: dict[str, Any]) -> dict[str, Any]:
-    """A metrics row without its wall-clock columns and without the columns a round did not report ("")."""
-    return {k: v for k, v in row.items() if not k.endswith(TIME_COLUMNS_SUFFIX) and v != ""}
+    """A metrics row without its wall-clock and process-memory columns and without the columns a round did not
+    report ("")."""
+    return {
+        k: v
+        for k, v in row.items()
+        if not k.endswith(TIME_COLUMNS_SUFFIX) and not k.endswith(MEMORY_COLUMNS_SUFFIX) and v != ""
+    }
 
 
 def write_fashion_mnist_cut(root: Path, source: Path) -> str:
@@ -302,7 +309,8 @@ def child_main(checkout: Path, out: Path, only: list[str]) -> int:
         },
         "overrides": {"all": SMOKE, "cifar10": CIFAR_EXTRA, "max_nodes": MAX_NODES},
         "data": {name: DATA[name] | {"sha256": data_sha[name]} for name in DATA},
-        "left_out_columns": f"*{TIME_COLUMNS_SUFFIX} (wall-clock); columns a round did not report ('')",
+        "left_out_columns": f"*{TIME_COLUMNS_SUFFIX} (wall-clock); *{MEMORY_COLUMNS_SUFFIX} (the process's memory); "
+        "columns a round did not report ('')",
         "seconds": round(time.perf_counter() - started, 1),
         "cpu_seconds": round(time.process_time(), 1),
         "runs": runs,
@@ -506,7 +514,7 @@ def compare(old_path: Path, new_path: Path, only: list[str] = ()) -> int:
             table.append((*k, "-", "NO", "run only in old", "-", "-"))
             differ += 1
             continue
-        diff = first_difference(a["rows"], b["rows"])
+        diff = first_difference([clean_row(r) for r in a["rows"]], [clean_row(r) for r in b["rows"]])
         if not diff and a.get("error") != b.get("error"):
             diff = f"error: {a.get('error')} -> {b.get('error')}"
         model_eq = a["model_sha256"] == b["model_sha256"] and a["model_sha256"] is not None

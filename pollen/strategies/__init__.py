@@ -10,10 +10,13 @@ reply collector, sinks, server step, sampler, accounting) are imported from thei
 >>> result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=10)  # doctest: +SKIP
 """
 
-from pollen.strategies.engine.strategy import AdaptiveStrategy
 from pollen.strategies.baselines import MeteredFedAdagrad, MeteredFedAdam, MeteredFedAvg, MeteredFedYogi
-from pollen.strategies.engine.resume import RunCheckpoint
 from pollen.strategies.engine.downlink import Downlink
+from pollen.strategies.engine.replies import ClientUpdate, Extra, ReplyRejected, ReplySpec
+from pollen.strategies.engine.resume import RunCheckpoint
+from pollen.strategies.engine.rounds import RunInterrupted
+from pollen.strategies.engine.strategy import AdaptiveStrategy
+from pollen.strategies.engine.uplink import Uplink
 from pollen.strategies.fedadavr import FedAdaVR
 from pollen.strategies.fedams import FedAMS
 from pollen.strategies.fedcams import FedCAMS
@@ -21,9 +24,6 @@ from pollen.strategies.fedlamb import FedLAMB
 from pollen.strategies.fedopt import FedOpt
 from pollen.strategies.hafed import HAFed
 from pollen.strategies.lazy import FedLazy
-from pollen.strategies.engine.replies import ClientUpdate, Extra, ReplyRejected, ReplySpec
-from pollen.strategies.engine.rounds import RunInterrupted
-from pollen.strategies.engine.uplink import Uplink
 
 __all__ = [
     "AdaptiveStrategy",

@@ -40,16 +40,14 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedYogi
 from pollen.core import state_fields as fields
 from pollen.core.layout import ModelLayout, TensorSpec, looks_like_buffer
 from pollen.strategies.engine.accounting import Accounting
-from pollen.strategies.engine.strategy import OUTLIER_FACTOR, OUTLIER_RULE
 from pollen.strategies.engine.collector import EVALUATE_PHASE, TRAIN_PHASE, ReplyCollector, positive_weight, reason_of
 from pollen.strategies.engine.declared import ARRAYS, load_field, save_declared
 from pollen.strategies.engine.flower_wrappers import refuse_dp_wrapper
+from pollen.strategies.engine.messages import count_sent
 from pollen.strategies.engine.model import MAX_NDIM, MAX_TENSORS, saved_dtype
+from pollen.strategies.engine.parts import EngineParts, claim
 from pollen.strategies.engine.replies import ClientUpdate, ReplyRejected, count_records, read_reply
 from pollen.strategies.engine.rounds import RoundLoop
-from pollen.strategies.engine.sampling import ClientSampler
-from pollen.strategies.engine.screening import UpdateScreen
-from pollen.strategies.engine.messages import count_sent
 from pollen.wire.records import record_to_arrays
 
 
@@ -66,30 +64,32 @@ class Metered(RoundLoop):
     *args, **kwargs
         The Flower class's arguments (``FedAvg``'s ``fraction_train`` ... ``evaluate_metrics_aggr_fn``,
         ``FedAdam``'s ``eta`` ...), passed to it unchanged; each class's signature lists them.
-    outlier_rule : str (default: "reject")
-        pollen's outlier screen of the replies' update norms: ``"reject"`` or ``"off"`` (Flower's
-        aggregation cannot take a clipped reply, so ``"clip"`` rejects too).
-    outlier_factor : float (default: 10.0)
-        The screen's bound: this factor times the median accepted norm of the last rounds, > 1.
+    parts : EngineParts | None (default: None)
+        pollen's parts it uses (:class:`~pollen.strategies.engine.parts.EngineParts`): the outlier screen of the
+        replies' update norms (``UpdateScreen(rule="reject" | "off", factor=...)``; Flower's aggregation cannot
+        take a clipped reply, so ``"clip"`` rejects too), the sampler of the reply collector, the accounting,
+        the round driver and the checkpoint; the other parts are Flower's own here.
     """
 
     #: Flower's own state of the FedOpt family (FedAvg keeps none of it), written and checked by
     #: :mod:`pollen.strategies.engine.declared`.
     state_fields = {"current_arrays": ARRAYS, "m_t": ARRAYS, "v_t": ARRAYS}
 
-    def __init__(  # noqa: D107
-        self, *args: Any, outlier_rule: str = OUTLIER_RULE, outlier_factor: float = OUTLIER_FACTOR, **kwargs: Any
-    ) -> None:
+    def __init__(self, *args: Any, parts: EngineParts | None = None, **kwargs: Any) -> None:  # noqa: D107
         super().__init__(*args, **kwargs)
-        self.accounting = Accounting()
-        self.screen = UpdateScreen(rule=outlier_rule, factor=outlier_factor)
-        self.replies = ReplyCollector(ClientSampler(), lambda: self.accounting)
+        if parts is not None and not isinstance(parts, EngineParts):
+            raise ValueError(f"parts={parts!r} is not an EngineParts; allowed: EngineParts(...) or None")
+        chosen = (parts or EngineParts()).filled()
+        claim(chosen, self)
+        self.accounting, self.screen = chosen.accounting, chosen.screen
+        self.driver, self.checkpoint = chosen.driver, chosen.checkpoint
+        self.replies = ReplyCollector(chosen.sampler, lambda: self.accounting)
         self._started: dict[int, float] = {}
         self._layout: ModelLayout | None = None
         self._params: np.ndarray | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Give a metered Flower class the signature it takes: its Flower class's, then ``outlier_*``."""
+        """Give a metered Flower class the signature it takes: its Flower class's, then ``parts``."""
         super().__init_subclass__(**kwargs)
         flower = next((base for base in cls.__mro__ if base.__module__.startswith("flwr.")), None)
         if flower is None or "__init__" in cls.__dict__:

@@ -19,25 +19,23 @@ SuperNode reconnects; clients that cannot say fall back to ``node-<id>``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from pollen.core.layout import ModelLayout
 from pollen.optim import Transform, make_server_optimizer, settings_of
+from pollen.strategies.engine.aggregation import Aggregator
+from pollen.strategies.engine.declared import PART
+from pollen.strategies.engine.parts import EngineParts
+from pollen.strategies.engine.sampling import ClientSampler
 from pollen.strategies.engine.strategy import (
-    OUTLIER_FACTOR,
-    OUTLIER_RULE,
-    OUTLIER_WINDOW,
     AdaptiveStrategy,
     ClientUpdate,
     MetricsAggregationFn,
     ScreenedSink,
 )
-from pollen.strategies.engine.declared import PART
-from pollen.strategies.engine.aggregation import Aggregator
-from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
 from pollen.strategies.engine.uplink import Uplink
 from pollen.strategies.fedadavr_store import StoredUpdates
 from pollen.vr import VARIANTS, UpdateTable, get_variant
@@ -92,14 +90,18 @@ class FedAdaVR(AdaptiveStrategy):
         Flower's weight metric and record names, with its defaults and meaning (:class:`AdaptiveStrategy`).
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None
         Flower's metric aggregation functions; ``None``: each metric's weighted mean (:class:`AdaptiveStrategy`).
-    aggregation, aggregator, uplink, buffer_keys, seed, identify_clients, population
-        The engine's settings (:class:`AdaptiveStrategy`); ``identify_clients`` defaults to True here:
-        rows need stable client ids.
-    outlier_rule, outlier_factor, outlier_window, max_abs_update, min_replies, transactional
-        The outlier screen and the round's rules (:class:`AdaptiveStrategy`).
+    aggregation, aggregator, uplink, parts
+        The engine's settings and parts (:class:`AdaptiveStrategy`,
+        :class:`~pollen.strategies.engine.parts.EngineParts`); its default
+        sampler asks each new node for its client id (rows need stable client ids).
     """
 
     state_fields = {"store": PART}
+
+    @classmethod
+    def default_parts(cls) -> EngineParts:
+        """A sampler that asks each new node for its stable client id (see the class docstring)."""
+        return EngineParts(sampler=ClientSampler(identify_clients=True))
 
     def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, the method's, the engine's
         self,
@@ -130,16 +132,7 @@ class FedAdaVR(AdaptiveStrategy):
         aggregation: str = "mean",
         aggregator: str | Aggregator = "mean",
         uplink: Uplink | None = None,
-        buffer_keys: Iterable[str] | None = None,
-        seed: int = 0,
-        identify_clients: bool = True,
-        population: int = 0,
-        outlier_rule: str = OUTLIER_RULE,
-        outlier_factor: float = OUTLIER_FACTOR,
-        outlier_window: int = OUTLIER_WINDOW,
-        max_abs_update: float = DEFAULT_MAX_ABS,
-        min_replies: int = 1,
-        transactional: bool = True,
+        parts: EngineParts | None = None,
     ) -> None:
         spec = get_variant(variant)
         if spec.uses_table:
@@ -162,16 +155,7 @@ class FedAdaVR(AdaptiveStrategy):
             aggregation=aggregation,
             aggregator=aggregator,
             uplink=uplink,
-            buffer_keys=buffer_keys,
-            seed=seed,
-            identify_clients=identify_clients,
-            population=population,
-            outlier_rule=outlier_rule,
-            outlier_factor=outlier_factor,
-            outlier_window=outlier_window,
-            max_abs_update=max_abs_update,
-            min_replies=min_replies,
-            transactional=transactional,
+            parts=parts,
         )
         self.variant = spec
         self.optimizer_name = server_optimizer or spec.optimizer
@@ -191,7 +175,6 @@ class FedAdaVR(AdaptiveStrategy):
         self.num_clients = num_clients
         self.lamb_layerwise = lamb_layerwise
         self.store = StoredUpdates(self.table_precision, table_path) if spec.uses_table else None
-        self._round: VRRound | None = None
         # Build once now so bad optimiser settings fail at construction, not in round 1 (a transform
         # holds no state; the one used is built with the model's layout, for LAMB's per-tensor norms).
         make_server_optimizer(self.optimizer_name, **self._optimizer_kwargs(None))
@@ -243,9 +226,14 @@ class FedAdaVR(AdaptiveStrategy):
         factor = self.client_lr_factor(server_round) if self.client_lr_factor is not None else 1.0
         return self.client_lr * factor
 
-    def _new_round(self) -> VRRound:
-        self._round = VRRound(self.table, self.layout.dim, weighting=self.vr_weighting)
-        return self._round
+    def _new_round(self, server_round: int) -> VRRound:
+        """The round's VR aggregate; its staged rows are written only if the round's transaction commits."""
+        vr_round = VRRound(self.table, self.layout.dim, weighting=self.vr_weighting)
+        if self.store is not None:
+            self.transaction.stage(
+                server_round, lambda: self.store.write(server_round, vr_round) if vr_round.staged else None
+            )
+        return vr_round
 
     def add_to_round(self, vr_round: VRRound, server_round: int, update: ClientUpdate) -> None:
         """Add ``update`` as ``y = delta / eta_c`` (formed in place in the reply's buffer)."""
@@ -253,14 +241,14 @@ class FedAdaVR(AdaptiveStrategy):
         vr_round.add(update.client_key, y, float(update.num_examples) if not self.variant.equal_weights else 1.0)
 
     def round_sink(self, server_round: int, bound: float) -> ScreenedSink:
-        return _VRSink(self, server_round, bound, self._new_round())
+        return _VRSink(self, server_round, bound, self._new_round(server_round))
 
     def aggregate_deltas(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
         """The variance-reduced delta ``eta_c * r`` of updates read without streaming (round 1), or, with a
         robust aggregator (``novr`` only: no table), that aggregator's delta of the updates."""
         if not self.aggregator.streams:
             return super().aggregate_deltas(server_round, updates)
-        vr_round = self._new_round()
+        vr_round = self._new_round(server_round)
         for update in updates:
             if update.delta is not None:
                 self.add_to_round(vr_round, server_round, update)
@@ -272,13 +260,9 @@ class FedAdaVR(AdaptiveStrategy):
         return vr_round.delta(num_clients=num_clients, client_lr=self.client_lr_at(server_round))
 
     def after_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        """Write the staged rows of the clients that replied, after the server step (none if it failed)."""
-        vr_round, self._round = self._round, None
-        if self.table is None:
-            return
-        if updates and vr_round is not None and vr_round.staged:
-            self.store.write(server_round, vr_round)
-        self.accounting.round(server_round).server_state_bytes = self.table.memory_bytes()
+        """The table's size (its rows were written by the round's transaction, none if the round failed)."""
+        if self.table is not None:
+            self.accounting.round(server_round).server_state_bytes = self.table.memory_bytes()
 
 
 class _VRSink(ScreenedSink):

@@ -17,19 +17,15 @@ and, transparently, compressed updates from pollen's ``compression_mod``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from pollen.optim import amsgrad
+from pollen.strategies.engine.aggregation import Aggregator
+from pollen.strategies.engine.parts import EngineParts
 from pollen.strategies.engine.strategy import (
-    OUTLIER_FACTOR,
-    OUTLIER_RULE,
-    OUTLIER_WINDOW,
     AdaptiveStrategy,
     MetricsAggregationFn,
 )
-from pollen.strategies.engine.aggregation import Aggregator
-from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
 from pollen.strategies.engine.uplink import Uplink
 from pollen.wire import protocol
 
@@ -72,10 +68,9 @@ class FedAMS(AdaptiveStrategy):
         Flower's weight metric and record names, with its defaults and meaning (:class:`AdaptiveStrategy`).
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None
         Flower's metric aggregation functions; ``None``: each metric's weighted mean (:class:`AdaptiveStrategy`).
-    aggregation, aggregator, uplink, buffer_keys, seed, identify_clients, population
-        The engine's settings (:class:`AdaptiveStrategy`).
-    outlier_rule, outlier_factor, outlier_window, max_abs_update, min_replies, transactional
-        The outlier screen and the round's rules (:class:`AdaptiveStrategy`).
+    aggregation, aggregator, uplink, parts
+        The engine's settings and parts (:class:`AdaptiveStrategy`,
+        :class:`~pollen.strategies.engine.parts.EngineParts`).
     """
 
     def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, the method's, the engine's
@@ -100,16 +95,7 @@ class FedAMS(AdaptiveStrategy):
         aggregation: str = "mean",
         aggregator: str | Aggregator = "mean",
         uplink: Uplink | None = None,
-        buffer_keys: Iterable[str] | None = None,
-        seed: int = 0,
-        identify_clients: bool = False,
-        population: int = 0,
-        outlier_rule: str = OUTLIER_RULE,
-        outlier_factor: float = OUTLIER_FACTOR,
-        outlier_window: int = OUTLIER_WINDOW,
-        max_abs_update: float = DEFAULT_MAX_ABS,
-        min_replies: int = 1,
-        transactional: bool = True,
+        parts: EngineParts | None = None,
     ) -> None:
         if option not in OPTIONS:
             raise ValueError(
@@ -139,16 +125,7 @@ class FedAMS(AdaptiveStrategy):
             aggregation=aggregation,
             aggregator=aggregator,
             uplink=uplink,
-            buffer_keys=buffer_keys,
-            seed=seed,
-            identify_clients=identify_clients,
-            population=population,
-            outlier_rule=outlier_rule,
-            outlier_factor=outlier_factor,
-            outlier_window=outlier_window,
-            max_abs_update=max_abs_update,
-            min_replies=min_replies,
-            transactional=transactional,
+            parts=parts,
         )
         self.option = option
 

@@ -9,14 +9,12 @@ bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from pollen.compression import CODECS
-from pollen.strategies.engine.strategy import OUTLIER_FACTOR, OUTLIER_RULE, OUTLIER_WINDOW, MetricsAggregationFn
-from pollen.strategies.fedams import FedAMS
 from pollen.strategies.engine.aggregation import Aggregator
-from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
+from pollen.strategies.engine.parts import EngineParts
+from pollen.strategies.engine.strategy import MetricsAggregationFn
 from pollen.strategies.engine.uplink import Uplink
+from pollen.strategies.fedams import FedAMS
 from pollen.wire import protocol
 
 
@@ -48,10 +46,9 @@ class FedCAMS(FedAMS):
         Flower's weight metric and record names, with its defaults and meaning (:class:`AdaptiveStrategy`).
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None
         Flower's metric aggregation functions; ``None``: each metric's weighted mean (:class:`AdaptiveStrategy`).
-    aggregation, aggregator, buffer_keys, seed, identify_clients, population
-        The engine's settings (:class:`AdaptiveStrategy`).
-    outlier_rule, outlier_factor, outlier_window, max_abs_update, min_replies, transactional
-        The outlier screen and the round's rules (:class:`AdaptiveStrategy`).
+    aggregation, aggregator, parts
+        The engine's settings and parts (:class:`AdaptiveStrategy`,
+        :class:`~pollen.strategies.engine.parts.EngineParts`).
     """
 
     def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, the method's, FedAMS's, the engine's
@@ -79,16 +76,7 @@ class FedCAMS(FedAMS):
         bias_correction: bool = False,
         aggregation: str = "mean",
         aggregator: str | Aggregator = "mean",
-        buffer_keys: Iterable[str] | None = None,
-        seed: int = 0,
-        identify_clients: bool = False,
-        population: int = 0,
-        outlier_rule: str = OUTLIER_RULE,
-        outlier_factor: float = OUTLIER_FACTOR,
-        outlier_window: int = OUTLIER_WINDOW,
-        max_abs_update: float = DEFAULT_MAX_ABS,
-        min_replies: int = 1,
-        transactional: bool = True,
+        parts: EngineParts | None = None,
     ) -> None:
         if compressor not in CODECS:
             raise ValueError(f"compressor={compressor!r} is unknown; allowed: {', '.join(CODECS)}")
@@ -113,16 +101,7 @@ class FedCAMS(FedAMS):
             uplink=uplink,
             aggregation=aggregation,
             aggregator=aggregator,
-            buffer_keys=buffer_keys,
-            seed=seed,
-            identify_clients=identify_clients,
-            population=population,
-            outlier_rule=outlier_rule,
-            outlier_factor=outlier_factor,
-            outlier_window=outlier_window,
-            max_abs_update=max_abs_update,
-            min_replies=min_replies,
-            transactional=transactional,
+            parts=parts,
         )
 
     @property

@@ -25,7 +25,7 @@ with the client across rounds (client state). Sign convention: the server's step
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,18 +34,16 @@ from flwr.app import RecordDict
 
 from pollen.core import state_fields as fields
 from pollen.optim import adpfed_adam, sgd
+from pollen.strategies.engine.aggregation import Aggregator
+from pollen.strategies.engine.declared import COUNT, COUNTS, MOMENT
+from pollen.strategies.engine.parts import EngineParts
+from pollen.strategies.engine.replies import ClientUpdate, Extra, ReplySpec
+from pollen.strategies.engine.sampling import ClientSampler
 from pollen.strategies.engine.strategy import (
-    OUTLIER_FACTOR,
-    OUTLIER_RULE,
-    OUTLIER_WINDOW,
     TRAIN_PHASE,
     AdaptiveStrategy,
     MetricsAggregationFn,
 )
-from pollen.strategies.engine.declared import COUNT, COUNTS, MOMENT
-from pollen.strategies.engine.replies import ClientUpdate, Extra, ReplySpec
-from pollen.strategies.engine.aggregation import Aggregator
-from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
 from pollen.strategies.engine.uplink import Uplink
 from pollen.wire import protocol
 from pollen.wire.protocol import (
@@ -156,11 +154,10 @@ class FedLAMB(AdaptiveStrategy):
         Flower's weight metric and record names, with its defaults and meaning (:class:`AdaptiveStrategy`).
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None
         Flower's metric aggregation functions; ``None``: each metric's weighted mean (:class:`AdaptiveStrategy`).
-    aggregation, aggregator, uplink, buffer_keys, seed, identify_clients, population
-        The engine's settings (:class:`AdaptiveStrategy`); ``identify_clients`` defaults to True here:
-        each client's ``v_hat`` version is kept by its stable id.
-    outlier_rule, outlier_factor, outlier_window, max_abs_update, min_replies, transactional
-        The outlier screen and the round's rules (:class:`AdaptiveStrategy`).
+    aggregation, aggregator, uplink, parts
+        The engine's settings and parts (:class:`AdaptiveStrategy`,
+        :class:`~pollen.strategies.engine.parts.EngineParts`); its default
+        sampler asks each new node for its client id (each client's ``v_hat`` version is kept by its stable id).
     """
 
     streaming = False  # the extras of every reply are needed after the step
@@ -171,6 +168,11 @@ class FedLAMB(AdaptiveStrategy):
         "v_hat_version": COUNT,
         "client_versions": COUNTS,
     }
+
+    @classmethod
+    def default_parts(cls) -> EngineParts:
+        """A sampler that asks each new node for its stable client id (see the class docstring)."""
+        return EngineParts(sampler=ClientSampler(identify_clients=True))
 
     def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, the method's, the engine's
         self,
@@ -198,16 +200,7 @@ class FedLAMB(AdaptiveStrategy):
         aggregation: str = "mean",
         aggregator: str | Aggregator = "mean",
         uplink: Uplink | None = None,
-        buffer_keys: Iterable[str] | None = None,
-        seed: int = 0,
-        identify_clients: bool = True,
-        population: int = 0,
-        outlier_rule: str = OUTLIER_RULE,
-        outlier_factor: float = OUTLIER_FACTOR,
-        outlier_window: int = OUTLIER_WINDOW,
-        max_abs_update: float = DEFAULT_MAX_ABS,
-        min_replies: int = 1,
-        transactional: bool = True,
+        parts: EngineParts | None = None,
     ) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"variant={variant!r} is unknown; allowed: {', '.join(VARIANTS)}")
@@ -248,16 +241,7 @@ class FedLAMB(AdaptiveStrategy):
             aggregation=aggregation,
             aggregator=aggregator,
             uplink=uplink,
-            buffer_keys=buffer_keys,
-            seed=seed,
-            identify_clients=identify_clients,
-            population=population,
-            outlier_rule=outlier_rule,
-            outlier_factor=outlier_factor,
-            outlier_window=outlier_window,
-            max_abs_update=max_abs_update,
-            min_replies=min_replies,
-            transactional=transactional,
+            parts=parts,
         )
         self.variant = chosen
         self.streaming = chosen.stat is None  # no extras to keep: replies are summed as they are read
@@ -275,7 +259,7 @@ class FedLAMB(AdaptiveStrategy):
         self.v: np.ndarray | None = None  # Mime's server EMA of the squared mean gradient
         self.v_hat_version = 0
         self.client_versions: dict[str, int] = {}
-        self._next_moments: tuple[np.ndarray, np.ndarray] | None = None  # this round's, until its step commits
+        self._sent_versions: dict[int, int] = {}  # round -> the v_hat version its train messages carried
 
     # ------------------------------------------------------------------ rounds
     def is_sync_round(self, server_round: int) -> bool:
@@ -298,6 +282,7 @@ class FedLAMB(AdaptiveStrategy):
             self.v_hat_version = 1
 
     def train_config(self, server_round: int) -> dict[str, Any]:
+        self._sent_versions[server_round] = self.v_hat_version
         if self.variant.stat is None:  # Fed-SGD / Adp-Fed: plain local SGD, no momentum or decay (§4.5 a, d)
             return {protocol.CFG_LOCAL_STEP: self.variant.local_step, "momentum": 0.0, "weight-decay": 0.0}
         return {
@@ -331,28 +316,30 @@ class FedLAMB(AdaptiveStrategy):
         server step's transaction (a round whose moments would leave float32 fails and is rolled back)."""
         stats = [u.extras[self.variant.stat] for u in updates if self.variant.stat in u.extras]
         if self.variant.stat is not None and self.is_sync_round(server_round) and stats:
-            self._next_moments = self._moments_after(stats)
+            moments = self._moments_after(stats)
+            self.transaction.stage(server_round, lambda: self._take_moments(*moments))
         return super().aggregate_deltas(server_round, updates)
 
+    def _take_moments(self, v: np.ndarray, new_v_hat: np.ndarray) -> None:
+        """Commit a sync round's moments (staged by :meth:`aggregate_deltas`; run only if its step commits)."""
+        self.v = v
+        self.v_syncs += self.variant.stat == "grad"
+        if not np.array_equal(new_v_hat, self.v_hat):
+            self.v_hat = new_v_hat
+            self.v_hat_version += 1
+
     def after_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        """Record who holds ``v_hat`` now; on sync rounds whose step committed, take the new moments."""
-        moments, self._next_moments = getattr(self, "_next_moments", None), None
+        """Record who holds which ``v_hat``: a client whose reply was applied holds the version it was sent."""
+        sent = self._sent_versions.pop(server_round, self.v_hat_version)
         if self.variant.stat is None:
             return
         replied = {u.client_key for u in updates}
         for node in self._asked_train_nodes(server_round):
             key = self.sampler.key(node)
             if key in replied:
-                self.client_versions[key] = self.v_hat_version
+                self.client_versions[key] = sent
             else:  # a failed client may have lost its state: send v_hat again next time
                 self.client_versions.pop(key, None)
-        if updates and moments is not None:
-            v, new_v_hat = moments
-            self.v = v
-            self.v_syncs += self.variant.stat == "grad"
-            if not np.array_equal(new_v_hat, self.v_hat):
-                self.v_hat = new_v_hat
-                self.v_hat_version += 1
         self.accounting.round(server_round).train_metrics["v-hat-version"] = float(self.v_hat_version)
 
     def _moments_after(self, stats: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

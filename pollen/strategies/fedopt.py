@@ -10,20 +10,16 @@ refused with its name.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from pollen.core.layout import ModelLayout
 from pollen.optim import SERVER_OPTIMIZERS, Transform, make_server_optimizer, refuse_unused, settings_of
+from pollen.strategies.engine.aggregation import Aggregator
+from pollen.strategies.engine.parts import EngineParts
 from pollen.strategies.engine.strategy import (
-    OUTLIER_FACTOR,
-    OUTLIER_RULE,
-    OUTLIER_WINDOW,
     AdaptiveStrategy,
     MetricsAggregationFn,
 )
-from pollen.strategies.engine.aggregation import Aggregator
-from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
 from pollen.strategies.engine.uplink import Uplink
 from pollen.wire import protocol
 
@@ -52,10 +48,9 @@ class FedOpt(AdaptiveStrategy):
         Flower's weight metric and record names, with its defaults and meaning (:class:`AdaptiveStrategy`).
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None
         Flower's metric aggregation functions; ``None``: each metric's weighted mean (:class:`AdaptiveStrategy`).
-    aggregation, aggregator, uplink, buffer_keys, seed, identify_clients, population
-        The engine's settings (:class:`AdaptiveStrategy`).
-    outlier_rule, outlier_factor, outlier_window, max_abs_update, min_replies, transactional
-        The outlier screen and the round's rules (:class:`AdaptiveStrategy`).
+    aggregation, aggregator, uplink, parts
+        The engine's settings and parts (:class:`AdaptiveStrategy`,
+        :class:`~pollen.strategies.engine.parts.EngineParts`).
     """
 
     def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, the method's, the engine's
@@ -82,16 +77,7 @@ class FedOpt(AdaptiveStrategy):
         aggregation: str = "mean",
         aggregator: str | Aggregator = "mean",
         uplink: Uplink | None = None,
-        buffer_keys: Iterable[str] | None = None,
-        seed: int = 0,
-        identify_clients: bool = False,
-        population: int = 0,
-        outlier_rule: str = OUTLIER_RULE,
-        outlier_factor: float = OUTLIER_FACTOR,
-        outlier_window: int = OUTLIER_WINDOW,
-        max_abs_update: float = DEFAULT_MAX_ABS,
-        min_replies: int = 1,
-        transactional: bool = True,
+        parts: EngineParts | None = None,
     ) -> None:
         if optimizer not in SERVER_OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r} is unknown; allowed: {', '.join(SERVER_OPTIMIZERS)}")
@@ -120,16 +106,7 @@ class FedOpt(AdaptiveStrategy):
             aggregation=aggregation,
             aggregator=aggregator,
             uplink=uplink,
-            buffer_keys=buffer_keys,
-            seed=seed,
-            identify_clients=identify_clients,
-            population=population,
-            outlier_rule=outlier_rule,
-            outlier_factor=outlier_factor,
-            outlier_window=outlier_window,
-            max_abs_update=max_abs_update,
-            min_replies=min_replies,
-            transactional=transactional,
+            parts=parts,
         )
         self._optimizer_for(None)  # a bad setting fails here, not in round 1
 

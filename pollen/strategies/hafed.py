@@ -42,8 +42,6 @@ intra-cluster relay of ``x_t`` to non-uploaders, §3.4), gossip messages and gra
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
 from logging import INFO
 from typing import Any
 
@@ -54,32 +52,23 @@ from flwr.serverapp import Grid
 
 from pollen.gossip import (
     TOPOLOGIES,
-    gossip_step,
     mixing_matrix,
     segment_bounds,
-    spectral_gap_rho,
-    validate_clusters,
-    without_absent,
 )
 from pollen.optim import amsgrad
 from pollen.strategies.engine.accounting import grad_evals_of
+from pollen.strategies.engine.aggregation import Aggregator
+from pollen.strategies.engine.parts import EngineParts
+from pollen.strategies.engine.replies import ClientUpdate, ReplySpec
+from pollen.strategies.engine.sampling import ClientSampler
 from pollen.strategies.engine.strategy import (
-    OUTLIER_FACTOR,
-    OUTLIER_RULE,
-    OUTLIER_WINDOW,
     TRAIN_PHASE,
     AdaptiveStrategy,
     MetricsAggregationFn,
 )
-from pollen.strategies.engine.replies import ClientUpdate, ReplySpec, record_norms
-from pollen.strategies.engine.aggregation import Aggregator
-from pollen.strategies.engine.rounds import SetupError
-from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
 from pollen.strategies.engine.uplink import Uplink
+from pollen.strategies.hafed_clusters import Cluster, form_clusters, mix, peer_bytes
 from pollen.wire import protocol
-
-#: Topologies that need at least three clients per cluster to mean anything.
-NEEDS_NEIGHBOURS = ("ring", "bipartite", "circulant", "interpolated")
 
 
 def _reported_steps(metrics: Any) -> int | None:
@@ -88,15 +77,6 @@ def _reported_steps(metrics: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return int(value)
-
-
-@dataclass
-class Cluster:
-    """One cluster of a round: its nodes in a fixed order and its mixing matrix."""
-
-    name: str
-    nodes: list[int]
-    w: np.ndarray
 
 
 class HAFed(AdaptiveStrategy):
@@ -136,11 +116,10 @@ class HAFed(AdaptiveStrategy):
         Flower's weight metric and record names, with its defaults and meaning (:class:`AdaptiveStrategy`).
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None
         Flower's metric aggregation functions; ``None``: each metric's weighted mean (:class:`AdaptiveStrategy`).
-    aggregation, aggregator, uplink, buffer_keys, seed, identify_clients, population
-        The engine's settings (:class:`AdaptiveStrategy`); ``identify_clients`` defaults to True here:
-        clusters are formed from the client and cluster ids nodes report.
-    outlier_rule, outlier_factor, outlier_window, max_abs_update, min_replies, transactional
-        The outlier screen and the round's rules (:class:`AdaptiveStrategy`).
+    aggregation, aggregator, uplink, parts
+        The engine's settings and parts (:class:`AdaptiveStrategy`,
+        :class:`~pollen.strategies.engine.parts.EngineParts`); its default
+        sampler asks each new node for its client id (clusters are formed from the client and cluster ids nodes report).
     """
 
     streaming = False  # the round's updates are the server's own mixed models
@@ -148,6 +127,11 @@ class HAFed(AdaptiveStrategy):
         "its round aggregate is the uploaders' models after gossip, so a bad client's update is already mixed "
         "into its neighbours' before any aggregator sees it (and only m per cluster upload)"
     )
+
+    @classmethod
+    def default_parts(cls) -> EngineParts:
+        """A sampler that asks each new node for its stable client id (see the class docstring)."""
+        return EngineParts(sampler=ClientSampler(identify_clients=True))
 
     def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, the method's, the engine's
         self,
@@ -179,16 +163,7 @@ class HAFed(AdaptiveStrategy):
         aggregation: str = "mean",
         aggregator: str | Aggregator = "mean",
         uplink: Uplink | None = None,
-        buffer_keys: Iterable[str] | None = None,
-        seed: int = 0,
-        identify_clients: bool = True,
-        population: int = 0,
-        outlier_rule: str = OUTLIER_RULE,
-        outlier_factor: float = OUTLIER_FACTOR,
-        outlier_window: int = OUTLIER_WINDOW,
-        max_abs_update: float = DEFAULT_MAX_ABS,
-        min_replies: int = 1,
-        transactional: bool = True,
+        parts: EngineParts | None = None,
     ) -> None:
         for name, value in (
             ("local_steps", local_steps),
@@ -210,12 +185,6 @@ class HAFed(AdaptiveStrategy):
             raise ValueError(
                 f"clustered=False has no clusters to gossip in; allowed: topology='identity' (got {topology!r})"
             )
-        if clustered and population:
-            raise ValueError(
-                f"population={population} does not fit HA-Fed's clusters: every client of every cluster "
-                "trains and gossips within the round, so each needs a node of its own; allowed: population=0 "
-                "(one SuperNode per client), or clustered=False (fedamsgrad-uniform)"
-            )
         optimizer = amsgrad(
             eta=eta, beta_1=beta_1, beta_2=beta_2, eps=eps, eps_mode=eps_mode, bias_correction=bias_correction
         )
@@ -234,17 +203,14 @@ class HAFed(AdaptiveStrategy):
             aggregation=aggregation,
             aggregator=aggregator,
             uplink=uplink,
-            buffer_keys=buffer_keys,
-            seed=seed,
-            identify_clients=identify_clients,
-            population=population,
-            outlier_rule=outlier_rule,
-            outlier_factor=outlier_factor,
-            outlier_window=outlier_window,
-            max_abs_update=max_abs_update,
-            min_replies=min_replies,
-            transactional=transactional,
+            parts=parts,
         )
+        if clustered and self.sampler.population:
+            raise ValueError(
+                f"population={self.sampler.population} does not fit HA-Fed's clusters: every client of every "
+                "cluster trains and gossips within the round, so each needs a node of its own; allowed: "
+                "population=0 (one SuperNode per client), or clustered=False (fedamsgrad-uniform)"
+            )
         self.local_steps, self.gossip_every, self.active_prob = local_steps, gossip_every, float(active_prob)
         self.topology, self.lam, self.offsets = topology, lam, tuple(offsets) if offsets else None
         self.uploaders_per_cluster, self.clustered = uploaders_per_cluster, clustered
@@ -265,45 +231,16 @@ class HAFed(AdaptiveStrategy):
         The clusters are formed once, from the nodes connected when the run starts (the app waits for
         ``min-train-nodes`` of them: set it to the number of clients).
         """
-        if not self.clustered:
-            return
-        try:
-            groups = self.sampler.clusters(grid)
-        except ValueError as err:
-            raise SetupError(
-                f"HA-Fed needs a cluster id from every node (node-config cluster-id or run-config cluster-size): {err}"
-            ) from None
-        try:  # equal, non-empty clusters: the one rule of pollen.gossip
-            validate_clusters({str(node): index for index, nodes in enumerate(groups.values()) for node in nodes})
-        except ValueError as err:
-            sizes = {name: len(nodes) for name, nodes in groups.items()}
-            raise SetupError(f"HA-Fed cannot use clusters of sizes {sizes}: {err}") from None
-        n = len(next(iter(groups.values())))
-        if n == 1 and self.topology in NEEDS_NEIGHBOURS:
-            raise SetupError(
-                f"a cluster of one client has no neighbours for topology {self.topology!r}; "
-                "allowed: clusters of >= 3 or topology identity/full"
+        if self.clustered:
+            self._clusters = form_clusters(
+                self.sampler,
+                grid,
+                topology=self.topology,
+                uploaders=self.uploaders_per_cluster,
+                lam=self.lam,
+                offsets=self.offsets,
+                gossip_steps=len(self.segments) if self.topology != "identity" else 0,
             )
-        if self.uploaders_per_cluster > n:
-            raise SetupError(
-                f"uploaders per cluster m={self.uploaders_per_cluster} exceeds the cluster size n={n}; "
-                "allowed: 1 <= m <= n"
-            )
-        try:
-            w = mixing_matrix(self.topology, n, lam=self.lam, offsets=self.offsets)
-        except ValueError as err:
-            raise SetupError(f"topology {self.topology!r} cannot be built for clusters of {n}: {err}") from None
-        self._clusters = [Cluster(name, nodes, w) for name, nodes in groups.items()]
-        log(
-            INFO,
-            "HA-Fed: %d clusters of %d, topology %s, rho = %.5f, m = %d uploaders each, %d gossip steps per round",
-            len(groups),
-            n,
-            self.topology,
-            spectral_gap_rho(w),
-            self.uploaders_per_cluster,
-            len(self.segments) if self.topology != "identity" else 0,
-        )
 
     # ------------------------------------------------------------------ round
     def sample_train(self, server_round: int, grid: Grid) -> list[int]:
@@ -366,11 +303,14 @@ class HAFed(AdaptiveStrategy):
             present = {u.node_id for u in updates}
             current.update({u.node_id: u for u in updates})
             for cluster in clusters:
-                self._mix(cluster, current, present)
+                mix(cluster, current, present)
         final = [current[node] for node in sorted(uploaders & present)]
         star = len(uploaders) * down_per_start + sum(sum(u.record_bytes.values()) for u in final)
         stats.method["relayed_bytes"] = int(round(stats.uplink_bytes + stats.downlink_bytes - star))
-        stats.method["peer_bytes"] = self._peer_bytes(clusters, len(trained) - len(uploaders))
+        model_bytes = 4 * self.layout.dim + sum(int(b.nbytes) for b in self.buffers.values())
+        stats.method["peer_bytes"] = peer_bytes(
+            clusters, len(trained) - len(uploaders), model_bytes, len(self.segments)
+        )
         self._grad_evals[server_round] = grad_evals
         self._final[server_round] = final
         return []
@@ -482,35 +422,6 @@ class HAFed(AdaptiveStrategy):
             return []
         return self._clusters
 
-    def _mix(self, cluster: Cluster, current: dict[int, ClientUpdate], present: set[int]) -> None:
-        """``x_i <- sum_j W'_ij x_j`` in place for one cluster (``W'``: the absent-client rule)."""
-        mask = np.array([node in present for node in cluster.nodes])
-        w = without_absent(cluster.w, mask)
-        rows = [i for i, node in enumerate(cluster.nodes) if mask[i]]
-        if len(rows) < 2:
-            return
-        nodes = [cluster.nodes[i] for i in rows]
-        sub = w[np.ix_(rows, rows)]  # absent clients have zero weight in present rows
-        mixed = gossip_step(sub, np.stack([current[node].delta for node in nodes]))
-        names = list(current[nodes[0]].buffers)
-        mixed_buffers = {
-            name: gossip_step(
-                sub, np.stack([current[node].buffers[name].astype(np.float64).reshape(-1) for node in nodes])
-            )
-            for name in names
-        }
-        for k, node in enumerate(nodes):
-            update = current[node]
-            update.delta = mixed[k]
-            update.norm = float(np.sqrt(np.dot(mixed[k], mixed[k])))  # what the outlier screen judges
-            for name in names:
-                old = update.buffers[name]
-                value = mixed_buffers[name][k].reshape(old.shape)
-                update.buffers[name] = (np.rint(value) if np.issubdtype(old.dtype, np.integer) else value).astype(
-                    old.dtype
-                )
-            update.record_norms = record_norms(update, ReplySpec())  # the mixed buffers are what is judged next
-
     def _gossip_contents(
         self, server_round: int, current: dict[int, ClientUpdate], index: int
     ) -> dict[int, RecordDict]:
@@ -525,14 +436,6 @@ class HAFed(AdaptiveStrategy):
             arrays = self.model.record_of(named)
             contents[node] = RecordDict({protocol.ARRAYS_RECORD: arrays, protocol.CONFIG_RECORD: config})
         return contents
-
-    def _peer_bytes(self, clusters: list[Cluster], relayed_starts: int) -> int:
-        """Bytes the round's gossip would cost on a peer network: a model per directed edge per step."""
-        if not clusters:
-            return 0
-        model = 4 * self.layout.dim + sum(int(b.nbytes) for b in self.buffers.values())
-        edges = sum(int(np.count_nonzero(c.w - np.diag(np.diag(c.w)))) for c in clusters)
-        return model * (edges * len(self.segments) + relayed_starts)
 
     def extra_summary(self) -> dict[str, Any]:
         if self.topology == "identity":

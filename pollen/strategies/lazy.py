@@ -46,20 +46,18 @@ from pollen.lazy.rules import (
     norm64,
     replay,
 )
+from pollen.strategies.engine.aggregation import Aggregator
+from pollen.strategies.engine.declared import PART
+from pollen.strategies.engine.downlink import Downlink
+from pollen.strategies.engine.parts import EngineParts
+from pollen.strategies.engine.sampling import ClientSampler
 from pollen.strategies.engine.strategy import (
-    OUTLIER_FACTOR,
-    OUTLIER_RULE,
-    OUTLIER_WINDOW,
     MetricsAggregationFn,
     ReplyRejected,
     ReplySpec,
 )
-from pollen.strategies.engine.declared import PART
-from pollen.strategies.engine.downlink import Downlink
 from pollen.strategies.fedams import FedAMS
 from pollen.strategies.lazy_book import ClientBook
-from pollen.strategies.engine.aggregation import Aggregator
-from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
 from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, payload_to_records
 
@@ -149,16 +147,20 @@ class FedLazy(FedAMS):
         Flower's weight metric and record names, with its defaults and meaning (:class:`AdaptiveStrategy`).
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None
         Flower's metric aggregation functions; ``None``: each metric's weighted mean (:class:`AdaptiveStrategy`).
-    aggregation, aggregator, buffer_keys, seed, identify_clients, population
-        The engine's settings (:class:`AdaptiveStrategy`); ``identify_clients`` defaults to True here:
-        each client's stored copies are kept by its stable id.
-    outlier_rule, outlier_factor, outlier_window, max_abs_update, min_replies, transactional
-        The outlier screen and the round's rules (:class:`AdaptiveStrategy`).
+    aggregation, aggregator, parts
+        The engine's settings and parts (:class:`AdaptiveStrategy`,
+        :class:`~pollen.strategies.engine.parts.EngineParts`); its default
+        sampler asks each new node for its client id (each client's stored copies are kept by its stable id).
     """
 
     streaming = False  # each reply is resolved against its client's stored copies before the mean
     state_fields = {"book": PART}
     reply_spec = ReplySpec(flags=(protocol.FLAG_SKIP, protocol.FLAG_AA, protocol.FLAG_RESYNC), update="optional")
+
+    @classmethod
+    def default_parts(cls) -> EngineParts:
+        """A sampler that asks each new node for its stable client id (see the class docstring)."""
+        return EngineParts(sampler=ClientSampler(identify_clients=True))
 
     def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, the method's, FedAMS's, the engine's
         self,
@@ -198,16 +200,7 @@ class FedLazy(FedAMS):
         bias_correction: bool = False,
         aggregation: str = "mean",
         aggregator: str | Aggregator = "mean",
-        buffer_keys: Iterable[str] | None = None,
-        seed: int = 0,
-        identify_clients: bool = True,
-        population: int = 0,
-        outlier_rule: str = OUTLIER_RULE,
-        outlier_factor: float = OUTLIER_FACTOR,
-        outlier_window: int = OUTLIER_WINDOW,
-        max_abs_update: float = DEFAULT_MAX_ABS,
-        min_replies: int = 1,
-        transactional: bool = True,
+        parts: EngineParts | None = None,
     ) -> None:
         check_choice("up_rule", up_rule, RULES)
         check_choice("compressor", compressor, CODECS)
@@ -249,20 +242,13 @@ class FedLazy(FedAMS):
             bias_correction=bias_correction,
             aggregation=aggregation,
             aggregator=aggregator,
-            buffer_keys=buffer_keys,
-            seed=seed,
-            identify_clients=identify_clients,
-            population=population,
-            outlier_rule=outlier_rule,
-            outlier_factor=outlier_factor,
-            outlier_window=outlier_window,
-            max_abs_update=max_abs_update,
-            min_replies=min_replies,
-            transactional=transactional,
+            parts=parts,
         )
         self.up_rule, self.up_tau = up_rule, check_tau("up_tau", up_tau)
         self.compressor, self.topk_ratio, self.granularity = compressor, float(topk_ratio), granularity
         self.error_feedback = bool(error_feedback) and compressor != "none"
+        # the client owes its residual what was not applied; ref_mode="consecutive-only" asks who took part
+        self.ledger.tell, self.ledger.keep = self.error_feedback, True
         self.downlink = downlink
         self.ef_mode, self.ref_mode = ef_mode, ref_mode
         self.bookkeeping_dir = bookkeeping_dir
@@ -275,7 +261,6 @@ class FedLazy(FedAMS):
         self.book: ClientBook | None = None
         self._down_codec = None
         self._pending: dict[str, dict[str, Any]] = {}  # this round: what each sampled client will hold
-        self._commits: dict[str, tuple[str, Any, dict[str, Any]]] = {}  # kept replies: what to keep if applied
 
     def upload_codec(self) -> str:
         """The uplink codec; an accelerated (aa) reply adds the stored copy, so it is no plain decoding."""
@@ -438,24 +423,14 @@ class FedLazy(FedAMS):
             usable.append(update)
         self._pending = {}
         kept = self.screened(server_round, usable)
-        self._commits = {update.client_key: commits[id(update)] for update in kept}
+        for update in kept:  # both sides hold the same copies only if the round commits
+            self.transaction.stage(server_round, lambda u=update: self._commit(u.client_key, *commits[id(u)]))
         return self.apply_updates(server_round, kept, None)
 
-    def reports_applied(self) -> bool:
-        return self.error_feedback  # the client owes its residual what was not applied
-
-    def keeps_ledger(self) -> bool:
-        return True  # ``ref_mode="consecutive-only"`` asks it who took part in the last round
-
     def after_round(self, server_round: int, updates: list[Any]) -> None:
-        """The server step committed ``updates``: both sides now hold the same copies of those clients.
-
-        A skipped, failed or rolled-back round commits nothing: every client keeps the copies the server
-        holds of a round back, and the ledger tells it that its upload was not applied.
-        """
-        commits, self._commits = self._commits, {}
-        for update in updates:
-            self._commit(update.client_key, *commits[update.client_key])
+        """The book's size. (Its copies were committed by the round's transaction: a skipped, failed or
+        rolled-back round commits none, every client keeps the copies the server holds of a round back, and
+        the ledger tells it that its upload was not applied.)"""
         if self.book is not None:
             self.accounting.round(server_round).server_state_bytes = self.book.memory_bytes()
 

@@ -39,8 +39,8 @@ from pollen.app.methods.common import adaptive_kwargs
 from pollen.app.registry import Method
 from pollen.clientside.steps import LocalWork, StepOutcome, load_flat, model_arrays, run_sgd, train_metrics
 from pollen.optim import sgd
-from pollen.strategies.engine.strategy import AdaptiveStrategy
 from pollen.strategies.engine.replies import ClientUpdate, Extra, ReplySpec
+from pollen.strategies.engine.strategy import AdaptiveStrategy
 from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, record_to_arrays
 

@@ -50,8 +50,8 @@ def test_enumerations_come_from_their_owners() -> None:
     from pollen.gossip import TOPOLOGIES
     from pollen.lazy.rules import DOWNLINK_MODES
     from pollen.optim import SERVER_OPTIMIZERS
-    from pollen.strategies.fedlamb import SYNC_PHASES
     from pollen.strategies.engine.screening import RULES
+    from pollen.strategies.fedlamb import SYNC_PHASES
     from pollen.task.catalog import DATASETS, MODELS, NORMS, PARTITIONERS
 
     owned = {

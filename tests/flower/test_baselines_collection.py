@@ -12,6 +12,7 @@ import pytest
 from flwr.app import ConfigRecord, MetricRecord
 
 from pollen.strategies import MeteredFedAdam, MeteredFedAvg
+from pollen.strategies.engine.parts import EngineParts, UpdateScreen
 from pollen.testing.fakes import FakeGrid, full_model_reply, model_record, named_arrays, tiny_model
 from pollen.wire import protocol
 
@@ -229,7 +230,12 @@ def test_flowers_moments_are_put_back_when_its_step_leaves_inf() -> None:
             arrays = {**arrays, "conv.bias": arrays["conv.bias"] + np.float32(1e20)}
         return full_model_reply(msg, arrays, num_examples=10)
 
-    strategy = MeteredFedYogi(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=2, outlier_rule="off")
+    strategy = MeteredFedYogi(
+        fraction_train=1.0,
+        fraction_evaluate=0.0,
+        min_available_nodes=2,
+        parts=EngineParts(screen=UpdateScreen(rule="off")),
+    )
     strategy.screen.max_abs = 1e30
     _, replies = start_round(strategy, FakeGrid(NODES, moving_client), 1)
     strategy.aggregate_train(1, replies)

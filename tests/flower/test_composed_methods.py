@@ -12,13 +12,19 @@ import numpy as np
 import pytest
 
 from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, FedOpt, Uplink
+from pollen.strategies.engine.parts import ClientSampler, EngineParts
 from pollen.testing.fakes import FakeGrid, make_context, model_record, named_arrays, tiny_model
 from pollen.wire import protocol
 from tests.flower.test_strategy_fedams import mod_client
 
 pytestmark = pytest.mark.flower_compat
 NODES = [5, 6, 7, 8, 9, 10]
-SAMPLING = dict(fraction_train=0.5, fraction_evaluate=0.0, seed=11)
+SAMPLING = dict(fraction_train=0.5, fraction_evaluate=0.0)
+
+
+def parts(identify_clients: bool = False) -> EngineParts:
+    """Each strategy's own parts: the seeded sampler these runs compare under (by node ids unless asked)."""
+    return EngineParts(sampler=ClientSampler(seed=11, identify_clients=identify_clients))
 
 
 def run(strategy, rounds: int = 4):  # noqa: ANN001, ANN201
@@ -31,8 +37,8 @@ def run(strategy, rounds: int = 4):  # noqa: ANN001, ANN201
 
 def test_fedcams_is_fedams_given_an_uplink_bit_for_bit() -> None:
     settings = dict(eta=0.3, beta_2=0.9, eps=1e-3, **SAMPLING)
-    named, _, _, final_named = run(FedCAMS(compressor="topk", topk_ratio=0.25, **settings))
-    composed, _, _, final_composed = run(FedAMS(uplink=Uplink("topk", topk_ratio=0.25), **settings))
+    named, _, _, final_named = run(FedCAMS(compressor="topk", topk_ratio=0.25, parts=parts(), **settings))
+    composed, _, _, final_composed = run(FedAMS(uplink=Uplink("topk", topk_ratio=0.25), parts=parts(), **settings))
     np.testing.assert_array_equal(named.params, composed.params)
     for name in final_named:
         np.testing.assert_array_equal(final_named[name], final_composed[name])
@@ -40,15 +46,26 @@ def test_fedcams_is_fedams_given_an_uplink_bit_for_bit() -> None:
 
 
 def test_fedopt_amsgrad_is_fedams_bit_for_bit() -> None:
-    fedams, _, _, _ = run(FedAMS(eta=0.3, beta_2=0.9, eps=1e-3, option=1, **SAMPLING))
+    fedams, _, _, _ = run(FedAMS(eta=0.3, beta_2=0.9, eps=1e-3, option=1, parts=parts(), **SAMPLING))
     fedopt, _, _, _ = run(
-        FedOpt(optimizer="amsgrad", eta=0.3, beta_2=0.9, eps=1e-3, eps_mode="max", bias_correction=False, **SAMPLING)
+        FedOpt(
+            optimizer="amsgrad",
+            eta=0.3,
+            beta_2=0.9,
+            eps=1e-3,
+            eps_mode="max",
+            bias_correction=False,
+            parts=parts(),
+            **SAMPLING,
+        )
     )
     np.testing.assert_array_equal(fedams.params, fedopt.params)
 
 
 def test_adabelief_with_scaled_sign_uploads_runs_and_compresses() -> None:
-    strategy, grid, codecs, _ = run(FedOpt(optimizer="adabelief", eta=0.01, uplink=Uplink("sign"), **SAMPLING))
+    strategy, grid, codecs, _ = run(
+        FedOpt(optimizer="adabelief", eta=0.01, uplink=Uplink("sign"), parts=parts(), **SAMPLING)
+    )
     assert set(codecs) == {"sign"}
     assert all(
         set(r.content.array_records) == {protocol.UPDATE_RECORD, protocol.BUFFERS_RECORD}
@@ -70,7 +87,9 @@ def test_adabelief_with_scaled_sign_uploads_runs_and_compresses() -> None:
 
 
 def test_fedadavr_with_error_fed_topk_uploads_fills_its_table() -> None:
-    strategy, grid, codecs, _ = run(FedAdaVR(uplink=Uplink("topk", topk_ratio=0.25), eta=0.01, **SAMPLING))
+    strategy, grid, codecs, _ = run(
+        FedAdaVR(uplink=Uplink("topk", topk_ratio=0.25), eta=0.01, parts=parts(identify_clients=True), **SAMPLING)
+    )
     assert set(codecs) == {"topk"}
     stats = strategy.accounting.rounds[4]
     assert stats.replies == 3 and stats.failures == 0

@@ -31,9 +31,10 @@ from pollen.clientside.lazy_mod import COPY_PREFIX, PREV_X, UP_ROUND, UP_USED, l
 from pollen.clientside.state import STATE_KEY, ClientState
 from pollen.lazy import checksum
 from pollen.strategies.engine import strategy as base_module
+from pollen.strategies.engine.ledger import AppliedLedger
+from pollen.strategies.engine.sinks import RunningMean
 from pollen.strategies.fedadavr import _VRSink
 from pollen.strategies.lazy import FedLazy
-from pollen.strategies.engine.sinks import RunningMean
 from pollen.testing.fakes import (
     TRAINABLE,
     FakeGrid,
@@ -79,7 +80,7 @@ def _error_fed_methods() -> list[str]:
             strategy = _build(name)
         except Exception:  # noqa: BLE001 - a method that takes no compressed uplink is not error-fed
             continue
-        if getattr(strategy, "reports_applied", lambda: False)():
+        if getattr(getattr(strategy, "ledger", None), "tell", False):
             names.append(name)
     return names
 
@@ -198,11 +199,11 @@ def _run_scenario(name: str, monkeypatch: pytest.MonkeyPatch, **settings: Any) -
         harness.lose = {2} if r == 3 else set()  # drop-out: trained, reply lost
         harness.inflate = {4} if r in (4, 7) else set()  # an outlier, clipped or rejected
         if r == 5:  # a skipped round: fewer usable replies than min-replies
-            strategy.min_replies = 99
+            strategy.transaction.min_replies = 99
         if r == 6:  # a server step that fails and is rolled back
             strategy.server_step.apply = _failing_step
         arrays = harness.round(strategy, r, arrays)
-        strategy.min_replies = 1
+        strategy.transaction.min_replies = 1
         if r == 6:
             del strategy.server_step.apply  # the instance attribute goes, the class's method is back
         if r == 4:  # resume: a new strategy from the state dict goes on
@@ -234,7 +235,7 @@ def test_applied_plus_residual_plus_owed_equals_the_true_updates(name: str, outl
 
 def test_without_the_ledger_a_skipped_round_loses_mass(monkeypatch) -> None:  # noqa: ANN001
     """The negative control: a strategy that does not tell clients what it applied breaks the balance."""
-    monkeypatch.setattr(base_module.AdaptiveStrategy, "reports_applied", lambda self: False)
+    monkeypatch.setattr(AppliedLedger, "told", lambda self, content, *_: content)
     strategy, harness = _run_scenario("fedcams", monkeypatch)
     gaps = []
     for node in NODES:

@@ -14,6 +14,7 @@ from pollen.app.config import AppConfig, defaults_from_pyproject, effective_run_
 from pollen.app.experiment import build_strategy
 from pollen.clientside.lamb import LocalLAMB
 from pollen.strategies import FedLAMB
+from pollen.strategies.engine.parts import ClientSampler, EngineParts
 from pollen.testing.fakes import FakeGrid, config_of, full_model_reply, global_arrays_of, model_record, tiny_model
 from pollen.wire import protocol
 
@@ -81,7 +82,12 @@ def test_the_server_asks_for_the_local_denominator_until_the_first_v_hat_arrives
             )
         return reply
 
-    strategy = FedLAMB(variant=variant, round1_denominator="local-v", fraction_evaluate=0.0, seed=1)
+    strategy = FedLAMB(
+        variant=variant,
+        round1_denominator="local-v",
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=1, identify_clients=True)),
+    )
     grid = FakeGrid([1, 2], client, client_ids={1: "a", 2: "b"})
     strategy.start(grid=grid, initial_arrays=model_record(tiny_model()), num_rounds=3)
     assert sorted({(r, flag) for r, flag in asked}) == [(1, True), (2, False), (3, False)]
@@ -148,7 +154,12 @@ def _mime_run(server_v: str, grads: list[float], rounds: int) -> FedLAMB:
             )
         return reply
 
-    strategy = FedLAMB(variant="mime", server_v=server_v, fraction_evaluate=0.0, seed=1)
+    strategy = FedLAMB(
+        variant="mime",
+        server_v=server_v,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=1, identify_clients=True)),
+    )
     grid = FakeGrid([1, 2], client, client_ids={1: "a", 2: "b"})
     strategy.start(grid=grid, initial_arrays=model_record(tiny_model()), num_rounds=rounds)
     return strategy
@@ -196,11 +207,19 @@ def test_an_unknown_server_v_is_refused_and_a_saved_sync_count_past_the_round_is
         FedLAMB(variant="mime", server_v="adam")
     strategy = _mime_run("bias-corrected", [0.5, 0.1], 2)
     state = strategy.state_dict()
-    fresh = FedLAMB(variant="mime", server_v="bias-corrected", fraction_evaluate=0.0, seed=1)
+    fresh = FedLAMB(
+        variant="mime",
+        server_v="bias-corrected",
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=1, identify_clients=True)),
+    )
     fresh.load_state_dict(state, server_round=2)
     assert fresh.v_syncs == 2
     state["v_syncs"] = 9
     with pytest.raises(ValueError, match="v_syncs"):
-        FedLAMB(variant="mime", server_v="bias-corrected", fraction_evaluate=0.0, seed=1).load_state_dict(
-            state, server_round=2
-        )
+        FedLAMB(
+            variant="mime",
+            server_v="bias-corrected",
+            fraction_evaluate=0.0,
+            parts=EngineParts(sampler=ClientSampler(seed=1, identify_clients=True)),
+        ).load_state_dict(state, server_round=2)

@@ -15,6 +15,7 @@ import pytest
 from flwr.app import ArrayRecord, Context, RecordDict
 
 from pollen.app.config import defaults_from_pyproject
+from pollen.strategies.engine.parts import ClientSampler, EngineParts
 from pollen.testing.fakes import FakeGrid, model_record, named_arrays
 from pollen.wire import protocol
 
@@ -113,7 +114,13 @@ def test_a_reply_that_says_it_took_no_steps_but_moved_is_rejected_and_idle_ones_
             local["conv.bias"] = local["conv.bias"] + step.astype(np.float32)
         return full_model_reply(msg, local, **{"num-steps": 1 if node in movers else 0})
 
-    strategy = HAFed(fraction_evaluate=0.0, seed=5, min_available_nodes=8, local_steps=3, active_prob=0.25)
+    strategy = HAFed(
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
+        min_available_nodes=8,
+        local_steps=3,
+        active_prob=0.25,
+    )
     grid = FakeGrid(
         nodes,
         client,

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from pollen.clientside import compression_mod
 from pollen.clientside.lazy_mod import lazy_mod
 from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, FedLazy, MeteredFedAdam, MeteredFedAvg
+from pollen.strategies.engine.parts import ClientSampler, EngineParts, RoundTransaction, UpdateScreen
 from pollen.testing.fakes import (
     FakeGrid,
     config_of,
@@ -120,11 +121,28 @@ def assert_same_state(a, b) -> None:  # noqa: ANN001
 
 
 STRATEGIES = {
-    "fedams": lambda: FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True),
-    "fedams-weighted": lambda: FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True, aggregation="weighted"),
-    "fedcams-sign": lambda: FedCAMS(compressor="sign", eta=0.3, fraction_evaluate=0.0, identify_clients=True),
+    "fedams": lambda: FedAMS(
+        eta=0.3, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True))
+    ),
+    "fedams-weighted": lambda: FedAMS(
+        eta=0.3,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(identify_clients=True)),
+        aggregation="weighted",
+    ),
+    "fedcams-sign": lambda: FedCAMS(
+        compressor="sign",
+        eta=0.3,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(identify_clients=True)),
+    ),
     "fedcams-topk-tensor": lambda: FedCAMS(
-        compressor="topk", topk_ratio=0.25, granularity="tensor", eta=0.3, fraction_evaluate=0.0, identify_clients=True
+        compressor="topk",
+        topk_ratio=0.25,
+        granularity="tensor",
+        eta=0.3,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(identify_clients=True)),
     ),
     "fednlaca": lambda: FedLazy(
         up_rule="nla", up_tau=1.2, compressor="topk", topk_ratio=0.25, eta=0.3, fraction_evaluate=0.0
@@ -287,7 +305,13 @@ def test_a_poisoned_round_does_not_freeze_amsgrad():
     attacked = run(STRATEGIES["fedams"], scaled_model(1e18, coordinate=True), rounds=4)
     assert float(attacked.opt_state.slots["v_hat"].max()) < 1.0
     unscreened = run(
-        lambda: FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True, outlier_rule="off", max_abs_update=1e30),
+        lambda: FedAMS(
+            eta=0.3,
+            fraction_evaluate=0.0,
+            parts=EngineParts(
+                sampler=ClientSampler(identify_clients=True), screen=UpdateScreen(rule="off", max_abs=1e30)
+            ),
+        ),
         scaled_model(1e18, coordinate=True),
         rounds=4,
     )
@@ -296,7 +320,12 @@ def test_a_poisoned_round_does_not_freeze_amsgrad():
 
 def test_clip_rule_scales_the_outlier_to_the_bound():
     strategy = run(
-        lambda: FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True, outlier_rule="clip"), scaled_model(1e6)
+        lambda: FedAMS(
+            eta=0.3,
+            fraction_evaluate=0.0,
+            parts=EngineParts(sampler=ClientSampler(identify_clients=True), screen=UpdateScreen(rule="clip")),
+        ),
+        scaled_model(1e6),
     )
     stats = strategy.accounting.rounds[2]
     assert stats.failures == 0 and stats.replies == len(NODES)
@@ -307,7 +336,7 @@ def test_clip_rule_scales_the_outlier_to_the_bound():
 
 
 def test_transactional_step_rolls_back_a_failing_optimiser(monkeypatch):
-    strategy = FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True)
+    strategy = FedAMS(eta=0.3, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True)))
     grid = FakeGrid(NODES, lambda m: honest_reply(m, {}), client_ids=IDS)
     strategy.start(grid=grid, initial_arrays=model_record(tiny_model(2)), num_rounds=1)
     before = state_arrays(strategy)
@@ -337,7 +366,9 @@ def test_rounds_after_a_rolled_back_step_go_on_as_if_it_never_ran(monkeypatch, f
     from pollen.testing.fakes import run_train_round
 
     def started():  # noqa: ANN202
-        strategy = FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True)
+        strategy = FedAMS(
+            eta=0.3, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True))
+        )
         grid = FakeGrid(NODES, lambda m: honest_reply(m, {}), client_ids=IDS)
         strategy.start(grid=grid, initial_arrays=model_record(tiny_model(2)), num_rounds=1)
         return strategy, grid
@@ -384,7 +415,13 @@ def test_two_nodes_claiming_one_client_id_are_kept_apart():
 
 def test_too_few_usable_replies_skip_the_round():
     strategy = run(
-        lambda: FedAMS(eta=0.3, fraction_evaluate=0.0, identify_clients=True, min_replies=4),
+        lambda: FedAMS(
+            eta=0.3,
+            fraction_evaluate=0.0,
+            parts=EngineParts(
+                sampler=ClientSampler(identify_clients=True), transaction=RoundTransaction(min_replies=4)
+            ),
+        ),
         scaled_model(1e20, coordinate=True),
     )
     stats = strategy.accounting.rounds[2]
@@ -393,7 +430,7 @@ def test_too_few_usable_replies_skip_the_round():
 
 
 def test_evaluation_replies_never_crash_either():
-    strategy = FedAMS(eta=0.3, fraction_evaluate=1.0, identify_clients=True)
+    strategy = FedAMS(eta=0.3, fraction_evaluate=1.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True)))
 
     def client(msg):  # noqa: ANN001, ANN202
         if msg.metadata.message_type == "evaluate":

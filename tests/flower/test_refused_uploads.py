@@ -15,6 +15,7 @@ import pytest
 from pollen.clientside import compression_mod
 from pollen.strategies import FedCAMS
 from pollen.strategies.engine.ledger import AppliedLedger
+from pollen.strategies.engine.parts import ClientSampler, EngineParts
 from pollen.testing.fakes import (
     FakeGrid,
     config_of,
@@ -52,7 +53,12 @@ def run(rounds: int = 6) -> tuple[FedCAMS, dict[int, list[dict]]]:
         configs[msg.metadata.dst_node_id].append(dict(config_of(msg)))
         return compression_mod(msg, contexts[msg.metadata.dst_node_id], train)
 
-    strategy = FedCAMS(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=len(NODES), identify_clients=True)
+    strategy = FedCAMS(
+        fraction_train=1.0,
+        fraction_evaluate=0.0,
+        min_available_nodes=len(NODES),
+        parts=EngineParts(sampler=ClientSampler(identify_clients=True)),
+    )
     grid = FakeGrid(NODES, client, client_ids={n: f"c{n}" for n in NODES})
     strategy.start(grid=grid, initial_arrays=model_record(tiny_model()), num_rounds=rounds)
     return strategy, configs

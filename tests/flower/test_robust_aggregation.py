@@ -17,6 +17,7 @@ from pollen.clientside.compression_mod import compression_mod
 from pollen.clientside.lazy_mod import lazy_mod
 from pollen.compression import decode_payload
 from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, FedLAMB, FedLazy, FedOpt, HAFed, Uplink
+from pollen.strategies.engine.parts import ClientSampler, EngineParts
 from pollen.testing.fakes import (
     FakeGrid,
     capture_flwr_logs,
@@ -38,8 +39,13 @@ pytestmark = pytest.mark.flower_compat
 
 NODES = [1, 2, 3, 4, 5]
 ATTACKER = 5
-ONE_ROUND = dict(fraction_train=1.0, min_train_nodes=5, min_available_nodes=5, fraction_evaluate=0.0, seed=3)
+ONE_ROUND = dict(fraction_train=1.0, min_train_nodes=5, min_available_nodes=5, fraction_evaluate=0.0)
 TRAINABLE = ("conv.weight", "conv.bias", "bn.weight")
+
+
+def parts(identify_clients: bool = False) -> EngineParts:
+    """Fresh parts for each strategy (seed 3); ``identify_clients`` as the method's default."""
+    return EngineParts(sampler=ClientSampler(seed=3, identify_clients=identify_clients))
 
 
 def honest_delta(node: int) -> np.ndarray:
@@ -96,7 +102,7 @@ def server_deltas(x0: np.ndarray, replies) -> list[np.ndarray]:  # noqa: ANN001
 )
 def test_a_round_moves_the_model_by_the_aggregate_of_the_decoded_deltas(name, reference) -> None:  # noqa: ANN001
     aggregator = reference if name == "trimmed-mean" else name
-    strategy = FedOpt(optimizer="sgd", eta=1.0, aggregator=aggregator, **ONE_ROUND)
+    strategy = FedOpt(optimizer="sgd", eta=1.0, aggregator=aggregator, parts=parts(), **ONE_ROUND)
     x0, x1, replies = one_round(strategy, dense_client)
     deltas = server_deltas(x0, replies)
     np.testing.assert_allclose(x1 - x0, reference.combine(deltas), rtol=0, atol=2e-6)
@@ -111,7 +117,9 @@ def test_a_round_moves_the_model_by_the_aggregate_of_the_decoded_deltas(name, re
 @pytest.mark.parametrize("aggregator", ["median", "trimmed-mean"])
 def test_the_robust_round_is_bit_identical_whatever_the_order_of_the_replies(aggregator: str) -> None:
     results = [
-        one_round(FedOpt(optimizer="adam", eta=0.1, aggregator=aggregator, **ONE_ROUND), dense_client, reverse)[1]
+        one_round(
+            FedOpt(optimizer="adam", eta=0.1, aggregator=aggregator, parts=parts(), **ONE_ROUND), dense_client, reverse
+        )[1]
         for reverse in (False, True)
     ]
     assert results[0].tobytes() == results[1].tobytes()
@@ -121,7 +129,7 @@ def test_the_robust_round_is_bit_identical_whatever_the_order_of_the_replies(agg
 def test_majority_vote_of_scaled_sign_uploads(granularity: str) -> None:
     contexts = {n: make_context(n) for n in NODES}
     uplink = Uplink("sign", error_feedback=False, granularity=granularity)
-    strategy = FedOpt(optimizer="sgd", eta=1.0, uplink=uplink, aggregator="majority-vote", **ONE_ROUND)
+    strategy = FedOpt(optimizer="sgd", eta=1.0, uplink=uplink, aggregator="majority-vote", parts=parts(), **ONE_ROUND)
     x0, x1, replies = one_round(strategy, sign_client(contexts))
     segments = strategy.layout.segments
     decoded = [
@@ -140,22 +148,29 @@ def test_majority_vote_of_scaled_sign_uploads(granularity: str) -> None:
 
 
 def test_fed_sgd_takes_the_median_of_the_models() -> None:
-    strategy = FedLAMB(variant="fed-sgd", aggregator="median", **ONE_ROUND)
+    strategy = FedLAMB(variant="fed-sgd", aggregator="median", parts=parts(identify_clients=True), **ONE_ROUND)
     x0, x1, replies = one_round(strategy, dense_client)
     models = [flat(named_arrays(r.content.array_records[protocol.ARRAYS_RECORD])) for r in replies]
     np.testing.assert_allclose(x1, Median().combine(models), rtol=0, atol=2e-6)  # x <- median_i x_i
 
 
 def test_fedadavr_without_a_table_takes_the_robust_aggregate() -> None:
-    strategy = FedAdaVR(variant="novr", server_optimizer="sgd", eta=1.0, aggregator="median", **ONE_ROUND)
+    strategy = FedAdaVR(
+        variant="novr",
+        server_optimizer="sgd",
+        eta=1.0,
+        aggregator="median",
+        parts=parts(identify_clients=True),
+        **ONE_ROUND,
+    )
     x0, x1, replies = one_round(strategy, dense_client)
     np.testing.assert_allclose(x1 - x0, Median().combine(server_deltas(x0, replies)), rtol=0, atol=2e-6)
 
 
 def test_the_lazy_family_aggregates_its_resolved_vectors_robustly() -> None:
     strategy = FedLazy(
-        up_rule="nla", up_tau=0.6, eta=0.1, eps=1e-3, fraction_train=0.5, fraction_evaluate=0.0, seed=5,
-        aggregator="median",
+        up_rule="nla", up_tau=0.6, eta=0.1, eps=1e-3, fraction_train=0.5, fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)), aggregator="median",
     )  # fmt: skip
     seen = []
     aggregate = strategy.aggregate_deltas

@@ -34,6 +34,7 @@ from pollen.strategies import (
     RunCheckpoint,
     RunInterrupted,
 )
+from pollen.strategies.engine.parts import ClientSampler, EngineParts
 from pollen.testing.fakes import (
     TRAINABLE,
     FakeGrid,
@@ -89,7 +90,9 @@ class PerNodeNote(FedAMS):
 
 
 def test_node_content_sends_each_node_its_own_record_and_counts_each_message():
-    strategy = PerNodeNote(fraction_train=1.0, fraction_evaluate=0.0, identify_clients=True)
+    strategy = PerNodeNote(
+        fraction_train=1.0, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True))
+    )
     grid = FakeGrid(NODES, keyed_client, client_ids=IDS)
     run_train_round(strategy, grid, 1, model_record(tiny_model()))
     sent = grid.train_messages()
@@ -149,7 +152,12 @@ def test_relay_average_equals_the_hand_computation_and_counts_the_exchange():
     steps_first = {(IDS[n], 1): delta_for(IDS[n], 1, 0) for n in NODES}
     steps_second = {(IDS[n], 1): delta_for(IDS[n], 1, 1) for n in NODES}
     seen: list = []
-    strategy = RelayAverage(fraction_train=1.0, fraction_evaluate=0.0, identify_clients=True, eta=1.0)
+    strategy = RelayAverage(
+        fraction_train=1.0,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(identify_clients=True)),
+        eta=1.0,
+    )
     grid = FakeGrid(NODES, relay_client(steps_first, steps_second, seen), client_ids=IDS)
     x0 = tiny_model(3)
     x_t = np.concatenate([x0[n].reshape(-1) for n in TRAINABLE]).astype(np.float64)
@@ -192,7 +200,9 @@ def test_relay_client_dropping_out_mid_round_is_a_failure_and_the_round_complete
         dropped = msg.metadata.dst_node_id == NODES[0] and msg.metadata.message_type != "train"
         return None if dropped else out
 
-    strategy = RelayAverage(fraction_train=1.0, fraction_evaluate=0.0, identify_clients=True)
+    strategy = RelayAverage(
+        fraction_train=1.0, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True))
+    )
     strategy.start(
         grid=FakeGrid(NODES, client, client_ids=IDS), initial_arrays=model_record(tiny_model(3)), num_rounds=1
     )
@@ -244,8 +254,12 @@ def extra(value) -> ArrayRecord:  # noqa: ANN001
 )
 def test_bad_extras_and_flags_are_rejected_with_a_reason(records, reason):
     bad_node = NODES[1]
-    strategy = WantsExtras(fraction_train=1.0, fraction_evaluate=0.0, identify_clients=True)
-    clean = WantsExtras(fraction_train=1.0, fraction_evaluate=0.0, identify_clients=True)
+    strategy = WantsExtras(
+        fraction_train=1.0, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True))
+    )
+    clean = WantsExtras(
+        fraction_train=1.0, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True))
+    )
     run_train_round(
         strategy, FakeGrid(NODES, extras_client({bad_node: records}), client_ids=IDS), 1, model_record(tiny_model())
     )
@@ -270,7 +284,9 @@ def test_extras_and_flags_reach_the_update():
         def after_round(self, server_round, updates):  # noqa: ANN001, ANN202
             captured.update({u.client_key: u for u in updates})
 
-    strategy = Capture(fraction_train=1.0, fraction_evaluate=0.0, identify_clients=True)
+    strategy = Capture(
+        fraction_train=1.0, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True))
+    )
     run_train_round(strategy, FakeGrid(NODES, extras_client({}), client_ids=IDS), 1, model_record(tiny_model()))
     update = captured[IDS[NODES[0]]]
     np.testing.assert_array_equal(update.extras["v"], np.abs(delta_for(IDS[NODES[0]], 1)))
@@ -279,7 +295,11 @@ def test_extras_and_flags_reach_the_update():
 
 
 def test_replies_from_nodes_not_asked_and_second_replies_are_rejected():
-    strategy = FedAMS(fraction_train=0.5, fraction_evaluate=0.0, identify_clients=True, seed=1)
+    strategy = FedAMS(
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(identify_clients=True, seed=1)),
+    )
     grid = FakeGrid(NODES, keyed_client, client_ids=IDS)
     messages = list(strategy.configure_train(1, model_record(tiny_model()), ConfigRecord(), grid))
     asked = [m.metadata.dst_node_id for m in messages]
@@ -341,18 +361,53 @@ def lazy_client(state_dir):  # noqa: ANN001, ANN201
 
 
 STRATEGIES = {
-    "fedams": lambda: FedAMS(eta=0.3, fraction_train=0.5, fraction_evaluate=0.0, seed=5, identify_clients=True),
+    "fedams": lambda: FedAMS(
+        eta=0.3,
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
+    ),
     "fedcams-sign": lambda: FedCAMS(
-        compressor="sign", eta=0.3, fraction_train=0.5, fraction_evaluate=0.0, seed=5, identify_clients=True
+        compressor="sign",
+        eta=0.3,
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
     ),
     "fedadavr-int4": lambda: FedAdaVR(
-        table_precision="int4", eta=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5
+        table_precision="int4",
+        eta=0.05,
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
     ),
     "flower-fedadam": lambda: MeteredFedAdam(fraction_train=0.5, fraction_evaluate=0.0, min_available_nodes=2),
-    "relay-demo": lambda: RelayAverage(fraction_train=0.5, fraction_evaluate=0.0, seed=5, identify_clients=True),
-    "fed-lamb-z2": lambda: FedLAMB(variant="fed-lamb", sync_every=2, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
-    "adp-fed": lambda: FedLAMB(variant="adp-fed", eta=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5),
-    "hafed": lambda: HAFed(topology="full", local_steps=2, uploaders_per_cluster=1, fraction_evaluate=0.0, seed=5),
+    "relay-demo": lambda: RelayAverage(
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
+    ),
+    "fed-lamb-z2": lambda: FedLAMB(
+        variant="fed-lamb",
+        sync_every=2,
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
+    ),
+    "adp-fed": lambda: FedLAMB(
+        variant="adp-fed",
+        eta=0.05,
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
+    ),
+    "hafed": lambda: HAFed(
+        topology="full",
+        local_steps=2,
+        uploaders_per_cluster=1,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
+    ),
     "fedbaca": lambda: FedLazy(
         up_rule="aa",
         up_tau=1.2,
@@ -364,7 +419,7 @@ STRATEGIES = {
         eta=0.3,
         fraction_train=0.5,
         fraction_evaluate=0.0,
-        seed=5,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
     ),
 }
 CLUSTER_IDS = {node: "ab"[i // 2] for i, node in enumerate(NODES)}
@@ -457,7 +512,7 @@ def test_resume_refuses_another_strategy_or_config(tmp_path):
 def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
     import os
 
-    strategy = FedAMS(fraction_evaluate=0.0, identify_clients=True)
+    strategy = FedAMS(fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True)))
     checkpoint = RunCheckpoint(tmp_path)
     real_replace = os.replace
     calls = {"n": 0}
@@ -488,7 +543,12 @@ def test_a_table_on_disk_survives_a_crash_between_its_rows_and_the_checkpoint(tm
 
     def make(path):  # noqa: ANN001, ANN202
         return FedAdaVR(
-            table_precision="int8", table_path=str(path), eta=0.05, fraction_train=0.5, fraction_evaluate=0.0, seed=5
+            table_precision="int8",
+            table_path=str(path),
+            eta=0.05,
+            fraction_train=0.5,
+            fraction_evaluate=0.0,
+            parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
         )
 
     full = make(tmp_path / "full.table").start(
@@ -528,17 +588,23 @@ def test_a_stale_or_foreign_table_file_is_refused(tmp_path):
     x0 = model_record(tiny_model(1))
     grid = FakeGrid(NODES, keyed_client, client_ids=IDS)
     table = tmp_path / "table.bin"
-    FedAdaVR(table_path=str(table), fraction_evaluate=0.0, seed=5).start(
-        grid=grid, initial_arrays=x0, num_rounds=1, checkpoint=RunCheckpoint(tmp_path / "a")
-    )
+    FedAdaVR(
+        table_path=str(table),
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
+    ).start(grid=grid, initial_arrays=x0, num_rounds=1, checkpoint=RunCheckpoint(tmp_path / "a"))
     # another run writes its own table at the same path: the first run's checkpoint must not use it
-    FedAdaVR(table_path=str(table), fraction_evaluate=0.0, seed=6).start(
-        grid=grid, initial_arrays=x0, num_rounds=3, checkpoint=RunCheckpoint(tmp_path / "b")
-    )
+    FedAdaVR(
+        table_path=str(table),
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=6, identify_clients=True)),
+    ).start(grid=grid, initial_arrays=x0, num_rounds=3, checkpoint=RunCheckpoint(tmp_path / "b"))
     with pytest.raises(TableFileError, match="belongs to table"):
-        FedAdaVR(table_path=str(table), fraction_evaluate=0.0, seed=5).start(
-            grid=grid, initial_arrays=x0, num_rounds=2, checkpoint=RunCheckpoint(tmp_path / "a", resume=True)
-        )
+        FedAdaVR(
+            table_path=str(table),
+            fraction_evaluate=0.0,
+            parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
+        ).start(grid=grid, initial_arrays=x0, num_rounds=2, checkpoint=RunCheckpoint(tmp_path / "a", resume=True))
 
 
 def test_streaming_and_kept_paths_give_the_same_bits_and_a_bounded_reduction_error():
@@ -546,9 +612,9 @@ def test_streaming_and_kept_paths_give_the_same_bits_and_a_bounded_reduction_err
     never touches the sum); before, each delta was scaled by ``1/M`` first. The two orders differ by
     float32 rounding only: bounded here against a float64 mean. The streaming path (round >= 2, replies
     summed as read) and the path that keeps every delta (round 1) give identical bits."""
-    from pollen.strategies.engine.strategy import RunningMean
     from pollen.strategies.engine.replies import ClientUpdate
     from pollen.strategies.engine.screening import UpdateScreen
+    from pollen.strategies.engine.strategy import RunningMean
 
     rng = np.random.default_rng(0)
     deltas = [rng.standard_normal(10_000).astype(np.float32) * s for s in (1e-3, 1.0, 5.0, 0.2)]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pollen.strategies import FedAMS, FedLAMB
-from pollen.strategies.engine.screening import UpdateScreen
+from pollen.strategies.engine.parts import ClientSampler, EngineParts, UpdateScreen
 from pollen.testing.fakes import (
     FakeGrid,
     config_of,
@@ -83,12 +83,22 @@ def run(make, rounds: int, kind: str | None = None, attack: dict | None = None, 
     return strategy
 
 
-def fed_lamb(variant: str = "fed-lamb", **kwargs):  # noqa: ANN201
-    return lambda: FedLAMB(variant=variant, fraction_evaluate=0.0, seed=3, **kwargs)
+def fed_lamb(variant: str = "fed-lamb", **screen):  # noqa: ANN201
+    """A FedLAMB factory; ``screen``: the outlier screen's settings (``UpdateScreen``'s arguments)."""
+    return lambda: FedLAMB(
+        variant=variant,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=3, identify_clients=True), screen=UpdateScreen(**screen)),
+    )
 
 
-def fed_ams(**kwargs):  # noqa: ANN201
-    return lambda: FedAMS(eta=0.1, fraction_evaluate=0.0, identify_clients=True, seed=3, **kwargs)
+def fed_ams(**screen):  # noqa: ANN201
+    """A FedAMS factory; ``screen``: the outlier screen's settings (``UpdateScreen``'s arguments)."""
+    return lambda: FedAMS(
+        eta=0.1,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(identify_clients=True, seed=3), screen=UpdateScreen(**screen)),
+    )
 
 
 def assert_same_server_state(a, b, names: tuple[str, ...] = ()) -> None:  # noqa: ANN001
@@ -141,7 +151,7 @@ def test_mimes_square_is_formed_in_float64_and_a_round_that_would_overflow_float
     def huge_grad(local, stat):  # noqa: ANN001, ANN202
         return local, np.full(D, 1e25, dtype=np.float32)
 
-    make = fed_lamb("mime", outlier_rule="off", max_abs_update=1e30)
+    make = fed_lamb("mime", rule="off", max_abs=1e30)
     attacked = run(make, 2, "grad", {(2, ATTACKER): huge_grad})
     before = run(make, 1, "grad")
     reasons = failure_reasons(attacked, 2)
@@ -189,7 +199,9 @@ def test_the_history_per_kind_holds_accepted_norms_only_and_is_resumed_exactly()
     assert set(kinds) == {"buffer:bn.running_mean", "buffer:bn.running_var"}  # the int64 counter is not screened
     assert [len(r) for r in kinds["buffer:bn.running_var"]] == [4, 4, 3]
     assert max(max(r) for r in kinds["buffer:bn.running_var"]) < 10.0
-    fresh = FedAMS(eta=0.1, fraction_evaluate=0.0, identify_clients=True, seed=3)
+    fresh = FedAMS(
+        eta=0.1, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True, seed=3))
+    )
     fresh.load_state_dict(strategy.state_dict())
     assert fresh.screen.state_dict() == strategy.screen.state_dict()
     assert fresh.screen.kind_bound("buffer:bn.running_var") == strategy.screen.kind_bound("buffer:bn.running_var")
@@ -207,9 +219,7 @@ def test_with_the_clip_rule_an_outlying_buffer_is_scaled_to_its_bound() -> None:
     def huge_var(local, stat):  # noqa: ANN001, ANN202
         return {**local, "bn.running_var": np.full(4, 1e12, dtype=np.float32)}, stat
 
-    strategy = run(
-        fed_ams(outlier_rule="clip"), 3, attack={(3, ATTACKER): huge_var}, model=with_running_var(tiny_model())
-    )
+    strategy = run(fed_ams(rule="clip"), 3, attack={(3, ATTACKER): huge_var}, model=with_running_var(tiny_model()))
     assert not failure_reasons(strategy, 3)
     history = strategy.screen.state_dict()["kinds"]["buffer:bn.running_var"]
     others = sorted(history[-1])[:-1]  # the clipped attacker is the largest of its round
@@ -226,7 +236,7 @@ def test_the_server_step_refuses_an_optimiser_state_that_would_hold_inf() -> Non
     def huge_update(local, stat):  # noqa: ANN001, ANN202
         return {**local, "conv.bias": local["conv.bias"] + np.float32(1e20)}, stat
 
-    make = fed_ams(outlier_rule="off", max_abs_update=1e30)
+    make = fed_ams(rule="off", max_abs=1e30)
     attacked = run(make, 2, attack={(2, ATTACKER): huge_update})
     before = run(make, 1)
     assert any("rolled back" in r and "NaN or Inf in the optimiser's" in r for r in failure_reasons(attacked, 2))

@@ -22,6 +22,7 @@ import pytest
 
 from pollen.strategies import FedAMS, HAFed, MeteredFedAdam, RunCheckpoint, RunInterrupted
 from pollen.strategies.engine import screening
+from pollen.strategies.engine.parts import ClientSampler, EngineParts
 from pollen.strategies.engine.screening import StreamedRound, UpdateScreen, history_is_stale
 from pollen.testing.fakes import (
     FakeGrid,
@@ -202,7 +203,9 @@ def model(buffer_grows: bool = False) -> dict:
 
 
 def fed_ams(streaming: bool) -> FedAMS:
-    strategy = FedAMS(eta=0.1, fraction_evaluate=0.0, identify_clients=True, seed=3)
+    strategy = FedAMS(
+        eta=0.1, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True, seed=3))
+    )
     strategy.streaming = streaming  # a round with a history streams its replies (the default) or keeps them
     return strategy
 
@@ -382,7 +385,12 @@ HAFED_CLUSTERS = {node: str(i // 4) for i, node in enumerate(NODES)}
 
 
 def hafed_run(rounds: int) -> HAFed:
-    strategy = HAFed(fraction_evaluate=0.0, seed=5, min_available_nodes=len(NODES), local_steps=2)
+    strategy = HAFed(
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
+        min_available_nodes=len(NODES),
+        local_steps=2,
+    )
     grid = FakeGrid(NODES, regime_client(), client_ids=IDS, cluster_ids=HAFED_CLUSTERS)
     strategy.start(grid=grid, initial_arrays=model_record(tiny_model()), num_rounds=rounds)
     return strategy

@@ -10,6 +10,7 @@ from flwr.app import ConfigRecord
 
 from pollen.optim import make_server_optimizer
 from pollen.strategies import FedAdaVR
+from pollen.strategies.engine.parts import ClientSampler, EngineParts, RoundTransaction
 from pollen.testing.fakes import (
     TRAINABLE,
     FakeGrid,
@@ -51,7 +52,8 @@ def make_client(ids: dict[int, str], drop: set[int] = frozenset(), rnd_of=lambda
     return client
 
 
-def strategy(**kwargs) -> FedAdaVR:  # noqa: ANN003
+def strategy(*, min_replies: int = 1, **kwargs) -> FedAdaVR:  # noqa: ANN003
+    """FedAdaVR as these tests run it (seeded sampling by client ids); ``kwargs``: its own arguments."""
     options = dict(
         variant="fedadavr",
         server_optimizer="adam",
@@ -60,7 +62,9 @@ def strategy(**kwargs) -> FedAdaVR:  # noqa: ANN003
         fraction_train=0.5,
         fraction_evaluate=0.0,
         min_train_nodes=3,
-        seed=3,
+        parts=EngineParts(
+            sampler=ClientSampler(seed=3, identify_clients=True), transaction=RoundTransaction(min_replies=min_replies)
+        ),
     )
     options.update(kwargs)
     return FedAdaVR(**options)

@@ -22,6 +22,7 @@ from pollen.clientside.state import STATE_KEY
 from pollen.compression import decode_payload
 from pollen.optim import amsgrad
 from pollen.strategies import FedAMS, FedCAMS
+from pollen.strategies.engine.parts import ClientSampler, EngineParts
 from pollen.testing.fakes import (
     BUFFERS,
     TRAINABLE,
@@ -144,7 +145,7 @@ def test_fedams_three_rounds_match_algorithm1(option):
         fraction_train=0.5,
         fraction_evaluate=0.0,
         min_train_nodes=2,
-        seed=5,
+        parts=EngineParts(sampler=ClientSampler(seed=5)),
     )
     x0 = tiny_model(0)
     result = strategy.start(grid=grid, initial_arrays=model_record(x0), num_rounds=3)
@@ -270,7 +271,11 @@ def test_sampling_is_seeded_and_keyed_by_client_id():
 
     def sample(seed, node_ids=nodes, client_ids=None):  # noqa: ANN001, ANN202
         grid = FakeGrid(node_ids, full_model_client, client_ids=client_ids)
-        strategy = FedAMS(fraction_train=0.5, fraction_evaluate=0.0, seed=seed, identify_clients=client_ids is not None)
+        strategy = FedAMS(
+            fraction_train=0.5,
+            fraction_evaluate=0.0,
+            parts=EngineParts(sampler=ClientSampler(seed=seed, identify_clients=client_ids is not None)),
+        )
         run_rounds(strategy, grid, 5)
         return strategy, grid
 
@@ -400,7 +405,7 @@ def mod_client(contexts, codec_seen=None):  # noqa: ANN001, ANN201
 def test_fedcams_none_equals_fedams_bit_for_bit():
     """C = identity: e stays 0 and FedCAMS == FedAMS exactly (fedcams §3.6, §7.1.3)."""
     nodes = [5, 6, 7, 8, 9, 10]
-    settings = dict(eta=0.3, beta_2=0.9, eps=1e-3, option=1, fraction_train=0.5, fraction_evaluate=0.0, seed=11)
+    settings = dict(eta=0.3, beta_2=0.9, eps=1e-3, option=1, fraction_train=0.5, fraction_evaluate=0.0)
     rounds = 4
 
     def run(strategy, codecs):  # noqa: ANN001, ANN202
@@ -410,8 +415,10 @@ def test_fedcams_none_equals_fedams_bit_for_bit():
         return strategy, grid, contexts, named_arrays(result.arrays)
 
     seen_ams, seen_cams = [], []
-    ams, grid_ams, _, final_ams = run(FedAMS(**settings), seen_ams)
-    cams, grid_cams, contexts, final_cams = run(FedCAMS(compressor="none", **settings), seen_cams)
+    ams, grid_ams, _, final_ams = run(FedAMS(**settings, parts=EngineParts(sampler=ClientSampler(seed=11))), seen_ams)
+    cams, grid_cams, contexts, final_cams = run(
+        FedCAMS(compressor="none", **settings, parts=EngineParts(sampler=ClientSampler(seed=11))), seen_cams
+    )
 
     assert set(seen_ams) == {None} and set(seen_cams) == {"none"}
     # FedAMS got full models; FedCAMS got pollen's compressed form (identity codec).
@@ -459,7 +466,9 @@ def test_fedcams_sign_bytes_and_accounting():
         return full_model_reply(msg, local, num_examples=50)
 
     grid = FakeGrid(nodes, lambda msg: compression_mod(msg, contexts[msg.metadata.dst_node_id], train_fn))
-    strategy = FedCAMS(compressor="sign", fraction_train=0.5, fraction_evaluate=0.0, seed=1)
+    strategy = FedCAMS(
+        compressor="sign", fraction_train=0.5, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(seed=1))
+    )
     run_rounds(strategy, grid, 2, x0=x0)
 
     payload_bytes = -(-d // 8) + 4
@@ -499,7 +508,12 @@ def test_state_dict_roundtrip_resumes_identically():
 
     def make():  # noqa: ANN202
         return FedAMS(
-            eta=0.3, beta_2=0.9, option=1, fraction_train=0.5, fraction_evaluate=0.0, seed=4, identify_clients=True
+            eta=0.3,
+            beta_2=0.9,
+            option=1,
+            fraction_train=0.5,
+            fraction_evaluate=0.0,
+            parts=EngineParts(sampler=ClientSampler(seed=4, identify_clients=True)),
         )
 
     first = make()
@@ -539,10 +553,10 @@ def test_state_dict_refuses_another_strategy_class():
     state = FedCAMS(compressor="sign").state_dict()
     with pytest.raises(ValueError, match="FedCAMS"):
         FedAMS().load_state_dict(state)
-    empty = FedAMS(seed=9)
+    empty = FedAMS(parts=EngineParts(sampler=ClientSampler(seed=9)))
     with pytest.raises(ValueError, match="'strategy/seed' is 9; expected 0 \\(the run's seed\\)"):
         FedAMS().load_state_dict(empty.state_dict())  # a state of another run (the seed is the run-config's)
-    restored = FedAMS(seed=9)
+    restored = FedAMS(parts=EngineParts(sampler=ClientSampler(seed=9)))
     restored.load_state_dict(pickle.loads(pickle.dumps(empty.state_dict())))
     assert restored.seed == 9 and restored.layout is None
     assert restored.sampler.rng.integers(1 << 30) == np.random.default_rng(9).integers(1 << 30)

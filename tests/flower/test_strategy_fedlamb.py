@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pollen.strategies import FedLAMB
+from pollen.strategies.engine.parts import ClientSampler, EngineParts
 from pollen.testing.fakes import (
     FakeGrid,
     config_of,
@@ -64,7 +65,13 @@ def run(variant: str, rounds: int, **kwargs):  # noqa: ANN001, ANN201
     seen: list = []
     kind = "v" if variant.startswith("fed") else "grad"
     bad = kwargs.pop("bad", None)
-    strategy = FedLAMB(variant=variant, fraction_train=0.5, fraction_evaluate=0.0, seed=3, **kwargs)
+    strategy = FedLAMB(
+        variant=variant,
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=3, identify_clients=True)),
+        **kwargs,
+    )
     grid = FakeGrid(NODES, client(seen, kind, bad), client_ids=IDS)
     strategy.start(grid=grid, initial_arrays=model_record(tiny_model()), num_rounds=rounds)
     return strategy, grid, seen
@@ -146,7 +153,9 @@ def test_a_bad_v_is_rejected_and_the_round_goes_on(bad_v):
 
 def test_state_round_trip_keeps_v_hat_and_who_holds_it():
     strategy, _, _ = run("mime", 2)
-    restored = FedLAMB(variant="mime", seed=strategy.seed)
+    restored = FedLAMB(
+        variant="mime", parts=EngineParts(sampler=ClientSampler(seed=strategy.seed, identify_clients=True))
+    )
     restored.load_state_dict(strategy.state_dict())
     np.testing.assert_array_equal(restored.v_hat, strategy.v_hat)
     np.testing.assert_array_equal(restored.v, strategy.v)
@@ -241,7 +250,13 @@ def test_fed_sgd_with_one_step_and_everyone_is_centralised_sgd_on_the_mean_gradi
             local[name] = local[name] + part
         return full_model_reply(msg, local)
 
-    strategy = FedLAMB(variant="fed-sgd", fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=4, seed=3)
+    strategy = FedLAMB(
+        variant="fed-sgd",
+        fraction_train=1.0,
+        fraction_evaluate=0.0,
+        min_train_nodes=4,
+        parts=EngineParts(sampler=ClientSampler(seed=3, identify_clients=True)),
+    )
     strategy.start(
         grid=FakeGrid(NODES, client, client_ids=IDS), initial_arrays=model_record(tiny_model()), num_rounds=3
     )

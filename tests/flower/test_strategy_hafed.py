@@ -15,6 +15,7 @@ from pollen.clientside.steps.hafed import CFG_SEGMENT, active_iterations, segmen
 from pollen.gossip import mixing_matrix, without_absent
 from pollen.optim import amsgrad
 from pollen.strategies import HAFed
+from pollen.strategies.engine.parts import ClientSampler, EngineParts
 from pollen.strategies.engine.rounds import SetupError
 from pollen.testing.fakes import (
     FakeGrid,
@@ -64,7 +65,12 @@ def gossip_client(seen: list, drop: set | None = None):  # noqa: ANN201
 def run(rounds: int = 1, drop: set | None = None, **kwargs):  # noqa: ANN201
     seen: list = []
     kwargs.setdefault("local_steps", 3)
-    strategy = HAFed(fraction_evaluate=0.0, seed=5, min_available_nodes=len(NODES), **kwargs)
+    strategy = HAFed(
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
+        min_available_nodes=len(NODES),
+        **kwargs,
+    )
     grid = FakeGrid(NODES, gossip_client(seen, drop), client_ids=IDS, cluster_ids=CLUSTERS)
     strategy.start(grid=grid, initial_arrays=model_record(tiny_model()), num_rounds=rounds)
     return strategy, grid, seen
@@ -183,7 +189,7 @@ def test_relayed_and_peer_bytes():
 
 def test_bad_layouts_stop_before_round_one():
     with pytest.raises(SetupError, match="same size"):
-        HAFed(seed=1).start(
+        HAFed(parts=EngineParts(sampler=ClientSampler(seed=1, identify_clients=True))).start(
             grid=FakeGrid(
                 NODES[:3], lambda m: None, client_ids=IDS, cluster_ids={NODES[0]: "a", NODES[1]: "a", NODES[2]: "b"}
             ),
@@ -191,7 +197,7 @@ def test_bad_layouts_stop_before_round_one():
             num_rounds=1,
         )
     with pytest.raises(SetupError, match="cluster of one client has no neighbours"):
-        HAFed(seed=1, uploaders_per_cluster=1).start(
+        HAFed(parts=EngineParts(sampler=ClientSampler(seed=1, identify_clients=True)), uploaders_per_cluster=1).start(
             grid=FakeGrid(NODES[:2], lambda m: None, client_ids=IDS, cluster_ids={NODES[0]: "a", NODES[1]: "b"}),
             initial_arrays=model_record(tiny_model()),
             num_rounds=1,
@@ -199,7 +205,7 @@ def test_bad_layouts_stop_before_round_one():
     with pytest.raises(SetupError, match="m=5 exceeds the cluster size n=4"):
         run(uploaders_per_cluster=5)
     with pytest.raises(SetupError, match="cluster id"):
-        HAFed(seed=1).start(
+        HAFed(parts=EngineParts(sampler=ClientSampler(seed=1, identify_clients=True))).start(
             grid=FakeGrid(NODES, lambda m: None, client_ids=IDS),
             initial_arrays=model_record(tiny_model()),
             num_rounds=1,
@@ -276,7 +282,13 @@ def bad_gossip_client(seen: list, victim: int, kind: str):  # noqa: ANN201
 def test_a_bad_gossip_reply_is_left_out_of_that_step_and_the_round_completes(kind):
     victim = NODES[2]
     seen: list = []
-    strategy = HAFed(fraction_evaluate=0.0, seed=5, min_available_nodes=len(NODES), local_steps=3, topology="ring")
+    strategy = HAFed(
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
+        min_available_nodes=len(NODES),
+        local_steps=3,
+        topology="ring",
+    )
     grid = FakeGrid(NODES, bad_gossip_client(seen, victim, kind), client_ids=IDS, cluster_ids=CLUSTERS)
     strategy.start(grid=grid, initial_arrays=model_record(tiny_model()), num_rounds=1)
     stats = strategy.accounting.rounds[1]
@@ -307,7 +319,11 @@ def test_relaying_with_w_equal_identity_is_fedamsgrad():
 
     seen: list = []
     relayed = RelayWithIdentity(
-        fraction_evaluate=0.0, seed=5, min_available_nodes=len(NODES), local_steps=3, uploaders_per_cluster=N
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
+        min_available_nodes=len(NODES),
+        local_steps=3,
+        uploaders_per_cluster=N,
     )
     relayed.start(
         grid=FakeGrid(NODES, gossip_client(seen), client_ids=IDS, cluster_ids=CLUSTERS),

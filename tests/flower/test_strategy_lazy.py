@@ -22,6 +22,7 @@ from pollen.compression import make_codec
 from pollen.lazy import checksum
 from pollen.optim import amsgrad
 from pollen.strategies import FedAMS, FedCAMS, FedLazy
+from pollen.strategies.engine.parts import ClientSampler, EngineParts
 from pollen.testing.fakes import (
     TRAINABLE,
     FakeGrid,
@@ -41,7 +42,13 @@ pytestmark = pytest.mark.flower_compat
 
 NODES = [3, 4, 5, 6, 7, 8]
 D = 19
-SERVER = dict(eta=0.1, beta_1=0.9, beta_2=0.99, eps=1e-3, option=1, fraction_train=0.5, fraction_evaluate=0.0, seed=5)
+SERVER = dict(eta=0.1, beta_1=0.9, beta_2=0.99, eps=1e-3, option=1, fraction_train=0.5, fraction_evaluate=0.0)
+
+
+def parts(identify_clients: bool = True) -> EngineParts:
+    """Fresh parts for each strategy, the sampler seeded 5; ``identify_clients`` as the method's default
+    (FedLazy's True, FedAMS's and FedCAMS's False)."""
+    return EngineParts(sampler=ClientSampler(seed=5, identify_clients=identify_clients))
 
 
 def centre(node: int) -> np.ndarray:
@@ -112,9 +119,9 @@ def events(strategy) -> dict:  # noqa: ANN001
 @pytest.mark.parametrize("rule", ["nla", "aa"])
 def test_uncompressed_at_tau_zero_is_fedams_bit_for_bit(rule):
     """FedNLAA(0) = FedAA(0) = FedAMS (spec §5.4, §10.2)."""
-    ams = FedAMS(**SERVER)
+    ams = FedAMS(parts=parts(identify_clients=False), **SERVER)
     run(ams, None)
-    lazy = FedLazy(up_rule=rule, up_tau=0.0, **SERVER)
+    lazy = FedLazy(up_rule=rule, up_tau=0.0, parts=parts(), **SERVER)
     run(lazy, lazy_mod)
     np.testing.assert_array_equal(lazy.params, ams.params)
     for slot in ("m", "v", "v_hat"):
@@ -126,9 +133,9 @@ def test_uncompressed_at_tau_zero_is_fedams_bit_for_bit(rule):
 @pytest.mark.parametrize("rule", ["nla", "aa"])
 def test_compressed_at_tau_zero_is_fedcams_bit_for_bit(rule):
     """FedNLACA(0) = FedACA(0) = FedCAMS with the same codec, residuals included."""
-    cams = FedCAMS(compressor="topk", topk_ratio=0.25, **SERVER)
+    cams = FedCAMS(compressor="topk", topk_ratio=0.25, parts=parts(identify_clients=False), **SERVER)
     _, cams_contexts = run(cams, compression_mod)
-    lazy = FedLazy(up_rule=rule, up_tau=0.0, compressor="topk", topk_ratio=0.25, **SERVER)
+    lazy = FedLazy(up_rule=rule, up_tau=0.0, compressor="topk", topk_ratio=0.25, parts=parts(), **SERVER)
     _, lazy_contexts = run(lazy, lazy_mod)
     np.testing.assert_array_equal(lazy.params, cams.params)
     for node in NODES:
@@ -148,6 +155,7 @@ def test_bidirectional_at_tau_zero_is_fedcams_with_error_fed_downlink():
         down_compressor="topk",
         down_rule="nla",
         down_topk_ratio=0.5,
+        parts=parts(),
         **SERVER,
     )
     grid, _ = run(lazy, lazy_mod, rounds)
@@ -202,7 +210,7 @@ def test_nla_skip_is_one_flag_and_the_server_reuses_its_copy():
             used_by.append((update.client_key, update.flags.get(protocol.FLAG_SKIP, False), update.delta.copy(), ref))
             return outcome
 
-    lazy = Recording(up_rule="nla", up_tau=1e6, compressor="topk", topk_ratio=0.25, **SERVER)
+    lazy = Recording(up_rule="nla", up_tau=1e6, compressor="topk", topk_ratio=0.25, parts=parts(), **SERVER)
     grid, contexts = run(lazy, lazy_mod)
     skips = [entry for entry in used_by if entry[1]]
     assert skips and len(skips) == events(lazy)["up-skip"] == events(lazy)["up-flags"]
@@ -230,7 +238,7 @@ def recording_lazy(*, record_sent: bool = False, **kwargs) -> tuple[FedLazy, dic
                 vectors.setdefault(update.client_key, []).append(update.delta.astype(np.float64))
             return outcome
 
-    return Recording(**kwargs, **SERVER), vectors
+    return Recording(**kwargs, parts=parts(), **SERVER), vectors
 
 
 def run_recording_deltas(lazy, rounds: int, *, lose_first_lazy_reply: bool = False):  # noqa: ANN001, ANN201
@@ -315,6 +323,7 @@ def test_downlink_mirror_equals_the_client_copy_after_every_round_and_absent_cli
         down_compressor="topk",
         down_rule="nla",
         down_tau=2.0,
+        parts=parts(),
         **SERVER,
     )
     run(lazy, lazy_mod, rounds=8, between=check)
@@ -333,7 +342,15 @@ def test_a_client_that_lost_its_state_is_resynced_and_the_run_goes_on():
                     contexts[node].state = RecordDict()  # a new SuperNode: no copy, no residual
                     lost["node"] = node
 
-    lazy = FedLazy(up_rule="nla", compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="nla", **SERVER)
+    lazy = FedLazy(
+        up_rule="nla",
+        compressor="topk",
+        topk_ratio=0.25,
+        down_compressor="topk",
+        down_rule="nla",
+        parts=parts(),
+        **SERVER,
+    )
     grid, contexts = run(lazy, lazy_mod, rounds=10, between=wipe)
     node = lost["node"]
     seen = events(lazy)
@@ -360,7 +377,7 @@ def test_a_client_whose_copy_disagrees_asks_for_a_resync():
 
                 record[COPY_PREFIX + "conv.bias"] = numpy_to_array(value)
 
-    lazy = FedLazy(up_rule="nla", compressor="topk", topk_ratio=0.25, down_compressor="topk", **SERVER)
+    lazy = FedLazy(up_rule="nla", compressor="topk", topk_ratio=0.25, down_compressor="topk", parts=parts(), **SERVER)
     run(lazy, lazy_mod, rounds=6, between=corrupt)
     assert events(lazy)["resync"] >= 1 and np.isfinite(lazy.params).all()
 
@@ -431,7 +448,7 @@ def test_hostile_lazy_replies_are_rejected_with_a_reason(case, rule, reason):
             content[protocol.FLAGS_RECORD] = ConfigRecord({protocol.FLAG_RESYNC: True})
         return reply
 
-    lazy = FedLazy(up_rule=rule, up_tau=0.5, compressor="topk", topk_ratio=0.25, **SERVER)
+    lazy = FedLazy(up_rule=rule, up_tau=0.5, compressor="topk", topk_ratio=0.25, parts=parts(), **SERVER)
     contexts = {n: make_context(n) for n in NODES}
     grid = FakeGrid(NODES, hostile_client(contexts, forge))
     arrays = model_record(tiny_model(2))
@@ -456,6 +473,7 @@ def test_model_keep_and_literal_downlinks_run_and_the_literal_one_inflates_the_m
         down_rule="nla",
         down_tau=10.0,
         downlink_mode="model-keep",
+        parts=parts(),
         **SERVER,
     )
     run(keep, lazy_mod, rounds=6)
@@ -463,9 +481,9 @@ def test_model_keep_and_literal_downlinks_run_and_the_literal_one_inflates_the_m
     sparse = dict(
         up_rule="none", compressor="topk", topk_ratio=0.25, down_compressor="topk", down_topk_ratio=0.05, **SERVER
     )  # k = 1
-    literal = FedLazy(downlink_mode="literal", **sparse)
+    literal = FedLazy(downlink_mode="literal", parts=parts(), **sparse)
     _, contexts = run(literal, lazy_mod, rounds=30)
-    increment = FedLazy(**sparse)
+    increment = FedLazy(parts=parts(), **sparse)
     _, inc_contexts = run(increment, lazy_mod, rounds=30)
     error = max(
         np.linalg.norm(literal.book.get("error", f"node-{n}")) for n in NODES if literal.book.has("error", f"node-{n}")
@@ -497,7 +515,15 @@ def test_bad_settings_name_what_is_allowed(kwargs, match):
 
 
 def test_consecutive_only_reference_needs_the_previous_round():
-    lazy = FedLazy(up_rule="nla", up_tau=1e6, ref_mode="consecutive-only", compressor="topk", topk_ratio=0.25, **SERVER)
+    lazy = FedLazy(
+        up_rule="nla",
+        up_tau=1e6,
+        ref_mode="consecutive-only",
+        compressor="topk",
+        topk_ratio=0.25,
+        parts=parts(),
+        **SERVER,
+    )
     grid, _ = run(lazy, lazy_mod, rounds=6)
     refs = 0
     for r, call in enumerate(grid.calls, start=1):
@@ -526,17 +552,17 @@ def test_state_dict_resumes_bit_for_bit():
         down_tau=1.0,
         **SERVER,
     )
-    whole = FedLazy(**settings)
+    whole = FedLazy(parts=parts(), **settings)
     _, _ = run(whole, lazy_mod, rounds=6)
 
-    first = FedLazy(**settings)
+    first = FedLazy(parts=parts(), **settings)
     contexts = {n: make_context(n) for n in NODES}
     grid = FakeGrid(NODES, client_with(lazy_mod, contexts))
     arrays = model_record(tiny_model(2))
     for r in range(1, 7):
         if r == 4:
             state = first.state_dict()
-            first = FedLazy(**settings)
+            first = FedLazy(parts=parts(), **settings)
             first.load_state_dict(copy.deepcopy(state))
             first.sampler.node_keys.update({n: f"node-{n}" for n in NODES})
         new, _ = first.aggregate_train(
@@ -561,7 +587,7 @@ def test_a_reply_lost_after_the_client_moved_on_costs_no_resync(bidirectional):
         return reply
 
     down = dict(down_compressor="topk", down_rule="nla", down_tau=2.0) if bidirectional else {}
-    lazy = FedLazy(up_rule="nla", up_tau=1.3, compressor="topk", topk_ratio=0.25, **down, **SERVER)
+    lazy = FedLazy(up_rule="nla", up_tau=1.3, compressor="topk", topk_ratio=0.25, **down, parts=parts(), **SERVER)
     grid = FakeGrid(NODES, client)
     arrays = model_record(tiny_model(2))
     for r in range(1, 13):
@@ -588,7 +614,15 @@ def test_a_reply_lost_after_the_client_moved_on_costs_no_resync(bidirectional):
 
 def test_relative_changes_are_recorded_where_the_server_sees_both_vectors():
     """At tau = 0 nothing fires, and every upload against a reference leaves its ||cand - ref|| / ||ref||."""
-    lazy = FedLazy(up_rule="nla", compressor="topk", topk_ratio=0.25, down_compressor="topk", down_rule="nla", **SERVER)
+    lazy = FedLazy(
+        up_rule="nla",
+        compressor="topk",
+        topk_ratio=0.25,
+        down_compressor="topk",
+        down_rule="nla",
+        parts=parts(),
+        **SERVER,
+    )
     grid, _ = run(lazy, lazy_mod, rounds=6)
     for r, call in enumerate(grid.calls[-6:], start=1):
         with_ref = sum(
@@ -640,18 +674,18 @@ def test_a_memory_mapped_book_resumes_bit_for_bit(tmp_path):
         down_tau=1.0,
         **SERVER,
     )
-    whole = FedLazy(**settings, bookkeeping_dir=str(tmp_path / "whole"))
+    whole = FedLazy(parts=parts(), **settings, bookkeeping_dir=str(tmp_path / "whole"))
     run(whole, lazy_mod, rounds=6)
     assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == ["c-prev.f32", "error.f32", "up-ref.f32", "x.f32"]
 
-    first = FedLazy(**settings, bookkeeping_dir=str(tmp_path / "first"))
+    first = FedLazy(parts=parts(), **settings, bookkeeping_dir=str(tmp_path / "first"))
     contexts = {n: make_context(n) for n in NODES}
     grid = FakeGrid(NODES, client_with(lazy_mod, contexts))
     arrays = model_record(tiny_model(2))
     for r in range(1, 7):
         if r == 4:
             state = first.state_dict()
-            first = FedLazy(**settings, bookkeeping_dir=str(tmp_path / "resumed"))
+            first = FedLazy(parts=parts(), **settings, bookkeeping_dir=str(tmp_path / "resumed"))
             first.load_state_dict(copy.deepcopy(state))
             first.sampler.node_keys.update({n: f"node-{n}" for n in NODES})
         new, _ = first.aggregate_train(
@@ -673,8 +707,10 @@ def test_the_downlink_is_a_part_the_strategy_receives_and_equals_the_flat_argume
     from pollen.strategies.engine.downlink import Downlink
 
     settings = dict(up_rule="nla", up_tau=0.5, compressor="topk", topk_ratio=0.25, **SERVER)
-    flat = FedLazy(down_compressor="topk", down_rule="nla", down_tau=0.3, down_topk_ratio=0.5, **settings)
-    part = FedLazy(downlink=Downlink("topk", topk_ratio=0.5, rule="nla", tau=0.3), **settings)
+    flat = FedLazy(
+        down_compressor="topk", down_rule="nla", down_tau=0.3, down_topk_ratio=0.5, parts=parts(), **settings
+    )
+    part = FedLazy(downlink=Downlink("topk", topk_ratio=0.5, rule="nla", tau=0.3), parts=parts(), **settings)
     assert flat.downlink == part.downlink
     run(flat, lazy_mod, 4)
     run(part, lazy_mod, 4)

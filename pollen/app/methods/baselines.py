@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pollen.app.methods.common import refuse_robust, sampling_kwargs, screening_kwargs
+from pollen.app.methods.common import refuse_robust, sampling_kwargs, screen_of
 
 KEYS: dict = {}
 
@@ -32,7 +32,9 @@ def _flower_kwargs(cfg: Mapping[str, Any], name: str) -> dict[str, Any]:
             f"run-config 'population' = {cfg['population']} does not fit Flower's own {name}: it samples the "
             "connected nodes itself, one client each; allowed: population = 0, or one of pollen's strategies"
         )
-    return {**sampling_kwargs(cfg), **screening_kwargs(cfg)}
+    from pollen.strategies.engine.parts import EngineParts
+
+    return {**sampling_kwargs(cfg), "parts": EngineParts(screen=screen_of(cfg))}
 
 
 def _optimizer_kwargs(cfg: Mapping[str, Any], *, moments: bool = True) -> dict[str, Any]:

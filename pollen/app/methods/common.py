@@ -21,9 +21,25 @@ def sampling_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def screening_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The outlier screen's settings (every strategy, Flower's own included)."""
-    return {"outlier_rule": cfg["outlier-rule"], "outlier_factor": cfg["outlier-factor"]}
+def screen_of(cfg: Mapping[str, Any]) -> Any:
+    """The outlier screen the run-config asks for (every strategy, Flower's own included)."""
+    from pollen.strategies.engine.screening import UpdateScreen
+
+    return UpdateScreen(rule=cfg["outlier-rule"], factor=cfg["outlier-factor"])
+
+
+def engine_parts(cfg: Mapping[str, Any]) -> Any:
+    """The engine's parts from the run-config: a sampler with the run's seed that asks nodes for their client
+    ids (and plays ``population`` clients), the outlier screen, and the round's minimum of replies."""
+    from pollen.strategies.engine.parts import EngineParts
+    from pollen.strategies.engine.sampling import ClientSampler
+    from pollen.strategies.engine.transaction import RoundTransaction
+
+    return EngineParts(
+        sampler=ClientSampler(seed=cfg["seed"], identify_clients=True, population=cfg["population"]),
+        screen=screen_of(cfg),
+        transaction=RoundTransaction(min_replies=cfg["min-replies"]),
+    )
 
 
 def aggregator_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -46,11 +62,7 @@ def adaptive_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Sampling plus what every pollen ``AdaptiveStrategy`` takes from the run-config."""
     return {
         **sampling_kwargs(cfg),
-        **screening_kwargs(cfg),
         **aggregator_kwargs(cfg),
         "aggregation": cfg["aggregation"],
-        "seed": cfg["seed"],
-        "identify_clients": True,
-        "population": cfg["population"],
-        "min_replies": cfg["min-replies"],
+        "parts": engine_parts(cfg),
     }

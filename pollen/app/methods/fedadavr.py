@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pollen.app.methods.common import aggregator_kwargs, sampling_kwargs, screening_kwargs
+from pollen.app.methods.common import aggregator_kwargs, engine_parts, sampling_kwargs
 from pollen.app.methods.fedopt import uplink_of
 from pollen.app.spec import choice, non_neg_int, text
 from pollen.compression.quant import PRECISIONS
@@ -105,11 +105,8 @@ def builder(name: str) -> Callable[[Mapping[str, Any]], Any]:
             table_precision=cfg["table-precision"] if own_table else None,
             table_path=cfg["table-path"] or None,
             num_clients=cfg["num-clients"] or None,
-            population=cfg["population"],
-            seed=cfg["seed"],
-            min_replies=cfg["min-replies"],
             uplink=uplink_of(cfg),
-            **screening_kwargs(cfg),
+            parts=engine_parts(cfg),
             **aggregator_kwargs(cfg),
         )
 

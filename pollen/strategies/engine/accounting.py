@@ -9,6 +9,7 @@ from dataclasses import fields as dataclass_fields
 from typing import Any
 
 from pollen.core import state_fields as fields
+from pollen.wire import protocol
 
 #: The metric a client reports for its gradient evaluations in one message.
 GRAD_EVALS = "grad-evals"
@@ -80,6 +81,16 @@ class RoundStats:
     def count_grad_evals(self, metrics: list) -> None:  # noqa: ANN001 - MetricRecord or dict
         """Add the gradient evaluations the replies' metrics report (``grad-evals``, else ``num-steps``)."""
         self.grad_evals += sum(grad_evals_of(record) for record in metrics)
+
+    def count_uploads(self, updates: list, arrayrecord_key: str, dim: int) -> None:  # noqa: ANN001
+        """The round's usable replies, the bytes of the records carrying their model updates (under any name
+        a reply may use) and what FP32 models would have taken (``4 * dim`` each)."""
+        self.replies = len(updates)
+        for update in updates:
+            names = {protocol.UPDATE_RECORD, arrayrecord_key, update.update_record} - {""}
+            if update_bytes := sum(update.record_bytes.get(name, 0) for name in names):
+                self.uplink_update_bytes += update_bytes
+                self.uplink_fp32_bytes += 4 * dim
 
     def fail(self, reason: str) -> None:
         self.failures += 1

@@ -16,7 +16,6 @@ import numpy as np
 
 from pollen.core import state_fields as fields
 from pollen.strategies.engine.accounting import Accounting
-from pollen.strategies.engine.ledger import AppliedLedger
 from pollen.strategies.engine.model import GlobalModel
 from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
 from pollen.strategies.engine.step import ServerStep
@@ -195,7 +194,7 @@ def restore_strategy_state(strategy: Any, state: Any, *, server_round: int | Non
         for name, kind in strategy.state_fields.items()
         if kind != PART and name in state
     }
-    ledger = AppliedLedger()  # a new object: nothing of the strategy changes yet
+    ledger = strategy.ledger.like()  # a new object: nothing of the strategy changes yet
     ledger.load_state_dict(state["ledger"], last_round=server_round, where=fields.join(WHERE, "ledger"))
     commits.append(strategy.sampler.prepare_load(state["sampler"], fields.join(WHERE, "sampler")))
     commits.append(strategy.screen.prepare_load(state["screen"], fields.join(WHERE, "screen")))
@@ -205,7 +204,6 @@ def restore_strategy_state(strategy: Any, state: Any, *, server_round: int | Non
 
     for commit in commits:
         commit()
-    strategy.seed = seed
     strategy.accounting = accounting
     strategy.model, strategy.server_step, strategy.ledger = model, step, ledger
     for name, value in values.items():

@@ -23,18 +23,54 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from flwr.app import ConfigRecord, RecordDict
+
 from pollen.core import state_fields as fields
 from pollen.wire import protocol
 
 
 class AppliedLedger:
-    """Client id -> (round of its last applied upload, the fraction of it applied)."""
+    """Client id -> (round of its last applied upload, the fraction of it applied).
 
-    def __init__(self) -> None:
+    Parameters
+    ----------
+    tell : bool | None (default: None)
+        Tell each client, in its next train message, what was applied of its last upload; ``None``: as the
+        strategy decides (:meth:`decide`: on for error-fed compressed uploads).
+    keep : bool | None (default: None)
+        Record committed uploads; ``None``: whenever clients are told (a method may need the record anyway:
+        the lazy family's ``ref_mode="consecutive-only"`` asks who took part in the last round).
+    """
+
+    def __init__(self, *, tell: bool | None = None, keep: bool | None = None) -> None:
+        self.tell, self.keep = tell, keep
         self.rounds: dict[str, int] = {}
         self.scales: dict[str, float] = {}
         #: Client id -> the round of its last upload refused for its content.
         self.refused: dict[str, int] = {}
+
+    def decide(self, error_fed: bool) -> None:
+        """Settle what the caller left open: tell clients when their uploads are error-fed (the client puts
+        whatever was not applied back into its residual, so error feedback loses nothing); keep a record
+        whenever they are told."""
+        self.tell = error_fed if self.tell is None else bool(self.tell)
+        self.keep = self.tell if self.keep is None else bool(self.keep)
+
+    def like(self) -> AppliedLedger:
+        """An empty ledger with this one's settings (a state is loaded into it before it replaces this one)."""
+        return AppliedLedger(tell=self.tell, keep=self.keep)
+
+    def told(self, content: RecordDict, shared: RecordDict, configrecord_key: str, client: str) -> RecordDict:
+        """``content`` (a node's train message) with the ledger's word on ``client``'s last upload when clients
+        are told; a ``content`` that is the round's ``shared`` one is copied first, never changed."""
+        if not self.tell:
+            return content
+        if content is shared:
+            content = RecordDict(dict(shared.items()))
+        config = ConfigRecord(dict(content.config_records[configrecord_key]))
+        config.update(self.config_for(client))
+        content[configrecord_key] = config
+        return content
 
     def record(self, server_round: int, applied: Iterable[Any]) -> None:
         """The server step of ``server_round`` committed these updates (``client_key``, ``applied_scale``)."""

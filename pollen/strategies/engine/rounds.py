@@ -8,7 +8,7 @@ evaluation; a ``Result``), so a strategy drops in where ``FedAvg`` was. It adds:
   strategy's ``mid_round(server_round, grid, replies, timeout)`` may send further messages through the
   grid (gossip relays, a second pass) and returns the replies to aggregate; the default returns them
   unchanged;
-- **resume**: with ``checkpoint=RunCheckpoint(path)`` the loop writes the global model, the strategy's
+- **resume**: with ``checkpoint=RunCheckpoint(path)`` the driver writes the global model, the strategy's
   full ``state_dict()`` and the results so far atomically after every round; with
   ``RunCheckpoint(path, resume=True)`` it continues from the last complete round, and a resumed run
   ends with the same parameters as an uninterrupted one (the strategy's sampling generator and all its
@@ -48,13 +48,126 @@ class RunInterrupted(RuntimeError):
         self.result = result
 
 
+class SyncRounds:
+    """The lock-step round driver: Flower's ``start`` loop, with mid-round exchanges and checkpoints.
+
+    It drives any strategy that has Flower's four round methods (``configure_train``, ``aggregate_train``,
+    ``configure_evaluate``, ``aggregate_evaluate``), ``summary``, ``mid_round``, ``check_setup`` and
+    ``state_dict``/``load_state_dict``; it holds nothing between runs, so one driver object can serve
+    any number of runs. A driver that does not move in rounds (buffered asynchronous aggregation) takes
+    its place as another part, reusing the strategy's collector, screen, transaction and ledger.
+    """
+
+    def run(  # noqa: PLR0913 (Flower's signature, plus the strategy)
+        self,
+        strategy: Any,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: EvaluateFn | None = None,
+        *,
+        checkpoint: RunCheckpoint | None = None,
+    ) -> Result:
+        """Run ``num_rounds`` rounds of ``strategy`` as Flower's ``Strategy.start`` does (module docstring)."""
+        log(INFO, "Starting %s strategy:", type(strategy).__name__)
+        strategy.summary()
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        started = time.time()
+
+        first_round, arrays, result = 1, initial_arrays, Result()
+        saved = checkpoint.load(strategy) if checkpoint is not None and checkpoint.resume else None
+        if saved is not None:
+            first_round, arrays, result = saved.server_round + 1, saved.arrays, saved.result
+            log(INFO, "Resuming after round %d of %d from %s", saved.server_round, num_rounds, checkpoint.path)
+            if len(result.arrays) == 0:
+                result.arrays = arrays
+        elif evaluate_fn:
+            res = evaluate_fn(0, initial_arrays)
+            log(INFO, "Initial global evaluation results: %s", res)
+            if res is not None:
+                result.evaluate_metrics_serverapp[0] = res
+
+        if first_round <= num_rounds:
+            strategy.check_setup(grid)
+        for server_round in range(first_round, num_rounds + 1):
+            log(INFO, "")
+            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+            arrays = self.train_round(strategy, server_round, grid, arrays, train_config, timeout, result)
+            self.evaluate_round(strategy, server_round, grid, arrays, evaluate_config, timeout, evaluate_fn, result)
+            if checkpoint is not None:
+                checkpoint.save(server_round, arrays, strategy, result)
+                if checkpoint.stop_after_round == server_round and server_round < num_rounds:
+                    log(WARNING, "Stopping after round %d as asked (stop-after-round)", server_round)
+                    raise RunInterrupted(server_round, result)
+
+        log(INFO, "")
+        log(INFO, "Strategy execution finished in %.2fs", time.time() - started)
+        for line in io.StringIO(str(result)):
+            log(INFO, "\t%s", line.strip("\n"))
+        return result
+
+    def train_round(  # noqa: PLR0913
+        self,
+        strategy: Any,
+        server_round: int,
+        grid: Grid,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        timeout: float,
+        result: Result,
+    ) -> ArrayRecord:
+        """One training round: send, receive, mid-round exchanges, aggregate; the new arrays (or the old)."""
+        messages = strategy.configure_train(server_round, arrays, config, grid)
+        replies = list(grid.send_and_receive(messages=messages, timeout=timeout))
+        replies = strategy.mid_round(server_round, grid, replies, timeout)
+        new_arrays, metrics = strategy.aggregate_train(server_round, replies)
+        if new_arrays is not None:
+            result.arrays = new_arrays
+            arrays = new_arrays
+        if metrics is not None:
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
+            result.train_metrics_clientapp[server_round] = metrics
+        return arrays
+
+    def evaluate_round(  # noqa: PLR0913
+        self,
+        strategy: Any,
+        server_round: int,
+        grid: Grid,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        timeout: float,
+        evaluate_fn: EvaluateFn | None,
+        result: Result,
+    ) -> None:
+        """Federated evaluation of ``arrays``, then the ServerApp's own (``evaluate_fn``), into ``result``."""
+        messages = list(strategy.configure_evaluate(server_round, arrays, config, grid))
+        replies = grid.send_and_receive(messages=messages, timeout=timeout) if messages else []
+        metrics = strategy.aggregate_evaluate(server_round, replies)
+        if metrics is not None:
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
+            result.evaluate_metrics_clientapp[server_round] = metrics
+        if evaluate_fn:
+            res = evaluate_fn(server_round, arrays)
+            if res is not None:
+                result.evaluate_metrics_serverapp[server_round] = res
+
+
 class RoundLoop:
-    """Mixin for a Flower ``Strategy``: the ``start`` loop with mid-round exchanges and checkpoints."""
+    """Mixin for a Flower ``Strategy``: ``start`` handed to its round driver (``self.driver``), and the hooks
+    a driver calls that a method may override."""
+
+    #: The round driver; a strategy built with another (``EngineParts(driver=...)``) sets its own.
+    driver: Any = SyncRounds()
 
     def check_setup(self, grid: Grid) -> None:
         """Hook: check what needs the connected nodes (e.g. a cluster layout); raise ``SetupError``.
 
-        Called by :meth:`start` before the first round it runs (fresh or resumed).
+        Called by the driver before the first round it runs (fresh or resumed).
         """
 
     def mid_round(self, server_round: int, grid: Grid, replies: list[Message], timeout: float) -> list[Message]:
@@ -73,88 +186,21 @@ class RoundLoop:
         *,
         checkpoint: RunCheckpoint | None = None,
     ) -> Result:
-        """Run ``num_rounds`` rounds as Flower's ``Strategy.start`` does; see the module docstring.
+        """Run ``num_rounds`` rounds as Flower's ``Strategy.start`` does, through the strategy's driver.
 
         Parameters are Flower's, plus ``checkpoint``: where to write a checkpoint after every round
-        and, when it was made with ``resume=True``, the checkpoint to continue from.
+        and, when it was made with ``resume=True``, the checkpoint to continue from (default: the
+        strategy's own, if it was built with one).
         """
-        log(INFO, "Starting %s strategy:", type(self).__name__)
-        self.summary()
-        train_config = ConfigRecord() if train_config is None else train_config
-        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
-        started = time.time()
-
-        first_round, arrays, result = 1, initial_arrays, Result()
-        saved = checkpoint.load(self) if checkpoint is not None and checkpoint.resume else None
-        if saved is not None:
-            first_round, arrays, result = saved.server_round + 1, saved.arrays, saved.result
-            log(INFO, "Resuming after round %d of %d from %s", saved.server_round, num_rounds, checkpoint.path)
-            if len(result.arrays) == 0:
-                result.arrays = arrays
-        elif evaluate_fn:
-            res = evaluate_fn(0, initial_arrays)
-            log(INFO, "Initial global evaluation results: %s", res)
-            if res is not None:
-                result.evaluate_metrics_serverapp[0] = res
-
-        if first_round <= num_rounds:
-            self.check_setup(grid)
-        for server_round in range(first_round, num_rounds + 1):
-            log(INFO, "")
-            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
-            arrays = self._train_round(server_round, grid, arrays, train_config, timeout, result)
-            self._evaluate_round(server_round, grid, arrays, evaluate_config, timeout, evaluate_fn, result)
-            if checkpoint is not None:
-                checkpoint.save(server_round, arrays, self, result)
-                if checkpoint.stop_after_round == server_round and server_round < num_rounds:
-                    log(WARNING, "Stopping after round %d as asked (stop-after-round)", server_round)
-                    raise RunInterrupted(server_round, result)
-
-        log(INFO, "")
-        log(INFO, "Strategy execution finished in %.2fs", time.time() - started)
-        for line in io.StringIO(str(result)):
-            log(INFO, "\t%s", line.strip("\n"))
-        return result
-
-    def _train_round(
-        self, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, timeout: float, result: Result
-    ) -> ArrayRecord:
-        messages = self.configure_train(server_round, arrays, config, grid)
-        replies = list(grid.send_and_receive(messages=messages, timeout=timeout))
-        replies = self.mid_round(server_round, grid, replies, timeout)
-        new_arrays, metrics = self.aggregate_train(server_round, replies)
-        if new_arrays is not None:
-            result.arrays = new_arrays
-            arrays = new_arrays
-        if metrics is not None:
-            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
-            result.train_metrics_clientapp[server_round] = metrics
-        return arrays
-
-    def _evaluate_round(  # noqa: PLR0913
-        self,
-        server_round: int,
-        grid: Grid,
-        arrays: ArrayRecord,
-        config: ConfigRecord,
-        timeout: float,
-        evaluate_fn: EvaluateFn | None,
-        result: Result,
-    ) -> None:
-        messages = list(self.configure_evaluate(server_round, arrays, config, grid))
-        replies = grid.send_and_receive(messages=messages, timeout=timeout) if messages else []
-        metrics = self.aggregate_evaluate(server_round, replies)
-        if metrics is not None:
-            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
-            result.evaluate_metrics_clientapp[server_round] = metrics
-        if evaluate_fn:
-            res = evaluate_fn(server_round, arrays)
-            if res is not None:
-                result.evaluate_metrics_serverapp[server_round] = res
-
-    # Subclasses provide these (Flower's Strategy and pollen's state).
-    def state_dict(self) -> dict[str, Any]:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
+        checkpoint = checkpoint if checkpoint is not None else getattr(self, "checkpoint", None)
+        return self.driver.run(
+            self,
+            grid,
+            initial_arrays,
+            num_rounds,
+            timeout,
+            train_config,
+            evaluate_config,
+            evaluate_fn,
+            checkpoint=checkpoint,
+        )

@@ -43,8 +43,9 @@ class ClientSampler:
     ----------
     seed : int
         Seed of the sampling generator.
-    min_available_nodes : int
-        Nodes that must be connected before a round samples.
+    min_available_nodes : int | None
+        Nodes that must be connected before a round samples; ``None``: the strategy's ``min_available_nodes``
+        (Flower's argument; 0 when the sampler is used on its own).
     identify_clients : bool
         Ask new nodes for their client id (and cluster id) with ``query.pollen_identify``. Nodes that
         cannot answer are keyed ``node-<id>``.
@@ -54,7 +55,12 @@ class ClientSampler:
     """
 
     def __init__(
-        self, *, seed: int = 0, min_available_nodes: int = 2, identify_clients: bool = False, population: int = 0
+        self,
+        *,
+        seed: int = 0,
+        min_available_nodes: int | None = None,
+        identify_clients: bool = False,
+        population: int = 0,
     ) -> None:
         if isinstance(population, bool) or not isinstance(population, int) or population < 0:
             raise ValueError(
@@ -156,7 +162,7 @@ class ClientSampler:
     # ------------------------------------------------------------------ sampling
     def connected(self, grid: Grid, minimum: int = 0) -> list[int]:
         """Connected nodes (waiting for enough), identified and ordered by client id."""
-        nodes = self.wait_for_nodes(grid, max(self.min_available_nodes, minimum))
+        nodes = self.wait_for_nodes(grid, max(self.min_available_nodes or 0, minimum))
         self.identify(grid, nodes)
         if self._ordered is None or self._ordered[0] != nodes:
             self._ordered = (nodes, sorted(nodes, key=lambda node: (self.key(node), node)))

@@ -1,29 +1,15 @@
-"""The shared base of pollen's server strategies (Flower Message API): one engine of parts.
+"""The shared base of pollen's server strategies (Flower Message API): Flower's API and the order of a round.
 
-``AdaptiveStrategy`` wires the parts every adaptive federated method needs; each part has one job
-and a public surface, and no part touches another's private state:
+``AdaptiveStrategy`` keeps Flower's ``Strategy`` methods and what happens in which order; the work is done by
+its parts (:mod:`pollen.strategies.engine`), each handed in by a caller through
+:class:`~pollen.strategies.engine.parts.EngineParts` or built with its defaults: the global model, the sampler,
+the messages and the reply collector, the outlier screen and the round's sink, the aggregator, the server step,
+the round's transaction, the ledger, the accounting and the round driver.
 
-- :class:`~pollen.strategies.engine.model.GlobalModel`: the global model as one flat float32 vector of
-  trainable values plus the buffers (averaged, never fed to the optimiser), in and out of records;
-- :class:`~pollen.strategies.engine.sampling.ClientSampler`: seeded sampling keyed by stable client ids;
-- :class:`~pollen.strategies.engine.messages.Transport`: train, evaluate and mid-round messages, bytes;
-- :class:`~pollen.strategies.engine.collector.ReplyCollector`: who was asked in each phase, one reply each,
-  every reply read once against the method's :class:`~pollen.strategies.engine.replies.ReplySpec`,
-  rejections with reasons;
-- :class:`~pollen.strategies.engine.screening.UpdateScreen` and the sinks of :mod:`pollen.strategies.engine.sinks`
-  (the running mean; FedAdaVR's table sink): outliers out, the round's aggregate in;
-- :class:`~pollen.strategies.engine.step.ServerStep`: the server optimiser (:mod:`pollen.optim` transform)
-  stepped as a transaction;
-- :class:`~pollen.strategies.engine.uplink.Uplink` (optional): what clients upload;
-- an :class:`~pollen.aggregate.Aggregator` (:mod:`pollen.strategies.engine.aggregation`): the mean (streamed) or a
-  robust aggregate of the round's kept updates (median, trimmed mean, majority vote);
-- :class:`~pollen.strategies.engine.accounting.Accounting`: per-round numbers measured on the wire;
-- state by declaration (:mod:`pollen.strategies.engine.declared`): the parts and the fields a method
-  declares in ``state_fields`` are written and restored for resume.
-
-A method overrides small steps: ``train_config`` (extra client config), ``node_content`` (what one
-node receives), ``mid_round`` (more exchanges), ``aggregate_deltas`` / ``round_sink`` (how updates
-become one delta), ``after_round`` (per-client bookkeeping). Sign convention: a client's update is
+A method overrides small steps: ``train_config`` (extra client config), ``node_content`` (what one node
+receives), ``mid_round`` (more exchanges), ``aggregate_deltas`` / ``round_sink`` (how updates become one
+delta), and stages what it would change with ``self.transaction.stage(round, commit)``; ``after_round`` is
+bookkeeping that runs whether the round committed or not. Sign convention: a client's update is
 ``delta = x_local - x_global`` (points downhill); the server *adds* the optimiser's step.
 """
 
@@ -41,18 +27,24 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from pollen.core.layout import ModelLayout
-from pollen.optim import OptState, Transform
-from pollen.strategies.engine.accounting import Accounting
-from pollen.strategies.engine.collector import TRAIN_PHASE, ReplyCollector, reason_of
+from pollen.optim import Transform
+from pollen.strategies.engine import metrics as round_metrics
+from pollen.strategies.engine.aggregation import Aggregator, check_codec, check_fits, make_aggregator, robust_delta
+from pollen.strategies.engine.collector import TRAIN_PHASE, ReplyCollector
 from pollen.strategies.engine.declared import restore_strategy_state, strategy_state
 from pollen.strategies.engine.flower_wrappers import refuse_dp_wrapper
-from pollen.strategies.engine.ledger import AppliedLedger
-from pollen.strategies.engine.model import GlobalModel
+from pollen.strategies.engine.messages import Transport
+from pollen.strategies.engine.metrics import MetricsAggregationFn
+from pollen.strategies.engine.parts import (
+    FLOWER_ARGUMENTS,
+    EngineParts,
+    check_aggregation,
+    check_flower_arguments,
+    claim,
+)
 from pollen.strategies.engine.replies import ClientUpdate, ReplyRejected, ReplySpec, screened_kinds
-from pollen.strategies.engine.aggregation import Aggregator, check_codec, check_fits, make_aggregator, robust_delta
 from pollen.strategies.engine.rounds import RoundLoop
-from pollen.strategies.engine.sampling import ClientSampler
-from pollen.strategies.engine.screening import DEFAULT_MAX_ABS, StreamedRound, UpdateScreen, all_finite
+from pollen.strategies.engine.screening import StreamedRound, all_finite
 from pollen.strategies.engine.sinks import (
     AGGREGATIONS,
     RunningMean,
@@ -63,19 +55,17 @@ from pollen.strategies.engine.sinks import (
     weights_of,
 )
 from pollen.strategies.engine.step import ServerStep
-from pollen.strategies.engine.messages import Transport
+from pollen.strategies.engine.summary import log_summary
 from pollen.strategies.engine.uplink import Uplink
 from pollen.wire import protocol
 
 __all__ = [
     "AGGREGATIONS",
     "FLOWER_ARGUMENTS",
-    "OUTLIER_FACTOR",
-    "OUTLIER_RULE",
-    "OUTLIER_WINDOW",
     "TRAIN_PHASE",
     "AdaptiveStrategy",
     "ClientUpdate",
+    "EngineParts",
     "MetricsAggregationFn",
     "ReplyRejected",
     "ReplySpec",
@@ -84,187 +74,36 @@ __all__ = [
     "aggregate_metrics",
 ]
 
-#: Flower's metric aggregation function (``FedAvg``'s ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn``):
-#: the replies' RecordDicts and the weight's metric name in, the round's MetricRecord out.
-MetricsAggregationFn = Callable[[list[RecordDict], str], MetricRecord]
-#: Flower's ``FedAvg`` arguments, in its order: every pollen strategy takes them first, with their defaults.
-FLOWER_ARGUMENTS = (
-    "fraction_train",
-    "fraction_evaluate",
-    "min_train_nodes",
-    "min_evaluate_nodes",
-    "min_available_nodes",
-    "weighted_by_key",
-    "arrayrecord_key",
-    "configrecord_key",
-    "train_metrics_aggr_fn",
-    "evaluate_metrics_aggr_fn",
-)
-#: The outlier screen's defaults, written once for every strategy's signature.
-OUTLIER_RULE = "reject"
-OUTLIER_FACTOR = 10.0
-OUTLIER_WINDOW = 5
-
-
-def _check_fraction(name: str, value: float, allow_zero: bool) -> None:
-    low_ok = value >= 0.0 if allow_zero else value > 0.0
-    if not (low_ok and value <= 1.0):
-        interval = "[0, 1]" if allow_zero else "(0, 1]"
-        raise ValueError(f"{name}={value!r} is out of range; allowed: a number in {interval}")
-
-
-def _check_arguments(  # noqa: PLR0913 - the constructor's, checked in one place
-    fraction_train: float,
-    fraction_evaluate: float,
-    min_train_nodes: int,
-    min_evaluate_nodes: int,
-    min_available_nodes: int,
-    aggregation: str,
-    min_replies: int,
-    uplink: Uplink | None,
-) -> None:
-    """``ValueError`` naming the argument, its value and what is allowed, for the base's settings."""
-    _check_fraction("fraction_train", fraction_train, allow_zero=False)
-    if not isinstance(min_replies, int) or isinstance(min_replies, bool) or min_replies < 1:
-        raise ValueError(f"min_replies={min_replies!r} is invalid; allowed: an integer >= 1")
-    _check_fraction("fraction_evaluate", fraction_evaluate, allow_zero=True)
-    for name, value in (
-        ("min_train_nodes", min_train_nodes),
-        ("min_evaluate_nodes", min_evaluate_nodes),
-        ("min_available_nodes", min_available_nodes),
-    ):
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= 0")
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation={aggregation!r} is unknown; allowed: {', '.join(AGGREGATIONS)}")
-    if uplink is not None and not isinstance(uplink, Uplink):
-        raise ValueError(f"uplink={uplink!r} is not an Uplink; allowed: pollen.strategies.Uplink(...) or None")
-
-
-def _check_flower_arguments(
-    weighted_by_key: str,
-    arrayrecord_key: str,
-    configrecord_key: str,
-    train_metrics_aggr_fn: MetricsAggregationFn | None,
-    evaluate_metrics_aggr_fn: MetricsAggregationFn | None,
-) -> None:
-    """``ValueError`` naming the argument, its value and what is allowed, for Flower's keys and functions."""
-    for name, value in (
-        ("weighted_by_key", weighted_by_key),
-        ("arrayrecord_key", arrayrecord_key),
-        ("configrecord_key", configrecord_key),
-    ):
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"{name}={value!r} is invalid; allowed: a non-empty string")
-    for name, value in (("arrayrecord_key", arrayrecord_key), ("configrecord_key", configrecord_key)):
-        if value.startswith(protocol.CLIENT_STATE_PREFIX):
-            raise ValueError(
-                f"{name}={value!r} is in pollen's own record names ('{protocol.CLIENT_STATE_PREFIX}...'); "
-                "allowed: any other name"
-            )
-    if arrayrecord_key == configrecord_key:
-        raise ValueError(
-            f"arrayrecord_key and configrecord_key are both {arrayrecord_key!r}; allowed: two different names "
-            "(a message holds both records)"
-        )
-    for name, fn in (
-        ("train_metrics_aggr_fn", train_metrics_aggr_fn),
-        ("evaluate_metrics_aggr_fn", evaluate_metrics_aggr_fn),
-    ):
-        if fn is not None and not callable(fn):
-            raise ValueError(
-                f"{name}={fn!r} is not callable; allowed: a function (list[RecordDict], str) -> MetricRecord, or None"
-            )
-
 
 class AdaptiveStrategy(RoundLoop, Strategy):
-    """Base of pollen's strategies: flat-vector state, validated replies, bytes, state dict.
-
-    The first ten arguments are Flower's ``FedAvg``'s, in its order, with its defaults and its meaning
-    (a project that passes them swaps the class and nothing else); the rest are keyword-only.
+    """Base of pollen's strategies: Flower's ``Strategy`` on a flat-vector model, built from parts.
 
     Parameters
     ----------
-    fraction_train : float (default: 1.0)
-        Fraction of connected nodes sampled for training each round, in (0, 1]: ``max(floor(fraction_train
-        * n), min_train_nodes)`` of them (``n``: the connected nodes, or ``population``).
-    fraction_evaluate : float (default: 1.0)
-        Fraction of nodes sampled for federated evaluation, in [0, 1]; 0 skips it.
-    min_train_nodes : int (default: 2)
-        Minimum number of nodes sampled for training.
-    min_evaluate_nodes : int (default: 2)
-        Minimum number of nodes sampled for evaluation.
-    min_available_nodes : int (default: 2)
-        Minimum number of connected nodes before a round starts (sampling waits for them).
-    weighted_by_key : str (default: "num-examples")
-        The metric of each reply's MetricRecord that weighs it: in the averages of its metrics, in the
-        model average when ``aggregation="weighted"``, and the name handed to the two metric
-        aggregation functions. (pollen's default ``aggregation="mean"`` averages models unweighted, as
-        the papers do.)
-    arrayrecord_key : str (default: "arrays")
-        Name of the ArrayRecord (the global model) in train and evaluate messages, and of the trained
-        model in a reply (a reply with one ArrayRecord under another name is read too, as Flower does).
-    configrecord_key : str (default: "config")
-        Name of the ConfigRecord in train and evaluate messages.
-    train_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None (default: None)
-        As Flower's: called as ``fn(replies, weighted_by_key)`` with the RecordDict of each reply whose
-        update the round applied (its MetricRecords and ConfigRecords; the arrays were read as they
-        came and are not kept), and its MetricRecord is the round's train metrics (``Result``, results
-        files). ``None``: the ``weighted_by_key``-weighted mean of each metric every reply reports.
-    evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None (default: None)
-        As Flower's: called as ``fn(replies, weighted_by_key)`` with the content of each usable
-        evaluation reply; its MetricRecord is the round's federated evaluation metrics. ``None``: the
-        ``weighted_by_key``-weighted mean of each metric every reply reports.
+    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes : float, int
+        Flower's ``FedAvg`` arguments, in its order, with its defaults and meaning (a project that passes them
+        swaps the class and nothing else); ``min_available_nodes`` is the sampler's unless it sets its own.
+    weighted_by_key, arrayrecord_key, configrecord_key : str
+        Flower's weight metric (the metric averages; the model average with ``aggregation="weighted"``) and
+        record names.
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : Callable[[list[RecordDict], str], MetricRecord] | None
+        Called as Flower calls them, with the contents of the applied (train) or usable (evaluate) replies;
+        ``None``: each metric's weighted mean.
     optimizer : Transform | None
-        The server optimiser (``pollen.optim``, e.g. ``amsgrad(...)`` or ``make_server_optimizer(name, ...)``)
-        applied to the aggregated delta; ``None`` when a subclass builds it from the model layout
-        (``build_optimizer``).
+        The server optimiser (``pollen.optim``) applied to the aggregated delta; ``None`` when a method builds
+        it from the model layout (``build_optimizer``).
     aggregation : str (default: "mean")
-        ``"mean"``: the papers' simple average ``(1/|S_t|) sum_i delta_i``;
-        ``"weighted"``: weighted by ``weighted_by_key`` (Flower's FedAvg behaviour).
+        ``"mean"``: the papers' simple average; ``"weighted"``: by ``weighted_by_key`` (Flower's FedAvg).
     aggregator : str | Aggregator (default: "mean")
         How the round's updates become one delta (:mod:`pollen.strategies.engine.aggregation`): ``"mean"``
-        (streamed, as ``aggregation`` says), ``"median"``, ``"trimmed-mean"`` (or
-        ``pollen.aggregate.TrimmedMean(beta)``) or ``"majority-vote"`` (scaled-sign uploads only). A
-        robust one keeps the round's updates, gives each client one vote (``aggregation="mean"``
-        only) and is refused with a reason by methods it does not fit (``robust_refusal``).
+        (streamed), ``"median"``, ``"trimmed-mean"`` or ``"majority-vote"``; refused with a reason by methods
+        it does not fit (``robust_refusal``).
     uplink : Uplink | None (default: None)
-        What clients upload (:class:`~pollen.strategies.engine.uplink.Uplink`: codec, error feedback,
-        granularity); ``None`` asks for nothing and takes full models (any Flower ClientApp).
-    buffer_keys : list[str] | None (default: None)
-        Names of non-trainable arrays; ``None`` infers them (integer dtypes and
-        PyTorch normalisation statistics).
-    seed : int (default: 0)
-        Seed of client sampling (and of the sampler's saved state).
-    identify_clients : bool (default: False)
-        Ask each new node once for its stable client id (pollen's ClientApp answers
-        ``query.pollen_identify``; other ClientApps fall back to the node id). Stable
-        ids make sampling reproducible across runs and survive a SuperNode
-        reconnecting. Off by default so a ClientApp without that action sees no
-        query it cannot answer; pollen's app turns it on.
-    population : int (default: 0)
-        0: one client per connected node. N > 0: N logical clients (``partition-0`` ..
-        ``partition-<N-1>``) played by the connected nodes, bound anew each round; the
-        fractions are of N and each message names the partition its node plays
-        (:mod:`pollen.strategies.engine.sampling`). Needs pollen's ClientApp (or one that reads
-        ``pollen.partition``) and at least as many nodes as a round samples.
-    outlier_rule : str (default: "reject")
-        Outlier screen of update norms (:mod:`pollen.strategies.engine.screening`): ``"reject"``,
-        ``"clip"`` or ``"off"``.
-    outlier_factor : float (default: 10.0)
-        The screen's bound is this factor times the median accepted norm of the last
-        ``outlier_window`` rounds, > 1.
-    outlier_window : int (default: 5)
-        Rounds of accepted norms the screen's median is taken over, >= 1.
-    max_abs_update : float (default: 1e15)
-        Hard limit on any coordinate of an update (always on).
-    min_replies : int (default: 1)
-        Fewer usable replies than this and the round is skipped (model unchanged), with a reason.
-    transactional : bool (default: True)
-        Put the model and optimiser state of before the server step back if the step fails or
-        produces non-finite values (the round then counts as failed). Nothing is copied for it: the
-        step writes the new model and optimiser state into spare arrays and swaps them in, so going
-        back is keeping the old references.
+        What clients upload (codec, error feedback, granularity); ``None`` takes full models (any ClientApp).
+    parts : EngineParts | None (default: None)
+        The other parts, handed in or built with their defaults: sampler (seed, client ids, population),
+        screen (outlier rule, factor, window, hard limit), model (buffer keys), transaction (min replies,
+        rollback), ledger, accounting, round driver, checkpoint (:class:`EngineParts`).
     """
 
     #: What this method expects in a training reply; subclasses declare their extras and flags.
@@ -295,67 +134,45 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         aggregation: str = "mean",
         aggregator: str | Aggregator = "mean",
         uplink: Uplink | None = None,
-        buffer_keys: Iterable[str] | None = None,
-        seed: int = 0,
-        identify_clients: bool = False,
-        population: int = 0,
-        outlier_rule: str = OUTLIER_RULE,
-        outlier_factor: float = OUTLIER_FACTOR,
-        outlier_window: int = OUTLIER_WINDOW,
-        max_abs_update: float = DEFAULT_MAX_ABS,
-        min_replies: int = 1,
-        transactional: bool = True,
+        parts: EngineParts | None = None,
     ) -> None:
-        _check_arguments(
-            fraction_train,
-            fraction_evaluate,
-            min_train_nodes,
-            min_evaluate_nodes,
-            min_available_nodes,
-            aggregation,
-            min_replies,
-            uplink,
-        )
-        _check_flower_arguments(
-            weighted_by_key, arrayrecord_key, configrecord_key, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
-        )
-        self.fraction_train = fraction_train
-        self.fraction_evaluate = fraction_evaluate
-        self.min_train_nodes = min_train_nodes
-        self.min_evaluate_nodes = min_evaluate_nodes
-        self.min_available_nodes = min_available_nodes
-        self.aggregation = aggregation
-        self.weighted_by_key = weighted_by_key
-        self.seed = seed
-        self.arrayrecord_key = arrayrecord_key
-        self.configrecord_key = configrecord_key
-        self.train_metrics_aggr_fn = train_metrics_aggr_fn
-        self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn
-        self.min_replies = min_replies
-        self.transactional = transactional
-        self.uplink = uplink
+        flower = {name: value for name, value in locals().items() if name in FLOWER_ARGUMENTS}
+        check_flower_arguments(flower)
+        check_aggregation(aggregation)
+        if uplink is not None and not isinstance(uplink, Uplink):
+            raise ValueError(f"uplink={uplink!r} is not an Uplink; allowed: pollen.strategies.Uplink(...) or None")
+        if parts is not None and not isinstance(parts, EngineParts):
+            raise ValueError(f"parts={parts!r} is not an EngineParts; allowed: EngineParts(...) or None")
+        vars(self).update(flower)
+        self.aggregation, self.uplink = aggregation, uplink
         self.aggregator = make_aggregator(aggregator)
         check_fits(self.aggregator, type(self).__name__, aggregation=aggregation, refusal=self.robust_refusal)
         check_codec(self.aggregator, type(self).__name__, self.upload_codec())
-
+        chosen = (parts or EngineParts()).filled(self.default_parts())
+        claim(chosen, self)
+        self.model, self.sampler, self.screen, self.ledger = chosen.model, chosen.sampler, chosen.screen, chosen.ledger
+        self.transaction, self.accounting = chosen.transaction, chosen.accounting
+        self.driver, self.checkpoint = chosen.driver, chosen.checkpoint
+        self.ledger.decide(uplink is not None and uplink.error_feedback and uplink.codec != "none")
+        if self.sampler.min_available_nodes is None:
+            self.sampler.min_available_nodes = min_available_nodes
         self.server_step = ServerStep(optimizer)
-        self.model = GlobalModel(buffer_keys)
-        self.sampler = ClientSampler(
-            seed=seed, min_available_nodes=min_available_nodes, identify_clients=identify_clients, population=population
-        )
-        self.screen = UpdateScreen(
-            rule=outlier_rule, factor=outlier_factor, window=outlier_window, max_abs=max_abs_update
-        )
-        self.accounting = Accounting()
         self.replies = ReplyCollector(self.sampler, lambda: self.accounting)
-        self.ledger = AppliedLedger()
         self.transport = Transport(self.replies, lambda: self.accounting, configrecord_key, self.sampler.partition)
         self._train_started: dict[int, float] = {}
 
-    # ------------------------------------------------------------------ the model, through its collaborator
-    @property
-    def layout(self) -> ModelLayout | None:
-        return self.model.layout
+    @classmethod
+    def default_parts(cls) -> EngineParts | None:
+        """The parts this method builds differently from the engine's defaults (a caller's own still win)."""
+        return None
+
+    # ------------------------------------------------------------------ the parts' values, read through
+    seed = property(lambda self: self.sampler.seed, doc="The sampler's seed (the run's).")
+    min_replies = property(lambda self: self.transaction.min_replies, doc="The transaction's minimum of replies.")
+    layout = property(lambda self: self.model.layout, doc="The model's layout (``None`` before round 1).")
+    optimizer = property(lambda self: self.server_step.optimizer, doc="The server optimiser.")
+    opt_state = property(lambda self: self.server_step.state, doc="The server optimiser's state.")
+    node_keys = property(lambda self: self.sampler.node_keys, doc="Node id -> stable client id, as far as known.")
 
     @property
     def params(self) -> np.ndarray | None:
@@ -373,41 +190,10 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def buffers(self, value: dict[str, np.ndarray]) -> None:
         self.model.buffers = value
 
-    @property
-    def optimizer(self) -> Transform | None:
-        return self.server_step.optimizer
-
-    @property
-    def opt_state(self) -> OptState | None:
-        return self.server_step.state
-
-    @property
-    def node_keys(self) -> dict[int, str]:
-        """Node id -> stable client id, as far as known (kept by the sampler)."""
-        return self.sampler.node_keys
-
-    # ------------------------------------------------------------------ summary
     def summary(self) -> None:
         """Log the strategy's settings; inside one of Flower's DP wrappers, refuse first (``flower_wrappers``)."""
         refuse_dp_wrapper(self, self._optimiser_words())
-        log(INFO, "\t├──> %s settings:", type(self).__name__)
-        if self.optimizer is not None:
-            log(INFO, "\t│\t├── server optimiser: %s %s", self.optimizer.name, self.optimizer.hyperparameters())
-        if self.uplink is not None:
-            log(INFO, "\t│\t├── uplink: %s", self.uplink.describe())
-        for key, value in self.extra_summary().items():
-            log(INFO, "\t│\t├── %s: %s", key, value)
-        log(INFO, "\t│\t├── aggregation: %s (weight key '%s')", self.aggregation, self.weighted_by_key)
-        log(INFO, "\t│\t├── aggregator: %s", self.aggregator.describe())
-        log(
-            INFO,
-            "\t│\t└── sampling: train %.2f (min %d) | evaluate %.2f (min %d) | seed %d",
-            self.fraction_train,
-            self.min_train_nodes,
-            self.fraction_evaluate,
-            self.min_evaluate_nodes,
-            self.seed,
-        )
+        log_summary(self)
 
     def _optimiser_words(self) -> str:
         return "its server optimiser" + (f" ({self.optimizer.name})" if self.optimizer is not None else "")
@@ -451,29 +237,10 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         """
         return shared
 
-    def reports_applied(self) -> bool:
-        """Whether each client is told what the server applied of its last upload (:mod:`~pollen.strategies.engine.ledger`).
-
-        On for error-fed uploads: the client puts whatever was not applied (a rejected, lost, skipped,
-        rolled-back or clipped upload) back into its residual, so error feedback loses nothing.
-        """
-        return self.uplink is not None and self.uplink.error_feedback and self.uplink.codec != "none"
-
-    def keeps_ledger(self) -> bool:
-        """Whether the ledger records committed uploads (whenever clients are told; a method may need it anyway)."""
-        return self.reports_applied()
-
     def content_for(self, server_round: int, node: int, shared: RecordDict) -> RecordDict:
-        """What ``node`` receives: :meth:`node_content`, with the ledger's word on its last upload if kept."""
+        """What ``node`` receives: :meth:`node_content`, with the ledger's word on its last upload if it tells."""
         content = self.node_content(server_round, node, shared)
-        if not self.reports_applied():
-            return content
-        if content is shared:
-            content = RecordDict(dict(shared.items()))
-        config = ConfigRecord(dict(content.config_records[self.configrecord_key]))
-        config.update(self.ledger.config_for(self.sampler.key(node)))
-        content[self.configrecord_key] = config
-        return content
+        return self.ledger.told(content, shared, self.configrecord_key, self.sampler.key(node))
 
     def reply_spec_for(self, server_round: int) -> ReplySpec:
         """Hook: what a final reply of ``server_round`` carries (default: :attr:`reply_spec`)."""
@@ -616,42 +383,36 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def apply_updates(
         self, server_round: int, updates: list[ClientUpdate], running: ScreenedSink | None = None
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Aggregate already-read (and screened) updates and take the round's server step.
+        """Aggregate already-read (and screened) updates and settle the round's transaction.
 
         ``aggregate_train`` calls it with the replies it read; a method whose round ends with
         updates the server assembled itself (HA-Fed's mixed models) calls it directly.
         """
         stats = self.accounting.round(server_round)
-        stats.replies = len(updates)
-        for update in updates:
-            if update_bytes := _update_bytes(update, self.arrayrecord_key):
-                stats.uplink_update_bytes += update_bytes
-                stats.uplink_fp32_bytes += 4 * self.layout.dim
+        stats.count_uploads(updates, self.arrayrecord_key, self.layout.dim)
         log(INFO, "aggregate_train: %d usable replies, %d failures", len(updates), stats.failures)
-        applied: list[ClientUpdate] = []
-        if len(updates) < self.min_replies:
-            reason = f"{len(updates)} usable replies, fewer than min_replies={self.min_replies}"
-            if updates:
-                stats.fail(f"round skipped: {reason}")
-            log(WARNING, "aggregate_train: round %d skipped (%s); the model is unchanged", server_round, reason)
-        else:
-            try:
-                self._server_step(server_round, updates, running)
-                applied = updates
-            except Exception as err:  # noqa: BLE001 - the round fails, the run goes on with the old state
-                stats.fail(f"server step failed and was rolled back: {reason_of(err)}")
-                log(
-                    WARNING,
-                    "aggregate_train: server step of round %d failed (%s); state rolled back",
-                    server_round,
-                    err,
-                )
-        if self.keeps_ledger():
+        if self.ledger.keep:
             self.ledger.refuse(server_round, self.replies.refused(server_round))
+            self.transaction.stage(server_round, lambda: self.ledger.record(server_round, updates))
+        self.transaction.stage(
+            server_round, lambda: self.screen.observe([u.norm for u in updates], [u.record_norms for u in updates])
+        )
+        outcome = self.transaction.settle(
+            server_round,
+            updates,
+            lambda: self._server_step(server_round, updates, running),
+            model=self.model,
+            server_step=self.server_step,
+        )
+        if (why := outcome.skipped) is not None:
+            if updates:
+                stats.fail(f"round skipped: {why}")
+            log(WARNING, "aggregate_train: round %d skipped (%s); the model is unchanged", server_round, why)
+        if outcome.failed is not None:
+            stats.fail(outcome.failed)
+            log(WARNING, "aggregate_train: round %d: %s", server_round, outcome.failed)
+        applied = outcome.applied
         if applied:
-            if self.keeps_ledger():
-                self.ledger.record(server_round, applied)
-            self.screen.observe([u.norm for u in applied], [u.record_norms for u in applied])
             stats.count_grad_evals([u.metrics for u in applied])
         stats.train_seconds = time.perf_counter() - self._train_started.pop(server_round, time.perf_counter())
         self.after_round(server_round, applied)
@@ -660,44 +421,20 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         if not applied:
             return None, None
         # after the round's bookkeeping: a user's function that raises leaves a finished round behind
-        metrics = self.train_metrics(applied)
+        metrics = round_metrics.train_metrics(applied, self.train_metrics_aggr_fn, self.weighted_by_key)
         stats.train_metrics = {**dict(metrics or {}), **stats.train_metrics}  # with what after_round noted
         return self.model.returned(self.global_arrays()), metrics
 
-    def train_metrics(self, applied: list[ClientUpdate]) -> MetricRecord | None:
-        """The round's train metrics from the replies whose updates it applied: ``train_metrics_aggr_fn``'s, as
-        Flower calls it, or (``None``) the ``weighted_by_key``-weighted mean of each metric they all report."""
-        if self.train_metrics_aggr_fn is not None:
-            contents = [u.reply for u in applied if u.reply is not None]
-            if not contents:
-                return None
-            return _checked_metrics("train_metrics_aggr_fn", self.train_metrics_aggr_fn(contents, self.weighted_by_key))
-        reported = [u for u in applied if u.metrics is not None]
-        return aggregate_metrics([u.metrics for u in reported], [u.num_examples for u in reported])
-
     def _server_step(self, server_round: int, updates: list[ClientUpdate], running: ScreenedSink | None) -> None:
-        """Aggregate, step, average buffers; all or nothing when ``transactional``.
-
-        Nothing is copied to be able to go back: the step writes the new parameters and optimiser
-        state into spare arrays (:class:`ServerStep`) and buffer averaging fills a new dict, so a
-        failure only puts the references of before back.
-        """
-        params, opt_state, buffers = self.params, self.opt_state, self.buffers
-        self.buffers = dict(buffers)
-        try:
-            delta = running.mean() if running is not None else self.aggregate_deltas(server_round, updates)
-            self.apply_server_step(server_round, delta)
-            with_buffers = [u for u in updates if u.buffers]
-            if with_buffers:
-                weights = weights_of(with_buffers, weighted=self.aggregation == "weighted")
-                self.model.average_buffers([u.buffers for u in with_buffers], weights)
-            if not all_finite(self.params):
-                raise FloatingPointError("the server step produced NaN or Inf parameters")
-        except Exception:
-            if self.transactional:
-                self.server_step.keep(params, opt_state, self.params)
-                self.params, self.buffers = params, buffers
-            raise
+        """Aggregate, step, average buffers (inside the round's transaction: writes go to spare arrays)."""
+        delta = running.mean() if running is not None else self.aggregate_deltas(server_round, updates)
+        self.apply_server_step(server_round, delta)
+        with_buffers = [u for u in updates if u.buffers]
+        if with_buffers:
+            weights = weights_of(with_buffers, weighted=self.aggregation == "weighted")
+            self.model.average_buffers([u.buffers for u in with_buffers], weights)
+        if not all_finite(self.params):
+            raise FloatingPointError("the server step produced NaN or Inf parameters")
 
     def apply_server_step(self, server_round: int, delta: np.ndarray) -> None:
         """``x <- x + step`` with the optimiser's step for the aggregated delta (double-buffered)."""
@@ -721,19 +458,10 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         )
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """The round's evaluation metrics: ``evaluate_metrics_aggr_fn`` on the usable replies' contents, as Flower
-        calls it, or (``None``) the ``weighted_by_key``-weighted mean of each metric they all report; failed or
-        malformed replies are skipped with a reason."""
+        """The round's evaluation metrics from the usable replies (:mod:`~pollen.strategies.engine.metrics`);
+        failed or malformed replies are skipped with a reason."""
         usable = self.replies.evaluation_metrics(server_round, replies, self.weighted_by_key)
-        if self.evaluate_metrics_aggr_fn is not None:
-            aggregated = _checked_metrics(
-                "evaluate_metrics_aggr_fn",
-                self.evaluate_metrics_aggr_fn([content for content, _, _ in usable], self.weighted_by_key)
-                if usable
-                else None,
-            )
-        else:
-            aggregated = aggregate_metrics([record for _, record, _ in usable], [weight for _, _, weight in usable])
+        aggregated = round_metrics.evaluate_metrics(usable, self.evaluate_metrics_aggr_fn, self.weighted_by_key)
         self.accounting.round(server_round).evaluate_metrics = dict(aggregated or {})
         return aggregated
 
@@ -753,16 +481,3 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def check_loaded(self, values: Mapping[str, Any], layout: ModelLayout | None, server_round: int | None) -> None:
         """Hook: raise :class:`~pollen.core.state_fields.StateError` when the checked declared ``values`` of a
         state being loaded break an invariant of the method (called before anything is set)."""
-
-
-def _checked_metrics(name: str, value: Any) -> MetricRecord | None:
-    """What a user's metric aggregation function returned, if it is what a round reports (Flower's type)."""
-    if value is not None and not isinstance(value, MetricRecord):
-        raise TypeError(f"{name} returned a {type(value).__name__}; allowed: a flwr.app.MetricRecord or None")
-    return value
-
-
-def _update_bytes(update: ClientUpdate, arrayrecord_key: str) -> int:
-    """Bytes of the record(s) carrying the model update of a reply (under any name a reply may use)."""
-    names = {protocol.UPDATE_RECORD, arrayrecord_key, update.update_record} - {""}
-    return sum(update.record_bytes.get(name, 0) for name in names)
