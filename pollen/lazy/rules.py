@@ -215,3 +215,28 @@ def downlink_step(
     return DownlinkStep(verdict.kind, received, new_x, new_c_prev, new_error, apply, verdict.rel), (
         payload if verdict.transmit else None
     )
+
+
+#: Below this effective threshold a top-k or sign candidate with error feedback is almost never close enough
+#: to the last one to be skipped or merged (pollen's calibration, docs/results/lazy.md: relative changes 1.19-1.66,
+#: none at or below 1.1 on the MLP or the CNN; the spec's numpy one: 1.07-1.54).
+UPLINK_EF_FLOOR = 1.2
+
+
+def threshold_warnings(  # noqa: PLR0913 - both directions' rule and threshold
+    up_rule: str, up_tau: float, compressor: str, error_feedback: bool, down_rule: str, down_tau: float
+) -> list[str]:
+    """Why the effective thresholds ``up_tau`` / ``down_tau`` cannot fire, one line each (a strategy logs them
+    once: when built, or with ``tau_scaling="paper"`` in the first round, when ``|S_t|`` is known)."""
+    lines = []
+    if up_rule != "none" and up_tau == 0.0:
+        lines.append(f"tau-up = 0: the uplink {up_rule} rule never fires (the run is plain FedAMS/FedCAMS)")
+    elif up_rule != "none" and error_feedback and up_tau < UPLINK_EF_FLOOR:
+        lines.append(
+            f"uplink threshold {up_tau:g} with {compressor} and error feedback: a compensated candidate "
+            f"differs from the last by about 1.2-1.7 x its norm (pollen's calibration, docs/results/lazy.md), so a "
+            f"threshold below {UPLINK_EF_FLOOR:g} rarely fires"
+        )
+    if down_rule != "none" and down_tau == 0.0:
+        lines.append(f"tau-down = 0: the downlink {down_rule} rule never fires")
+    return lines

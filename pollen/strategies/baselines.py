@@ -27,7 +27,7 @@ import inspect
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from logging import WARNING
 from typing import Any
 
@@ -40,7 +40,14 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedYogi
 from pollen.core import state_fields as fields
 from pollen.core.layout import ModelLayout, TensorSpec, looks_like_buffer
 from pollen.strategies.engine.accounting import Accounting
-from pollen.strategies.engine.collector import EVALUATE_PHASE, TRAIN_PHASE, ReplyCollector, positive_weight, reason_of
+from pollen.strategies.engine.collector import (
+    EVALUATE_PHASE,
+    TRAIN_PHASE,
+    ReplyCollector,
+    evaluation_reading,
+    positive_weight,
+    reason_of,
+)
 from pollen.strategies.engine.declared import ARRAYS, load_field, save_declared
 from pollen.strategies.engine.flower_wrappers import refuse_dp_wrapper
 from pollen.strategies.engine.messages import count_sent
@@ -81,7 +88,7 @@ class Metered(RoundLoop):
             raise ValueError(f"parts={parts!r} is not an EngineParts; allowed: EngineParts(...) or None")
         chosen = (parts or EngineParts()).filled()
         claim(chosen, self)
-        self.accounting, self.screen = chosen.accounting, chosen.screen
+        self.accounting, self.screen, self.transaction = chosen.accounting, chosen.screen, chosen.transaction
         self.driver, self.checkpoint = chosen.driver, chosen.checkpoint
         self.replies = ReplyCollector(chosen.sampler, lambda: self.accounting)
         self._started: dict[int, float] = {}
@@ -143,6 +150,7 @@ class Metered(RoundLoop):
             except Exception as err:  # noqa: BLE001 - a bad reply is a failure, never a crash
                 self.replies.reject(server_round, reply.metadata.src_node_id, reason_of(err))
         judged = self._without_outliers(server_round, judged)
+        done: dict[str, Any] = {}
         judged = self._same_metric_form(server_round, judged, "")
         usable = [reply for reply, _ in judged]
         for reply in usable:  # each has exactly one ArrayRecord (_judge)
@@ -152,51 +160,63 @@ class Metered(RoundLoop):
         stats.replies = len(usable)
         self.replies.missing(server_round, TRAIN_PHASE, received)
         self.replies.forget(server_round)
-        before = {name: getattr(self, name, None) for name in self.state_fields}
-        try:
-            result = super().aggregate_train(server_round, usable)
-            _check_finite_result(result[0], {name: getattr(self, name, None) for name in ("m_t", "v_t")})
-            accepted = [update for _, update in judged if update is not None]
-            if usable:
-                self.screen.observe([u.norm for u in accepted], [u.record_norms for u in accepted])
-        except Exception as err:  # noqa: BLE001 - Flower's own checks raise; the round fails, the run goes on
-            for name, value in before.items():  # Flower replaces its moments' dicts: the old ones are intact
-                if hasattr(self, name):
-                    setattr(self, name, value)
-            stats.fail(f"aggregation failed: {type(err).__name__}: {err}")
-            log(WARNING, "aggregate_train: Flower's aggregation failed (%s); the model is unchanged", err)
-            result = (None, None)
+        accepted = [update for _, update in judged if update is not None]
+        if usable:
+            self.transaction.stage(
+                server_round,
+                lambda: self.screen.observe([u.norm for u in accepted], [u.record_norms for u in accepted]),
+            )
+        outcome = self.transaction.settle(
+            server_round, usable, lambda: self._flower_step(server_round, usable, done), saved=self._flower_saved
+        )
+        if outcome.skipped is not None and usable:
+            stats.fail(f"round skipped: {outcome.skipped}")
+        if outcome.failed is not None:
+            stats.fail(outcome.failed)
+            log(WARNING, "aggregate_train: Flower's aggregation: %s; the model is unchanged", outcome.failed)
+        result = done.get("result", (None, None)) if outcome.applied else (None, None)
         stats.train_metrics = dict(result[1] or {})
         if result[0] is not None:
             stats.count_grad_evals([next(iter(reply.content.metric_records.values())) for reply in usable])
         stats.train_seconds = time.perf_counter() - self._started.pop(server_round, time.perf_counter())
         return result
 
+    def _flower_step(self, server_round: int, usable: list[Message], done: dict[str, Any]) -> None:
+        """Flower's own aggregation as the round's server step; its result into ``done``; a non-finite model or
+        moment fails the step (the transaction puts Flower's state back)."""
+        result = super().aggregate_train(server_round, usable)
+        _check_finite_result(result[0], {name: getattr(self, name, None) for name in ("m_t", "v_t")})
+        done["result"] = result
+
+    def _flower_saved(self) -> Callable[[], None]:
+        """What puts Flower's state (its current model and moments) back: the references of now (Flower replaces
+        its dicts when it steps, so the old ones are intact)."""
+        before = {name: getattr(self, name, None) for name in self.state_fields}
+
+        def put_back() -> None:
+            for name, value in before.items():
+                if hasattr(self, name):
+                    setattr(self, name, value)
+
+        return put_back
+
     def _without_outliers(
         self, server_round: int, judged: list[tuple[Message, ClientUpdate | None]]
     ) -> list[tuple[Message, ClientUpdate | None]]:
-        """pollen's outlier screen (history bound, else, without a history or with a stale one, each against
-        the others' median) on the updates and each floating-point buffer; outliers are rejected (Flower's
-        aggregation cannot take a clipped reply)."""
-        read = [(reply, update) for reply, update in judged if update is not None]
-        where = f"round {server_round}"
+        """pollen's outlier screen, the one call every strategy makes (:meth:`UpdateScreen.filter`), on the updates
+        and each floating-point buffer; outliers are rejected (Flower's aggregation cannot take a clipped reply)
+        and the kept replies stay in the order they came."""
+        read = {id(update): reply for reply, update in judged if update is not None}
         self.screen.set_model_norm(float(np.linalg.norm(self._params)) if self._params is not None else 0.0)
-        bounds = self.screen.update_bounds([update.norm for _, update in read], where)
-        record_bounds = self.screen.round_record_bounds([update.record_norms for _, update in read], where)
-        rejected = set()
-        for (reply, update), limit, limits in zip(read, bounds, record_bounds):
-            why = None
-            for kind in sorted(update.record_norms):
-                norm, record_limit = update.record_norms[kind], limits.get(kind, float("inf"))
-                if self.screen.judge(norm, record_limit)[0] != "accept":
-                    why = self.screen.record_reason(kind, norm, record_limit)
-                    break
-            if why is None and self.screen.judge(update.norm, limit)[0] != "accept":
-                why = self.screen.reason(update.norm, limit)
-            if why is not None:
-                rejected.add(id(reply))
-                self.replies.reject(server_round, reply.metadata.src_node_id, why)
-        return [(reply, update) for reply, update in judged if id(reply) not in rejected]
+        kept = self.screen.filter(
+            [update for _, update in judged if update is not None],
+            lambda update, why: self.replies.reject(server_round, read[id(update)].metadata.src_node_id, why),
+            f"round {server_round}",
+            clip=False,
+            reorder=False,
+        )
+        rejected = set(read) - {id(update) for update in kept}
+        return [(reply, update) for reply, update in judged if update is None or id(update) not in rejected]
 
     def _judge(self, reply: Message) -> ClientUpdate | None:
         """The reply read by pollen's reader (``None`` before the model is known); ``ReplyRejected`` when
@@ -276,15 +296,9 @@ class Metered(RoundLoop):
                 if reply.has_error():
                     continue
                 stats.eval_uplink_bytes += sum(count_records(reply).values())
-                metrics = list(reply.content.metric_records.values())
-                if len(metrics) != 1 or positive_weight(metrics[0], self.weighted_by_key) is None:
-                    raise ReplyRejected(f"evaluation metrics lack a positive '{self.weighted_by_key}'")
-                if not all(
-                    isinstance(v, (int, float)) and np.isfinite(v)
-                    for v in metrics[0].values()
-                    if not isinstance(v, list)
-                ):
-                    raise ReplyRejected("evaluation metrics hold non-finite values")
+                if len(reply.content.metric_records) != 1:  # Flower's aggregation reads the only one
+                    raise ReplyRejected("an evaluation reply must carry exactly one MetricRecord")
+                evaluation_reading(reply.content, self.weighted_by_key)
             except Exception as err:  # noqa: BLE001
                 log(WARNING, "\t> evaluation reply from node %d skipped: %s", reply.metadata.src_node_id, err)
                 continue

@@ -45,6 +45,7 @@ from pollen.lazy.rules import (
     checksum,
     norm64,
     replay,
+    threshold_warnings,
 )
 from pollen.strategies.engine.aggregation import Aggregator
 from pollen.strategies.engine.declared import PART
@@ -60,11 +61,6 @@ from pollen.strategies.fedams import FedAMS
 from pollen.strategies.lazy_book import ClientBook
 from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, payload_to_records
-
-#: Below this effective threshold a top-k or sign candidate with error feedback is almost never close enough
-#: to the last one to be skipped or merged (pollen's calibration, docs/results/lazy.md: relative changes 1.19-1.66,
-#: none at or below 1.1 on the MLP or the CNN; the spec's numpy one: 1.07-1.54).
-UPLINK_EF_FLOOR = 1.2
 
 #: Every event of a round the family counts (``RoundStats.method["lazy_events"]``, results column
 #: ``method.lazy_events``).
@@ -267,20 +263,9 @@ class FedLazy(FedAMS):
         return self.compressor if self.up_rule != "aa" else f"{self.compressor} added to the stored copy (aa)"
 
     def threshold_warnings(self, up_tau: float, down_tau: float) -> list[str]:
-        """Why the effective thresholds ``up_tau`` / ``down_tau`` cannot fire, one line each (logged once: when
-        built, or with ``tau_scaling="paper"`` in the first round, when ``|S_t|`` is known)."""
-        lines = []
-        if self.up_rule != "none" and up_tau == 0.0:
-            lines.append(f"tau-up = 0: the uplink {self.up_rule} rule never fires (the run is plain FedAMS/FedCAMS)")
-        elif self.up_rule != "none" and self.error_feedback and up_tau < UPLINK_EF_FLOOR:
-            lines.append(
-                f"uplink threshold {up_tau:g} with {self.compressor} and error feedback: a compensated candidate "
-                f"differs from the last by about 1.2-1.7 x its norm (pollen's calibration, docs/results/lazy.md), so a "
-                f"threshold below {UPLINK_EF_FLOOR:g} rarely fires"
-            )
-        if self.downlink is not None and self.downlink.rule != "none" and down_tau == 0.0:
-            lines.append(f"tau-down = 0: the downlink {self.downlink.rule} rule never fires")
-        return lines
+        """Why this round's effective thresholds cannot fire (:func:`pollen.lazy.rules.threshold_warnings`)."""
+        down_rule = self.downlink.rule if self.downlink is not None else "none"
+        return threshold_warnings(self.up_rule, up_tau, self.compressor, self.error_feedback, down_rule, down_tau)
 
     @property
     def bidirectional(self) -> bool:

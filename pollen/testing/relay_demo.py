@@ -40,6 +40,7 @@ from pollen.app.registry import Method
 from pollen.clientside.steps import LocalWork, StepOutcome, load_flat, model_arrays, run_sgd, train_metrics
 from pollen.optim import sgd
 from pollen.strategies.engine.replies import ClientUpdate, Extra, ReplySpec
+from pollen.strategies.engine.sinks import weights_of
 from pollen.strategies.engine.strategy import AdaptiveStrategy
 from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, record_to_arrays
@@ -98,7 +99,7 @@ class RelayAverage(AdaptiveStrategy):
 
     def relays(self, firsts: list[ClientUpdate]) -> dict[int, tuple[np.ndarray, float]]:
         """Node -> (the weighted mean of the other clients' models, this client's weight)."""
-        weights = self.aggregate_weights(firsts)
+        weights = weights_of(firsts, weighted=self.aggregation == "weighted")
         mean_delta = np.zeros(self.layout.dim, dtype=np.float64)
         for weight, update in zip(weights, firsts):
             mean_delta += weight * update.delta

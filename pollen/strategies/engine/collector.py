@@ -20,6 +20,7 @@ a guarantee about replies is written once:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from logging import ERROR, INFO, WARNING
 from typing import Any
@@ -64,6 +65,27 @@ def reason_of(err: BaseException) -> str:
     text = str(err).replace("\n", " ")
     reason = text if isinstance(err, ReplyRejected | ValueError) and text else f"{type(err).__name__}: {text}"
     return reason[: MAX_CLIENT_ERROR_LENGTH + 20] if isinstance(err, ClientErrorReply) else reason[:200]
+
+
+def evaluation_reading(content: RecordDict, weighted_by_key: str) -> tuple[MetricRecord, float]:
+    """An evaluation reply's metrics and weight, the one rule for every strategy (pollen's and Flower's
+    baselines): the ``metrics`` MetricRecord (or the only one), a positive ``weighted_by_key`` as Flower's
+    strategies require, and finite numbers; ``ReplyRejected`` with the reason otherwise."""
+    metrics = content.metric_records.get(protocol.METRICS_RECORD)
+    if metrics is None:
+        metrics = next(iter(content.metric_records.values()), None)
+    if metrics is None:
+        raise ReplyRejected("an evaluation reply without a MetricRecord")
+    weight = positive_weight(metrics, weighted_by_key)
+    if weight is None:
+        raise ReplyRejected(f"evaluation metrics lack a positive '{weighted_by_key}'")
+    if not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        for v in metrics.values()
+        if not isinstance(v, list)
+    ):
+        raise ReplyRejected("evaluation metrics hold non-finite values")
+    return metrics, weight
 
 
 def positive_weight(metrics: Mapping[str, Any] | None, key: str) -> float | None:
@@ -302,14 +324,8 @@ class ReplyCollector:
                 if reply.has_error():
                     raise ClientErrorReply(f"client error: {client_error_text(reply.error.reason)}")
                 stats.eval_uplink_bytes += sum(count_records(reply).values())
-                metrics = reply.content.metric_records.get(protocol.METRICS_RECORD)
-                if metrics is None:
-                    metrics = next(iter(reply.content.metric_records.values()), None)
-                if metrics is None:
-                    continue
-                weight = metrics.get(weighted_by_key, 1)
-                if isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 < weight < 1e12:
-                    usable.append((reply.content, metrics, float(weight)))
+                metrics, weight = evaluation_reading(reply.content, weighted_by_key)
+                usable.append((reply.content, metrics, weight))
             except Exception as err:  # noqa: BLE001 - evaluation never crashes the server either
                 log(
                     WARNING,

@@ -10,7 +10,8 @@ every record it sends (a record shared by several messages is measured once). In
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
@@ -150,3 +151,17 @@ class Transport:
         """Drop the phase counter of ``server_round`` (the round is over)."""
         for done in [r for r in self._phases_sent if r <= server_round]:
             del self._phases_sent[done]
+
+
+def train_config(
+    config: ConfigRecord, server_round: int, buffer_keys: Iterable[str], extra: Mapping[str, Any]
+) -> ConfigRecord:
+    """A round's train config: the ServerApp's ``config``, the round, the buffers' names (when the model has
+    any: Flower cannot count the bytes of an empty string) and the method's ``extra`` entries."""
+    config = ConfigRecord(dict(config))
+    config[protocol.CFG_SERVER_ROUND] = server_round
+    if keys := list(buffer_keys):
+        config[protocol.CFG_BUFFER_KEYS] = protocol.join_keys(keys)
+    for key, value in extra.items():
+        config[key] = value
+    return config

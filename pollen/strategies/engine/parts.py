@@ -194,3 +194,49 @@ def check_aggregation(aggregation: str) -> None:
     """``ValueError`` unless ``aggregation`` is one of :data:`~pollen.strategies.engine.sinks.AGGREGATIONS`."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation={aggregation!r} is unknown; allowed: {', '.join(AGGREGATIONS)}")
+
+
+def assemble(  # noqa: PLR0913 - the base's arguments, checked and wired in one place
+    strategy: Any,
+    flower: dict[str, Any],
+    *,
+    optimizer: Any,
+    aggregation: str,
+    aggregator: Any,
+    uplink: Any,
+    parts: EngineParts | None,
+) -> None:
+    """Check a strategy's arguments (``ValueError`` naming the argument and what is allowed) and wire its parts:
+    Flower's arguments as its attributes, the aggregator (refused by a method it does not fit), the handed-in or
+    default parts (claimed by this strategy), the ledger's policy, the server step, the reply collector and the
+    messages."""
+    from pollen.strategies.engine.aggregation import check_codec, check_fits, make_aggregator
+    from pollen.strategies.engine.collector import ReplyCollector
+    from pollen.strategies.engine.messages import Transport
+    from pollen.strategies.engine.step import ServerStep
+    from pollen.strategies.engine.uplink import Uplink
+
+    check_flower_arguments(flower)
+    check_aggregation(aggregation)
+    if uplink is not None and not isinstance(uplink, Uplink):
+        raise ValueError(f"uplink={uplink!r} is not an Uplink; allowed: pollen.strategies.Uplink(...) or None")
+    if parts is not None and not isinstance(parts, EngineParts):
+        raise ValueError(f"parts={parts!r} is not an EngineParts; allowed: EngineParts(...) or None")
+    vars(strategy).update(flower)
+    strategy.aggregation, strategy.uplink = aggregation, uplink
+    strategy.aggregator = make_aggregator(aggregator)
+    name = type(strategy).__name__
+    check_fits(strategy.aggregator, name, aggregation=aggregation, refusal=strategy.robust_refusal)
+    check_codec(strategy.aggregator, name, strategy.upload_codec())
+    chosen = (parts or EngineParts()).filled(strategy.default_parts())
+    claim(chosen, strategy)
+    for item in fields(chosen):
+        setattr(strategy, item.name, getattr(chosen, item.name))
+    strategy.ledger.decide(uplink is not None and uplink.error_feedback and uplink.codec != "none")
+    if strategy.sampler.min_available_nodes is None:
+        strategy.sampler.min_available_nodes = flower["min_available_nodes"]
+    strategy.server_step = ServerStep(optimizer)
+    strategy.replies = ReplyCollector(strategy.sampler, lambda: strategy.accounting)
+    strategy.transport = Transport(
+        strategy.replies, lambda: strategy.accounting, flower["configrecord_key"], strategy.sampler.partition
+    )

@@ -211,22 +211,32 @@ class UpdateScreen:
             return "clip", bound / norm
         return "reject", 0.0
 
-    def filter(self, updates: list[Any], on_reject: Callable[[Any, str], None], where: str = "this round") -> list[Any]:
-        """The updates that pass the screen, for a round that kept every update (``where``: the round, as logged).
+    def filter(
+        self,
+        updates: list[Any],
+        on_reject: Callable[[Any, str], None],
+        where: str = "this round",
+        *,
+        clip: bool = True,
+        reorder: bool = True,
+    ) -> list[Any]:
+        """The updates that pass the screen, for a round that kept every update (``where``: the round, as logged):
+        the one round-level screening call of every strategy that keeps its replies (pollen's, Flower's baselines).
 
         Each update's bound is the larger of the history's and the round's (:meth:`update_bounds`); each
         screened record (``record_norms``) likewise against its own kind (:meth:`round_record_bounds`).
         The kept updates come back in the order a streamed round sums them: those within their history
-        bounds first, then those beyond (:class:`StreamedRound`). An outlier is
-        handed to ``on_reject`` with the reason and left out; with ``rule="clip"`` it is scaled down
-        to the bound in place instead. Updates without a delta (a flag-only reply) pass the update
-        screen. ``updates`` need ``delta``, ``norm`` (and whatever ``on_reject`` reads).
+        bounds first, then those beyond (:class:`StreamedRound`), or as given with ``reorder=False``. An outlier
+        is handed to ``on_reject`` with the reason and left out; with ``rule="clip"`` it is scaled down to the
+        bound in place instead, unless ``clip=False`` (an aggregation that cannot take a scaled reply: it is
+        rejected). Updates without a delta (a flag-only reply) pass the update screen. ``updates`` need
+        ``delta``, ``norm`` (and whatever ``on_reject`` reads).
         """
-        beyond = self._beyond_history(updates)
+        beyond = self._beyond_history(updates) if reorder else set()
         record_bounds = self.round_record_bounds([getattr(u, "record_norms", {}) for u in updates], where)
         rejected = set()
         for update, bounds in zip(updates, record_bounds):
-            why = self.screen_records(update, bounds)
+            why = self.screen_records(update, bounds, clip=clip)
             if why is not None:
                 rejected.add(id(update))
                 on_reject(update, why)
@@ -236,7 +246,7 @@ class UpdateScreen:
             if id(update) in rejected:
                 continue
             verdict, scale = self.judge(update.norm, limit)
-            if verdict == "reject":
+            if verdict == "reject" or (verdict == "clip" and not clip):
                 rejected.add(id(update))
                 on_reject(update, self.reason(update.norm, limit))
             elif verdict == "clip":
@@ -264,6 +274,15 @@ class UpdateScreen:
         return out
 
     # ------------------------------------------------------------------ records screened by kind
+    def streaming(self, kinds: Iterable[str]) -> StreamedRound | None:
+        """The judge of a round that streams its replies, when the updates and every screened kind ``kinds`` have
+        a history to be judged by; ``None``: the round keeps its replies and is screened by :meth:`filter`."""
+        bound = self.bound()
+        record_bounds = self.record_bounds(kinds) if bound is not None else None
+        if bound is None or record_bounds is None:
+            return None
+        return StreamedRound(self, bound, record_bounds)
+
     def kind_bound(self, kind: str) -> float | None:
         """The largest norm record ``kind`` may have this round, from its history; ``None`` without history.
 
@@ -308,11 +327,12 @@ class UpdateScreen:
                 out[i][kind] = limit
         return out
 
-    def screen_records(self, update: Any, bounds: Mapping[str, float]) -> str | None:
+    def screen_records(self, update: Any, bounds: Mapping[str, float], *, clip: bool = True) -> str | None:
         """Judge each screened record of ``update`` against its bound: the reason it is rejected, or ``None``.
 
         With ``rule="clip"`` an outlying record is scaled down to its bound (a new array; see
-        :func:`~pollen.strategies.engine.replies.scale_record`) and its norm updated.
+        :func:`~pollen.strategies.engine.replies.scale_record`) and its norm updated; ``clip=False``
+        rejects it instead.
         """
         from pollen.strategies.engine.replies import scale_record  # replies imports this module
 
@@ -320,7 +340,7 @@ class UpdateScreen:
         for kind in sorted(norms):
             norm, limit = norms[kind], bounds.get(kind, float("inf"))
             verdict, scale = self.judge(norm, limit)
-            if verdict == "reject":
+            if verdict == "reject" or (verdict == "clip" and not clip):
                 return self.record_reason(kind, norm, limit)
             if verdict == "clip":
                 scale_record(update, kind, scale)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from logging import INFO, WARNING
+from logging import INFO
 from typing import Any, ClassVar
 
 import numpy as np
@@ -29,22 +29,16 @@ from flwr.serverapp.strategy import Strategy
 from pollen.core.layout import ModelLayout
 from pollen.optim import Transform
 from pollen.strategies.engine import metrics as round_metrics
-from pollen.strategies.engine.aggregation import Aggregator, check_codec, check_fits, make_aggregator, robust_delta
-from pollen.strategies.engine.collector import TRAIN_PHASE, ReplyCollector
+from pollen.strategies.engine.aggregation import Aggregator, robust_delta
+from pollen.strategies.engine.collector import TRAIN_PHASE
 from pollen.strategies.engine.declared import restore_strategy_state, strategy_state
 from pollen.strategies.engine.flower_wrappers import refuse_dp_wrapper
-from pollen.strategies.engine.messages import Transport
+from pollen.strategies.engine.messages import train_config
 from pollen.strategies.engine.metrics import MetricsAggregationFn
-from pollen.strategies.engine.parts import (
-    FLOWER_ARGUMENTS,
-    EngineParts,
-    check_aggregation,
-    check_flower_arguments,
-    claim,
-)
+from pollen.strategies.engine.parts import FLOWER_ARGUMENTS, EngineParts, assemble
 from pollen.strategies.engine.replies import ClientUpdate, ReplyRejected, ReplySpec, screened_kinds
 from pollen.strategies.engine.rounds import RoundLoop
-from pollen.strategies.engine.screening import StreamedRound, all_finite
+from pollen.strategies.engine.screening import all_finite
 from pollen.strategies.engine.sinks import (
     AGGREGATIONS,
     RunningMean,
@@ -54,8 +48,8 @@ from pollen.strategies.engine.sinks import (
     records_first,
     weights_of,
 )
-from pollen.strategies.engine.step import ServerStep
-from pollen.strategies.engine.summary import log_summary
+from pollen.strategies.engine.summary import log_summary, optimiser_words
+from pollen.strategies.engine.transaction import model_saved
 from pollen.strategies.engine.uplink import Uplink
 from pollen.wire import protocol
 
@@ -137,28 +131,15 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         parts: EngineParts | None = None,
     ) -> None:
         flower = {name: value for name, value in locals().items() if name in FLOWER_ARGUMENTS}
-        check_flower_arguments(flower)
-        check_aggregation(aggregation)
-        if uplink is not None and not isinstance(uplink, Uplink):
-            raise ValueError(f"uplink={uplink!r} is not an Uplink; allowed: pollen.strategies.Uplink(...) or None")
-        if parts is not None and not isinstance(parts, EngineParts):
-            raise ValueError(f"parts={parts!r} is not an EngineParts; allowed: EngineParts(...) or None")
-        vars(self).update(flower)
-        self.aggregation, self.uplink = aggregation, uplink
-        self.aggregator = make_aggregator(aggregator)
-        check_fits(self.aggregator, type(self).__name__, aggregation=aggregation, refusal=self.robust_refusal)
-        check_codec(self.aggregator, type(self).__name__, self.upload_codec())
-        chosen = (parts or EngineParts()).filled(self.default_parts())
-        claim(chosen, self)
-        self.model, self.sampler, self.screen, self.ledger = chosen.model, chosen.sampler, chosen.screen, chosen.ledger
-        self.transaction, self.accounting = chosen.transaction, chosen.accounting
-        self.driver, self.checkpoint = chosen.driver, chosen.checkpoint
-        self.ledger.decide(uplink is not None and uplink.error_feedback and uplink.codec != "none")
-        if self.sampler.min_available_nodes is None:
-            self.sampler.min_available_nodes = min_available_nodes
-        self.server_step = ServerStep(optimizer)
-        self.replies = ReplyCollector(self.sampler, lambda: self.accounting)
-        self.transport = Transport(self.replies, lambda: self.accounting, configrecord_key, self.sampler.partition)
+        assemble(
+            self,
+            flower,
+            optimizer=optimizer,
+            aggregation=aggregation,
+            aggregator=aggregator,
+            uplink=uplink,
+            parts=parts,
+        )
         self._train_started: dict[int, float] = {}
 
     @classmethod
@@ -174,29 +155,13 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     opt_state = property(lambda self: self.server_step.state, doc="The server optimiser's state.")
     node_keys = property(lambda self: self.sampler.node_keys, doc="Node id -> stable client id, as far as known.")
 
-    @property
-    def params(self) -> np.ndarray | None:
-        return self.model.params
-
-    @params.setter
-    def params(self, value: np.ndarray) -> None:
-        self.model.params = value
-
-    @property
-    def buffers(self) -> dict[str, np.ndarray]:
-        return self.model.buffers
-
-    @buffers.setter
-    def buffers(self, value: dict[str, np.ndarray]) -> None:
-        self.model.buffers = value
+    params = property(lambda self: self.model.params, lambda self, v: setattr(self.model, "params", v))
+    buffers = property(lambda self: self.model.buffers, lambda self, v: setattr(self.model, "buffers", v))
 
     def summary(self) -> None:
         """Log the strategy's settings; inside one of Flower's DP wrappers, refuse first (``flower_wrappers``)."""
-        refuse_dp_wrapper(self, self._optimiser_words())
+        refuse_dp_wrapper(self, optimiser_words(self))
         log_summary(self)
-
-    def _optimiser_words(self) -> str:
-        return "its server optimiser" + (f" ({self.optimizer.name})" if self.optimizer is not None else "")
 
     def extra_summary(self) -> dict[str, Any]:
         """Subclass settings shown by ``summary()``."""
@@ -228,13 +193,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         return config
 
     def node_content(self, server_round: int, node: int, shared: RecordDict) -> RecordDict:
-        """Hook: what ``node`` receives in this round's train message.
-
-        The default sends every node the same ``shared`` content (the global model and the
-        round's config, built once). A method that sends a node something of its own (a
-        compressed increment, a moment only when it changed, its cluster's relay) returns a
-        new ``RecordDict`` here; records it reuses from ``shared`` are not copied.
-        """
+        """Hook: what ``node`` receives in this round's train message (default: the ``shared`` content, built once;
+        a method that sends a node something of its own returns a new ``RecordDict`` reusing ``shared``'s records)."""
         return shared
 
     def content_for(self, server_round: int, node: int, shared: RecordDict) -> RecordDict:
@@ -274,14 +234,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         if self.model.adopt(arrays):
             self.server_step.start(self.build_optimizer(self.layout), self.layout.dim)
             self.on_layout(self.layout)
-            log(
-                INFO,
-                "%s: model has d=%d trainable values in %d tensors, %d buffers",
-                type(self).__name__,
-                self.layout.dim,
-                len(self.layout.trainable),
-                len(self.layout.buffers),
-            )
+            layout, name = self.layout, type(self).__name__
+            counts = (layout.dim, len(layout.trainable), len(layout.buffers))
+            log(INFO, "%s: model has d=%d trainable values in %d tensors, %d buffers", name, *counts)
 
     def global_arrays(self) -> ArrayRecord:
         """The current global model as an ``ArrayRecord`` in the original key order."""
@@ -292,24 +247,17 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample clients and send each its content (default: the global model and the round's config)."""
-        refuse_dp_wrapper(self, self._optimiser_words())
+        refuse_dp_wrapper(self, optimiser_words(self))
         self._adopt_global_model(arrays)
-        stats = self.accounting.round(server_round)
         self._train_started[server_round] = time.perf_counter()
         nodes = self.sample_train(server_round, grid)
-        stats.sampled = len(nodes)
-        config = ConfigRecord(dict(config))
-        config[protocol.CFG_SERVER_ROUND] = server_round
-        if self.layout.buffer_keys:  # Flower cannot count the bytes of an empty string
-            config[protocol.CFG_BUFFER_KEYS] = protocol.join_keys(self.layout.buffer_keys)
-        for key, value in self.round_config(server_round).items():
-            config[key] = value
+        self.accounting.round(server_round).sampled = len(nodes)
+        config = train_config(config, server_round, self.layout.buffer_keys, self.round_config(server_round))
         shared = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
-        messages = self.transport.train_messages(
+        log(INFO, "configure_train: sampled %d nodes (out of %d)", len(nodes), len(self.sampler.known_clients))
+        return self.transport.train_messages(
             server_round, nodes, lambda node: self.content_for(server_round, node, shared)
         )
-        log(INFO, "configure_train: sampled %d nodes (out of %d)", len(nodes), len(self.sampler.known_clients))
-        return messages
 
     def exchange(
         self, server_round: int, grid: Grid, contents: Mapping[int, RecordDict], *, phase: str, timeout: float
@@ -356,29 +304,22 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate and screen replies, aggregate their deltas, take one server optimiser step.
-
-        Nothing of the strategy's state changes before every reply was judged; if the step fails
-        anyway (or yields non-finite values) the state is put back and the round counts as failed.
-        """
+        """Read and screen the replies (streamed into the round's sink when the screen has a history to judge
+        by), then settle the round: aggregate, one server step, commit or roll back (:meth:`apply_updates`)."""
         phase = self.replies.phase_of(server_round)
         self.screen.set_model_norm(float(np.linalg.norm(self.params)) if self.params is not None else 0.0)
-        bound = self.screen.bound() if self.streaming and self.aggregator.streams else None
-        kinds = screened_kinds(self.reply_spec_for(server_round), self.layout) if bound is not None else []
-        record_bounds = self.screen.record_bounds(kinds) if bound is not None else None
-        if bound is not None and record_bounds is not None:  # every screened kind has a history: stream
-            running = self.round_sink(server_round, bound)
-            streamed = StreamedRound(self.screen, bound, record_bounds)
-            updates = self.collect(
-                server_round, replies, phase=phase, sink=records_first(self.screen, record_bounds, running, streamed)
-            )
-            rejected = streamed.settle(lambda u, why: self.replies.refuse(server_round, u.node_id, why), running.admit)
-            updates = [u for u in updates if id(u) not in rejected]
-            result = self.apply_updates(server_round, updates, running)
-            self.screen.drop_stale(streamed, f"round {server_round}")  # the next round judges itself, as round 1
-            return result
-        updates = self.screened(server_round, self.collect(server_round, replies, phase=phase))
-        return self.apply_updates(server_round, updates)
+        kinds = screened_kinds(self.reply_spec_for(server_round), self.layout)
+        streamed = self.screen.streaming(kinds) if self.streaming and self.aggregator.streams else None
+        if streamed is None:
+            updates = self.collect(server_round, replies, phase=phase)
+            return self.apply_updates(server_round, self.screened(server_round, updates))
+        running = self.round_sink(server_round, streamed.bound)
+        sink = records_first(self.screen, streamed.record_bounds, running, streamed)
+        updates = self.collect(server_round, replies, phase=phase, sink=sink)
+        rejected = streamed.settle(lambda u, why: self.replies.refuse(server_round, u.node_id, why), running.admit)
+        result = self.apply_updates(server_round, [u for u in updates if id(u) not in rejected], running)
+        self.screen.drop_stale(streamed, f"round {server_round}")  # the next round judges itself, as round 1
+        return result
 
     def apply_updates(
         self, server_round: int, updates: list[ClientUpdate], running: ScreenedSink | None = None
@@ -401,16 +342,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             server_round,
             updates,
             lambda: self._server_step(server_round, updates, running),
-            model=self.model,
-            server_step=self.server_step,
+            saved=lambda: model_saved(self.model, self.server_step),
         )
-        if (why := outcome.skipped) is not None:
-            if updates:
-                stats.fail(f"round skipped: {why}")
-            log(WARNING, "aggregate_train: round %d skipped (%s); the model is unchanged", server_round, why)
-        if outcome.failed is not None:
-            stats.fail(outcome.failed)
-            log(WARNING, "aggregate_train: round %d: %s", server_round, outcome.failed)
+        outcome.report(stats, server_round, bool(updates))
         applied = outcome.applied
         if applied:
             stats.count_grad_evals([u.metrics for u in applied])
@@ -439,10 +373,6 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def apply_server_step(self, server_round: int, delta: np.ndarray) -> None:
         """``x <- x + step`` with the optimiser's step for the aggregated delta (double-buffered)."""
         self.params = self.server_step.apply(self.params, delta)
-
-    def aggregate_weights(self, updates: list[ClientUpdate]) -> np.ndarray:
-        """Weight of each update: ``1/M`` (papers) or ``n_i / sum n`` (``aggregation="weighted"``)."""
-        return weights_of(updates, weighted=self.aggregation == "weighted")
 
     # ------------------------------------------------------------------ evaluate
     def configure_evaluate(

@@ -28,3 +28,9 @@ def log_summary(strategy: Any) -> None:
         strategy.min_evaluate_nodes,
         strategy.seed,
     )
+
+
+def optimiser_words(strategy: Any) -> str:
+    """How a refusal names ``strategy``'s server optimiser ("its server optimiser (amsgrad)")."""
+    optimizer = strategy.optimizer
+    return "its server optimiser" + (f" ({optimizer.name})" if optimizer is not None else "")

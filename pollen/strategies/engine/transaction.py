@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from logging import WARNING
 from typing import Any, TypeVar
+
+from flwr.common import log
 
 from pollen.strategies.engine.collector import reason_of
 from pollen.strategies.engine.model import GlobalModel
@@ -29,6 +32,16 @@ class Outcome:
     skipped: str | None = None
     failed: str | None = None
     error: BaseException | None = field(default=None, repr=False)
+
+    def report(self, stats: Any, server_round: int, had_updates: bool) -> None:
+        """Count a round that did not commit as failed (a skipped one only when it had usable replies) and log why."""
+        if self.skipped is not None:
+            if had_updates:
+                stats.fail(f"round skipped: {self.skipped}")
+            log(WARNING, "aggregate_train: round %d skipped (%s); the model is unchanged", server_round, self.skipped)
+        if self.failed is not None:
+            stats.fail(self.failed)
+            log(WARNING, "aggregate_train: round %d: %s", server_round, self.failed)
 
 
 class RoundTransaction:
@@ -69,22 +82,21 @@ class RoundTransaction:
         updates: Sequence[Update],
         step: Callable[[], None],
         *,
-        model: GlobalModel,
-        server_step: ServerStep,
+        saved: Callable[[], Callable[[], None]],
     ) -> Outcome:
         """Run ``step`` on ``updates`` and commit what the round staged (commits staged while ``step`` runs
-        are part of the round). The step's error is not raised: the run goes on, and the outcome says why."""
+        are part of the round). ``saved()`` is called just before the step and returns what puts the state
+        the step writes back (:func:`model_saved` for a flat-vector model and its optimiser). The step's
+        error is not raised: the run goes on, and the outcome says why."""
         if len(updates) < self.min_replies:
             self.drop(server_round)
             return Outcome([], skipped=f"{len(updates)} usable replies, fewer than min_replies={self.min_replies}")
-        params, state, buffers = model.params, server_step.state, model.buffers
-        model.buffers = dict(buffers)
+        put_back = saved()
         try:
             step()
         except Exception as err:  # noqa: BLE001 - the round fails, the run goes on with the old state
             if self.rollback:
-                server_step.keep(params, state, model.params)
-                model.params, model.buffers = params, buffers
+                put_back()
             self.drop(server_round)
             undone = "failed and was rolled back" if self.rollback else "failed (not rolled back: rollback=False)"
             return Outcome([], failed=f"server step {undone}: {reason_of(err)}", error=err)
@@ -95,3 +107,16 @@ class RoundTransaction:
     def describe(self) -> dict[str, Any]:
         """Its settings, for a strategy's summary."""
         return {"min_replies": self.min_replies, "rollback": self.rollback}
+
+
+def model_saved(model: GlobalModel, server_step: ServerStep) -> Callable[[], None]:
+    """What puts the model and the optimiser's state of now back after a step. Nothing is copied: the step
+    writes into spare arrays and a new buffers dict, so going back is keeping the references of now."""
+    params, state, buffers = model.params, server_step.state, model.buffers
+    model.buffers = dict(buffers)
+
+    def put_back() -> None:
+        server_step.keep(params, state, model.params)
+        model.params, model.buffers = params, buffers
+
+    return put_back
