@@ -36,8 +36,9 @@ take, on top, ``CIFAR_EXTRA`` (one local step of batch 4), so that ResNet-18 and
 The fingerprint's hashes and floats are those of this machine's CPU kernels and library versions (recorded
 under ``versions``): compare fingerprints made on the same machine; ``--baseline`` makes both in one go.
 
-The metric rows' wall-clock columns (``*_seconds``) and the process's memory (``*_rss_bytes``) are left out; everything else in a row is compared as JSON
-text, whose floats are ``repr`` (exact: ``float(repr(x)) == x`` bit for bit, ``-0.0`` and ``nan`` kept).
+The metric rows' wall-clock columns (``*_seconds``) and the process's memory (``*_rss_bytes``) are left out;
+everything else in a row is compared as JSON text, whose floats are ``repr`` (exact: ``float(repr(x)) == x``
+bit for bit, ``-0.0`` and ``nan`` kept).
 """
 
 from __future__ import annotations

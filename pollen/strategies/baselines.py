@@ -462,16 +462,52 @@ def _check_finite_result(arrays: ArrayRecord | None, moments: dict[str, Any]) ->
 
 
 class MeteredFedAvg(Metered, FedAvg):
-    """Flower's FedAvg, metered."""
+    """Flower's FedAvg, metered.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        Flower's ``FedAvg`` arguments, passed to it unchanged (the signature lists them).
+    parts : EngineParts | None (default: None)
+        pollen's parts it uses (:class:`~pollen.strategies.engine.parts.EngineParts`): the outlier screen, the
+        reply collector's sampler, the round's transaction, the accounting, the round driver and the checkpoint.
+    """
 
 
 class MeteredFedAdam(Metered, FedAdam):
-    """Flower's FedAdam (bias-corrected eta, tau outside the sqrt), metered."""
+    """Flower's FedAdam (bias-corrected eta, tau outside the sqrt), metered.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        Flower's ``FedAdam`` arguments, passed to it unchanged (the signature lists them).
+    parts : EngineParts | None (default: None)
+        pollen's parts it uses (:class:`~pollen.strategies.engine.parts.EngineParts`): the outlier screen, the
+        reply collector's sampler, the round's transaction, the accounting, the round driver and the checkpoint.
+    """
 
 
 class MeteredFedYogi(Metered, FedYogi):
-    """Flower's FedYogi, metered."""
+    """Flower's FedYogi, metered.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        Flower's ``FedYogi`` arguments, passed to it unchanged (the signature lists them).
+    parts : EngineParts | None (default: None)
+        pollen's parts it uses (:class:`~pollen.strategies.engine.parts.EngineParts`): the outlier screen, the
+        reply collector's sampler, the round's transaction, the accounting, the round driver and the checkpoint.
+    """
 
 
 class MeteredFedAdagrad(Metered, FedAdagrad):
-    """Flower's FedAdagrad, metered."""
+    """Flower's FedAdagrad, metered.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        Flower's ``FedAdagrad`` arguments, passed to it unchanged (the signature lists them).
+    parts : EngineParts | None (default: None)
+        pollen's parts it uses (:class:`~pollen.strategies.engine.parts.EngineParts`): the outlier screen, the
+        reply collector's sampler, the round's transaction, the accounting, the round driver and the checkpoint.
+    """

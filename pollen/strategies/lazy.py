@@ -244,7 +244,7 @@ class FedLazy(FedAMS):
         self.compressor, self.topk_ratio, self.granularity = compressor, float(topk_ratio), granularity
         self.error_feedback = bool(error_feedback) and compressor != "none"
         # the client owes its residual what was not applied; ref_mode="consecutive-only" asks who took part
-        self.ledger.tell, self.ledger.keep = self.error_feedback, True
+        self.ledger.decide(self.error_feedback, must_keep=True)
         self.downlink = downlink
         self.ef_mode, self.ref_mode = ef_mode, ref_mode
         self.bookkeeping_dir = bookkeeping_dir

@@ -146,7 +146,7 @@ class Accounting:
         known = {f.name: f.type for f in dataclass_fields(RoundStats)}
         for key, values in fields.mapping(data, where).items():
             round_where = fields.join(where, key)
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise fields.StateError(round_where, f"is keyed by a round that is not a whole number in [0, {high}]")
             server_round = fields.whole(int(key), round_where, high=high)
             values = fields.mapping(values, round_where, keys=tuple(known))

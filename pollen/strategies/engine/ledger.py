@@ -44,17 +44,20 @@ class AppliedLedger:
 
     def __init__(self, *, tell: bool | None = None, keep: bool | None = None) -> None:
         self.tell, self.keep = tell, keep
+        self._asked = (tell, keep)  # the caller's own settings: a strategy decides only what they leave open
         self.rounds: dict[str, int] = {}
         self.scales: dict[str, float] = {}
         #: Client id -> the round of its last upload refused for its content.
         self.refused: dict[str, int] = {}
 
-    def decide(self, error_fed: bool) -> None:
+    def decide(self, error_fed: bool, *, must_keep: bool = False) -> None:
         """Settle what the caller left open: tell clients when their uploads are error-fed (the client puts
         whatever was not applied back into its residual, so error feedback loses nothing); keep a record
-        whenever they are told."""
-        self.tell = error_fed if self.tell is None else bool(self.tell)
-        self.keep = self.tell if self.keep is None else bool(self.keep)
+        whenever they are told, or always when the method needs it (``must_keep``). A strategy may decide
+        again (a method that knows more than the base); the caller's own settings always stand."""
+        tell, keep = self._asked
+        self.tell = error_fed if tell is None else bool(tell)
+        self.keep = must_keep or (self.tell if keep is None else bool(keep))
 
     def like(self) -> AppliedLedger:
         """An empty ledger with this one's settings (a state is loaded into it before it replaces this one)."""

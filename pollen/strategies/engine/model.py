@@ -46,11 +46,10 @@ class GlobalModel:
         if arrays is self._returned and self.params is not None:
             return False
         named = record_to_arrays(arrays)
-        self.key_order = tuple(named)
         first = self.layout is None
-        if first:
-            self.layout = ModelLayout.from_arrays(named, self.buffer_keys)
-        self.layout.check_arrays(named, self.layout.trainable + self.layout.buffers)
+        layout = ModelLayout.from_arrays(named, self.buffer_keys) if first else self.layout
+        layout.check_arrays(named, layout.trainable + layout.buffers)  # a refused record changes nothing
+        self.layout, self.key_order = layout, tuple(named)
         self.params = self.layout.flatten(named)
         self.buffers = {spec.name: np.array(named[spec.name]) for spec in self.layout.buffers}
         return first

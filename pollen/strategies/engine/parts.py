@@ -124,7 +124,7 @@ STATEFUL = ("model", "sampler", "screen", "ledger", "transaction", "accounting")
 def claim(parts: EngineParts, owner: object) -> None:
     """Mark each stateful part as ``owner``'s; ``ValueError`` if one already serves another strategy (two
     strategies sharing a sampler or a screen would draw from one generator and judge by one history)."""
-    for name in STATEFUL:
+    for name in STATEFUL:  # every part checked before any is marked: a refusal claims none
         part = getattr(parts, name)
         holder = getattr(part, "_serves", None)
         if holder is not None and holder() is not None and holder() is not owner:
@@ -132,7 +132,8 @@ def claim(parts: EngineParts, owner: object) -> None:
                 f"parts.{name} ({type(part).__name__}) already serves another strategy; allowed: a part of its "
                 "own for each strategy (build a new one)"
             )
-        part._serves = weakref.ref(owner)
+    for name in STATEFUL:
+        getattr(parts, name)._serves = weakref.ref(owner)
 
 
 _KINDS: dict[str, type] = {

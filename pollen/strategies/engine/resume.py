@@ -290,7 +290,7 @@ def _check_metrics(tree: Any, where: str, last_round: int) -> None:
     """Results per round (0 to ``last_round``), each a mapping of metric name -> number(s)."""
     for key, record in fields.mapping(tree, where).items():
         at = fields.join(where, key)
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit()):
             raise fields.StateError(at, f"is keyed by a round that is not a whole number in [0, {last_round}]")
         fields.whole(int(key), at, high=last_round)
         for name, value in fields.mapping(record, at).items():

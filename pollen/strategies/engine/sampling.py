@@ -301,7 +301,7 @@ class ClientSampler:
         node_clusters = {}
         for node, cluster in clusters.items():
             name = fields.join(clusters_where, node)
-            if not node.isdigit() or int(node) not in node_keys:
+            if not (node.isascii() and node.isdigit()) or int(node) not in node_keys:
                 raise fields.StateError(name, "is the cluster of a node 'node_keys' does not know")
             node_clusters[int(node)] = fields.text(cluster, name, most=MAX_CLIENT_ID_LENGTH)
         rng = np.random.Generator(getattr(np.random, rng_state["bit_generator"])())

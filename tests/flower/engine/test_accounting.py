@@ -178,12 +178,6 @@ def test_a_bad_saved_accounting_is_refused_naming_the_field(saved, field, expect
     assert refused.value.field == field
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="Accounting.from_dict checks a round key with str.isdigit(), which '²' passes, then int('²') raises a "
-    "bare ValueError ('invalid literal for int()') that names no field",
-)
 def test_a_round_key_of_digit_like_characters_is_refused_naming_the_field() -> None:
     with pytest.raises(StateError) as refused:
         Accounting.from_dict(with_round_key("²"))

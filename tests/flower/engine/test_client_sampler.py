@@ -282,12 +282,6 @@ def test_a_population_sampler_refuses_another_populations_state() -> None:
     assert refused.value.field == "sampler/population"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="ClientSampler.prepare_load checks a node_clusters key with str.isdigit(), which '²' passes, then "
-    "int('²') raises a bare ValueError ('invalid literal for int()') that names no field",
-)
 def test_a_cluster_keyed_by_digit_like_characters_is_refused_naming_the_field() -> None:
     with pytest.raises(StateError) as refused:
         ClientSampler(seed=3).load_state_dict(saved_state(node_clusters={"²": "x"}))
