@@ -29,6 +29,7 @@ from pollen.optim import Transform, make_server_optimizer, settings_of
 from pollen.strategies.engine.aggregation import Aggregator
 from pollen.strategies.engine.declared import PART
 from pollen.strategies.engine.parts import EngineParts
+from pollen.strategies.engine.replies import ReplySpec
 from pollen.strategies.engine.sampling import ClientSampler
 from pollen.strategies.engine.strategy import (
     AdaptiveStrategy,
@@ -158,6 +159,8 @@ class FedAdaVR(AdaptiveStrategy):
             parts=parts,
         )
         self.variant = spec
+        if not spec.equal_weights:  # example-weighted variants need every reply's num-examples
+            self.reply_spec = ReplySpec(weight=True)
         self.optimizer_name = server_optimizer or spec.optimizer
         if self.optimizer_name not in OPTIMIZERS:
             raise ValueError(f"server_optimizer={self.optimizer_name!r} is unknown; allowed: {', '.join(OPTIMIZERS)}")
@@ -216,10 +219,6 @@ class FedAdaVR(AdaptiveStrategy):
             if self.variant.uses_table
             else "none",
         }
-
-    def needs_weights(self) -> bool:
-        """Example-weighted variants need every reply's ``num-examples``."""
-        return super().needs_weights() or not self.variant.equal_weights
 
     def client_lr_at(self, server_round: int) -> float:
         """The clients' learning rate in ``server_round`` (their schedule applied)."""

@@ -67,7 +67,7 @@ from pollen.strategies.engine.strategy import (
     MetricsAggregationFn,
 )
 from pollen.strategies.engine.uplink import Uplink
-from pollen.strategies.hafed_clusters import Cluster, form_clusters, mix, peer_bytes
+from pollen.strategies.hafed_clusters import ClusterPlan, mix, peer_bytes
 from pollen.wire import protocol
 
 
@@ -215,8 +215,14 @@ class HAFed(AdaptiveStrategy):
         self.topology, self.lam, self.offsets = topology, lam, tuple(offsets) if offsets else None
         self.uploaders_per_cluster, self.clustered = uploaders_per_cluster, clustered
         self.segments = segment_bounds(local_steps, gossip_every) if topology != "identity" else [(0, local_steps)]
-        self._clusters: list[Cluster] = []
-        self._uploaders: dict[int, list[int]] = {}
+        self.sampler.plan = ClusterPlan(
+            clustered=clustered,
+            topology=topology,
+            uploaders=uploaders_per_cluster,
+            lam=lam,
+            offsets=self.offsets,
+            gossip_steps=len(self.segments) if topology != "identity" else 0,
+        )
         self._final: dict[int, list[ClientUpdate]] = {}
         self._grad_evals: dict[int, int] = {}
         if topology == "interpolated":
@@ -224,47 +230,7 @@ class HAFed(AdaptiveStrategy):
         elif topology == "circulant" and not self.offsets:
             raise ValueError("topology='circulant' needs offsets, e.g. (1, 3)")
 
-    # ------------------------------------------------------------------ set-up
-    def check_setup(self, grid: Grid) -> None:
-        """Group the connected nodes into clusters and build their ``W``; one line if the layout cannot work.
-
-        The clusters are formed once, from the nodes connected when the run starts (the app waits for
-        ``min-train-nodes`` of them: set it to the number of clients).
-        """
-        if self.clustered:
-            self._clusters = form_clusters(
-                self.sampler,
-                grid,
-                topology=self.topology,
-                uploaders=self.uploaders_per_cluster,
-                lam=self.lam,
-                offsets=self.offsets,
-                gossip_steps=len(self.segments) if self.topology != "identity" else 0,
-            )
-
     # ------------------------------------------------------------------ round
-    def sample_train(self, server_round: int, grid: Grid) -> list[int]:
-        """Everyone trains when clusters gossip; only the uploaders without gossip (W = I)."""
-        if not self.clustered:
-            uploaders = self.sampler.sample(grid, self.fraction_train, self.min_train_nodes)
-            self._uploaders[server_round] = uploaders
-            return uploaders
-        if not self._clusters:
-            self.check_setup(grid)
-        connected = set(grid.get_node_ids())  # a node that left is absent for the whole round
-        uploaders = []
-        for cluster in self._clusters:
-            members = [node for node in cluster.nodes if node in connected]
-            if members:
-                picked = self.sampler.sample_per_cluster(
-                    {cluster.name: members}, min(self.uploaders_per_cluster, len(members))
-                )
-                uploaders += picked[cluster.name]
-        self._uploaders[server_round] = sorted(uploaders)
-        if self.topology == "identity":
-            return self._uploaders[server_round]
-        return sorted(node for cluster in self._clusters for node in cluster.nodes if node in connected)
-
     def train_config(self, server_round: int) -> dict[str, Any]:
         tau = self.local_steps
         return {
@@ -281,10 +247,10 @@ class HAFed(AdaptiveStrategy):
         """Relay every gossip step; keep the uploaders' final mixed models for :meth:`aggregate_train`."""
         stats = self.accounting.round(server_round)
         trained = self.replies.asked(server_round, TRAIN_PHASE)
-        uploaders = set(self._uploaders.get(server_round, []))
+        uploaders = set(self.sampler.plan.uploaders(server_round))
         down_per_start = stats.downlink_bytes / len(trained) if trained else 0.0
         current = {node: self._start_of_round(node) for node in trained}  # the server's copy of each model
-        clusters = self._round_clusters()
+        clusters = self.sampler.plan.gossiping()
         step_timeout = timeout / len(self.segments)  # the round's budget, shared by its gossip steps
         grad_evals, present, gone, moves = 0, set(), set(), []
         for index in range(len(self.segments)):
@@ -402,7 +368,7 @@ class HAFed(AdaptiveStrategy):
         updates = self.screened(server_round, self._final.pop(server_round, []))
         result = self.apply_updates(server_round, updates)
         stats.grad_evals = self._grad_evals.pop(server_round, stats.grad_evals)  # every client trained
-        self._uploaders.pop(server_round, None)
+        self.sampler.plan.forget(server_round)
         log(
             INFO,
             "HA-Fed round %d: %d gossip steps, %d gossip messages, relayed %.2f MB (a peer network: %.2f MB), "
@@ -415,12 +381,6 @@ class HAFed(AdaptiveStrategy):
             stats.grad_evals,
         )
         return result
-
-    def _round_clusters(self) -> list[Cluster]:
-        """The clusters that gossip (none without gossip); a node not asked this round is absent in each step."""
-        if self.topology == "identity" or not self.clustered:
-            return []
-        return self._clusters
 
     def _gossip_contents(
         self, server_round: int, current: dict[int, ClientUpdate], index: int

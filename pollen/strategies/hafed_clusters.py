@@ -1,5 +1,8 @@
 """HA-Fed's clusters: formed once from the nodes' cluster ids, each with its mixing matrix, mixed in place.
 
+:class:`ClusterPlan` is HA-Fed's rule for who trains, plugged into the engine's sampler
+(``sampler.plan``): the sampler draws, the plan says from which groups.
+
 The server relays every gossip step, so a cluster is a list of nodes and a ``W`` (:mod:`pollen.gossip`);
 :func:`form_clusters` checks the layout against the topology once per run (one line if it cannot work) and
 :func:`mix` applies ``x_i <- sum_j W'_ij x_j`` to the server's copies of a cluster's models, with the
@@ -114,3 +117,74 @@ def peer_bytes(clusters: list[Cluster], relayed_starts: int, model_bytes: int, s
         return 0
     edges = sum(int(np.count_nonzero(c.w - np.diag(np.diag(c.w)))) for c in clusters)
     return model_bytes * (edges * steps + relayed_starts)
+
+
+class ClusterPlan:
+    """HA-Fed's rule for who trains in a round: everyone in every cluster when clusters gossip, ``m`` uploaders
+    drawn per cluster (stratified), or without clusters ``fraction_train`` of all clients uniformly.
+
+    It is the sampler's plan (``ClientSampler.plan``): :meth:`check_setup` forms the clusters once per run from
+    the connected nodes, :meth:`train_nodes` picks a round's nodes with the sampler's generator and keeps the
+    round's uploaders (:meth:`uploaders`) for the server step.
+    """
+
+    def __init__(  # noqa: PLR0913 - the topology's settings
+        self,
+        *,
+        clustered: bool,
+        topology: str,
+        uploaders: int,
+        lam: float,
+        offsets: tuple[int, ...] | None,
+        gossip_steps: int,
+    ) -> None:
+        self.clustered, self.topology, self.uploaders_per_cluster = clustered, topology, uploaders
+        self.lam, self.offsets, self.gossip_steps = lam, offsets, gossip_steps
+        self.clusters: list[Cluster] = []
+        self._uploaders: dict[int, list[int]] = {}
+
+    def check_setup(self, sampler: Any, grid: Grid) -> None:
+        """Form the clusters (``SetupError`` with one line if the layout cannot work); nothing without clusters."""
+        if self.clustered:
+            self.clusters = form_clusters(
+                sampler,
+                grid,
+                topology=self.topology,
+                uploaders=self.uploaders_per_cluster,
+                lam=self.lam,
+                offsets=self.offsets,
+                gossip_steps=self.gossip_steps,
+            )
+
+    def train_nodes(self, sampler: Any, server_round: int, grid: Grid, fraction: float, minimum: int) -> list[int]:
+        """Everyone trains when clusters gossip; only the uploaders without gossip (W = I)."""
+        if not self.clustered:
+            self._uploaders[server_round] = sampler.sample(grid, fraction, minimum)
+            return self._uploaders[server_round]
+        if not self.clusters:
+            self.check_setup(sampler, grid)
+        connected = set(grid.get_node_ids())  # a node that left is absent for the whole round
+        uploaders = []
+        for cluster in self.clusters:
+            members = [node for node in cluster.nodes if node in connected]
+            if members:
+                picked = sampler.sample_per_cluster(
+                    {cluster.name: members}, min(self.uploaders_per_cluster, len(members))
+                )
+                uploaders += picked[cluster.name]
+        self._uploaders[server_round] = sorted(uploaders)
+        if self.topology == "identity":
+            return self._uploaders[server_round]
+        return sorted(node for cluster in self.clusters for node in cluster.nodes if node in connected)
+
+    def uploaders(self, server_round: int) -> list[int]:
+        """The nodes whose models the server step of ``server_round`` takes."""
+        return self._uploaders.get(server_round, [])
+
+    def forget(self, server_round: int) -> None:
+        """Drop what ``server_round`` kept (its server step is over)."""
+        self._uploaders.pop(server_round, None)
+
+    def gossiping(self) -> list[Cluster]:
+        """The clusters that gossip (none without gossip)."""
+        return [] if self.topology == "identity" or not self.clustered else self.clusters

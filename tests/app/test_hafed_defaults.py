@@ -60,7 +60,7 @@ def test_the_strategy_alone_forms_clusters_on_the_readmes_supernodes(strategy: s
     assert cfg["cluster-size"] == DEFAULT_CLUSTER_SIZE and README_SUPERNODES % DEFAULT_CLUSTER_SIZE == 0
     hafed = build_strategy(cfg)
     hafed.check_setup(_simulation(run_config, README_SUPERNODES))
-    clusters = [[hafed.sampler.key(node) for node in cluster.nodes] for cluster in hafed._clusters]
+    clusters = [[hafed.sampler.key(node) for node in cluster.nodes] for cluster in hafed.sampler.plan.clusters]
     assert clusters == [[f"partition-{i}" for i in range(5)], [f"partition-{i}" for i in range(5, 10)]]
 
 
@@ -68,7 +68,7 @@ def test_a_cluster_size_the_user_gives_wins() -> None:
     run_config = {**DEFAULTS, "strategy": "hafed", "cluster-size": 4}
     hafed = build_strategy(AppConfig.from_run_config(run_config, given={"strategy", "cluster-size"}))
     hafed.check_setup(_simulation(run_config, 8))
-    assert [len(cluster.nodes) for cluster in hafed._clusters] == [4, 4]
+    assert [len(cluster.nodes) for cluster in hafed.sampler.plan.clusters] == [4, 4]
 
 
 def test_clients_the_default_does_not_tile_get_one_line_naming_the_sizes() -> None:

@@ -17,6 +17,7 @@ from pollen.optim import amsgrad
 from pollen.strategies import HAFed
 from pollen.strategies.engine.parts import ClientSampler, EngineParts
 from pollen.strategies.engine.rounds import SetupError
+from pollen.strategies.hafed_clusters import ClusterPlan
 from pollen.testing.fakes import (
     FakeGrid,
     config_of,
@@ -98,19 +99,19 @@ def hand_round(x: np.ndarray, rnd: int, w: np.ndarray, segments: int, drop: set 
 
 def uploaders(grid: FakeGrid, strategy: HAFed, rnd: int) -> list[int]:
     """The nodes whose final models were aggregated: replays the sampler's draw."""
-    return strategy._test_uploaders[rnd]
+    return strategy.sampler.plan._test_uploaders[rnd]
 
 
 @pytest.fixture(autouse=True)
 def remember_uploaders(monkeypatch):
-    original = HAFed.sample_train
+    original = ClusterPlan.train_nodes
 
-    def sample_train(self, server_round, grid):  # noqa: ANN001, ANN202
-        nodes = original(self, server_round, grid)
-        self.__dict__.setdefault("_test_uploaders", {})[server_round] = list(self._uploaders[server_round])
+    def train_nodes(self, sampler, server_round, grid, fraction, minimum):  # noqa: ANN001, ANN202
+        nodes = original(self, sampler, server_round, grid, fraction, minimum)
+        self.__dict__.setdefault("_test_uploaders", {})[server_round] = list(self.uploaders(server_round))
         return nodes
 
-    monkeypatch.setattr(HAFed, "sample_train", sample_train)
+    monkeypatch.setattr(ClusterPlan, "train_nodes", train_nodes)
 
 
 def amsgrad_step(x: np.ndarray, delta: np.ndarray, eta: float = 0.01) -> np.ndarray:
@@ -314,7 +315,7 @@ def test_relaying_with_w_equal_identity_is_fedamsgrad():
     class RelayWithIdentity(HAFed):
         def check_setup(self, grid):  # noqa: ANN001, ANN202
             super().check_setup(grid)
-            for cluster in self._clusters:
+            for cluster in self.sampler.plan.clusters:
                 cluster.w = np.eye(N)
 
     seen: list = []

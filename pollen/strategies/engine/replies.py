@@ -118,12 +118,16 @@ class ReplySpec:
         ``"norm"``: each floating-point buffer is screened by its L2 norm against the same buffer
         of the other replies (one kind per buffer); integer buffers (counters) never are.
         ``"off"``: buffers get the hard limit only.
+    weight : bool (default: False)
+        The reply must carry a positive weight (``weighted_by_key``): a method that weighs updates by
+        their examples needs it (so does ``aggregation="weighted"``, whatever the spec says).
     """
 
     extras: tuple[Extra, ...] = ()
     flags: tuple[str, ...] = ()
     update: str = "required"
     buffers: str = "norm"
+    weight: bool = False
 
     def __post_init__(self) -> None:
         if self.update not in UPDATE_MODES:

@@ -71,6 +71,9 @@ class ClientSampler:
         self.identify_clients = identify_clients
         self.population = population
         self.rng = np.random.default_rng(seed)
+        #: A method's own rule for who trains (HA-Fed's clusters: ``train_nodes`` and ``check_setup``);
+        #: ``None``: ``fraction_train`` of the clients, uniformly.
+        self.plan: Any = None
         self.node_keys: dict[int, str] = {}
         self.node_clusters: dict[int, str] = {}
         self.known_clients: set[str] = {protocol.partition_client_id(i) for i in range(population)}
@@ -167,6 +170,17 @@ class ClientSampler:
         if self._ordered is None or self._ordered[0] != nodes:
             self._ordered = (nodes, sorted(nodes, key=lambda node: (self.key(node), node)))
         return list(self._ordered[1])
+
+    def train_nodes(self, server_round: int, grid: Grid, fraction: float, minimum: int) -> list[int]:
+        """The nodes that train in ``server_round``: the plan's, or ``fraction`` of them uniformly (:meth:`sample`)."""
+        if self.plan is not None:
+            return self.plan.train_nodes(self, server_round, grid, fraction, minimum)
+        return self.sample(grid, fraction, minimum)
+
+    def check_setup(self, grid: Grid) -> None:
+        """Check what the plan needs of the connected nodes before a run's first round (``SetupError``)."""
+        if self.plan is not None:
+            self.plan.check_setup(self, grid)
 
     def sample(self, grid: Grid, fraction: float, minimum: int) -> list[int]:
         """``max(floor(fraction * n), minimum)`` nodes (at most all), uniformly without replacement.

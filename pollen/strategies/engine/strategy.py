@@ -177,9 +177,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def on_layout(self, layout: ModelLayout) -> None:
         """Hook: the model layout became known (first round, or a checkpoint was loaded)."""
 
-    def sample_train(self, server_round: int, grid: Grid) -> list[int]:
-        """Hook: the nodes that train this round (default: ``fraction_train`` of them, uniformly)."""
-        return self.sampler.sample(grid, self.fraction_train, self.min_train_nodes)
+    def check_setup(self, grid: Grid) -> None:
+        """What the sampler's plan needs of the connected nodes, checked before the first round (``SetupError``)."""
+        self.sampler.check_setup(grid)
 
     def train_config(self, server_round: int) -> dict[str, Any]:
         """Hook: extra config entries sent to clients (e.g. the codec to upload with)."""
@@ -209,10 +209,6 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def upload_codec(self) -> str:
         """Hook: the codec every reply's update is a decoding of (a method with its own uplink says its own)."""
         return self.uplink.codec if self.uplink is not None else "none"
-
-    def needs_weights(self) -> bool:
-        """Whether a reply must carry a positive ``num-examples`` (weighted aggregation needs it)."""
-        return self.aggregation == "weighted"
 
     def round_sink(self, server_round: int, bound: float) -> ScreenedSink:
         """Hook: what takes each screened update of a streamed round (default: the running mean of deltas)."""
@@ -250,7 +246,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         refuse_dp_wrapper(self, optimiser_words(self))
         self._adopt_global_model(arrays)
         self._train_started[server_round] = time.perf_counter()
-        nodes = self.sample_train(server_round, grid)
+        nodes = self.sampler.train_nodes(server_round, grid, self.fraction_train, self.min_train_nodes)
         self.accounting.round(server_round).sampled = len(nodes)
         config = train_config(config, server_round, self.layout.buffer_keys, self.round_config(server_round))
         shared = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
@@ -280,16 +276,17 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         silent nodes counted as failures; with a ``sink`` each update is streamed into it.
         """
         assert self.layout is not None and self.params is not None
+        spec = self.reply_spec_for(server_round) if spec is None else spec
         return self.replies.read(
             server_round,
             replies,
             phase=phase,
-            spec=self.reply_spec_for(server_round) if spec is None else spec,
+            spec=spec,
             layout=self.layout,
             params=self.params,
             arrayrecord_key=self.arrayrecord_key,
             weighted_by_key=self.weighted_by_key,
-            weight_required=self.needs_weights(),
+            weight_required=spec.weight or self.aggregation == "weighted",
             max_abs=self.screen.max_abs,
             scratch=self.server_step.scratch(self.layout.dim) if sink is not None else None,
             sink=sink,
