@@ -8,8 +8,10 @@ bytes) and the SHA-256 of the arrays of the last checkpoint (the server's optimi
 Two fingerprints are then compared run by run.
 
 Each checkout runs in a subprocess of its own with ``PYTHONPATH=<checkout>``, so ``import pollen`` is that
-checkout's code; the child entry (:func:`child_main`) copes with the module layout before and after the
-restructure (commit db84f5c) and checks that ``pollen`` really came from the checkout. The runs of a checkout
+checkout's code; the child entry (:func:`child_main`) loads today's layout only (``pollen.testing.inprocess``
+and ``pollen.app.preset``, since commit db84f5c; an older checkout is refused) and checks that ``pollen``
+really came from the checkout. (The baseline fingerprint of f6969c5 was made before this; compare against
+it with ``--compare``.) The runs of a checkout
 share its process (the data are read once) and always come in the same order: presets sorted by name, methods
 in the preset's order.
 
@@ -22,7 +24,7 @@ Usage::
     # fingerprint this checkout and compare it with the saved baseline, in one command
     python benchmarks/check_bit_identical.py --against benchmarks/reports/bit-identical-baseline-f6969c5.json
     # fingerprint an old commit (a temporary worktree of --old-ref, or an existing tree --old) and this checkout
-    python benchmarks/check_bit_identical.py --baseline --old-ref f6969c5 [--save-old old.json --out new.json]
+    python benchmarks/check_bit_identical.py --baseline --old-ref 45f6ab5 [--save-old old.json --out new.json]
 
 What a run is cut to (the same for both checkouts; the values are in the fingerprint, under ``overrides`` and
 ``data``): ``SMOKE`` for every preset: 3 rounds of 2 local steps on at most ``MAX_NODES`` SuperNodes (8 for
@@ -204,34 +206,20 @@ def child_main(checkout: Path, out: Path, only: list[str]) -> int:
     # sys.path[0] when the script is run by path): only PYTHONPATH=<checkout> provides code.
     sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != HERE]
 
-    # ---- layout shim: where the in-process runner and the presets live in this checkout ----------------
-    if (checkout / "pollen" / "testing" / "inprocess.py").is_file():
-        # since db84f5c: pollen/testing/inprocess.py and pollen/app/preset.py (presets in pollen/app/presets)
-        layout = "pollen.testing.inprocess + pollen.app.preset"
-        from pollen.app.preset import load_preset, preset_names
-        from pollen.testing.inprocess import run_inprocess
-    elif (checkout / "benchmarks" / "inprocess.py").is_file():
-        # before (f6969c5 and earlier): benchmarks/inprocess.py, loaded from its file (it puts the checkout
-        # root on sys.path itself, for tests.flower_fakes), and pollen/preset.py (presets in pollen/presets)
-        layout = "benchmarks/inprocess.py + pollen.preset"
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("inprocess", checkout / "benchmarks" / "inprocess.py")
-        old_runner = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(old_runner)
-        run_inprocess = old_runner.run_inprocess
-        from pollen.preset import load_preset, preset_names  # type: ignore[import-not-found,no-redef]
-    else:
+    # today's layout (since db84f5c): the in-process runner and the presets; an older checkout is refused
+    if not (checkout / "pollen" / "testing" / "inprocess.py").is_file():
         print(
-            f"{checkout}: neither pollen/testing/inprocess.py nor benchmarks/inprocess.py",
+            f"{checkout}: no pollen/testing/inprocess.py (a checkout before db84f5c); allowed: db84f5c or later",
             file=sys.stderr,
         )
         return 2
-    # ---- end of the shim ---------------------------------------------------------------------------------
+    layout = "pollen.testing.inprocess + pollen.app.preset"
     import numpy as np
     import torch
 
     import pollen
+    from pollen.app.preset import load_preset, preset_names
+    from pollen.testing.inprocess import run_inprocess
 
     where = Path(pollen.__file__).resolve()
     if checkout.resolve() not in where.parents:
@@ -592,8 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--old", type=Path, help="(--baseline) an existing tree of the old commit")
     parser.add_argument(
         "--old-ref",
-        default="f6969c5",
-        help="(--baseline) else a temporary worktree of this ref (default f6969c5)",
+        default="45f6ab5",
+        help="(--baseline) else a temporary worktree of this ref (default 45f6ab5, before issue 37)",
     )
     parser.add_argument("--save-old", type=Path, help="(--baseline) keep the old fingerprint here")
     parser.add_argument(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
 from typing import Any
@@ -133,6 +133,21 @@ class Accounting:
 
     def to_dict(self) -> dict:
         return {str(r): asdict(stats) for r, stats in sorted(self.rounds.items())}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (:meth:`to_dict`)."""
+        return self.to_dict()
+
+    def prepare_load(
+        self, data: Any, *, last_round: int | None = None, where: str = "accounting"
+    ) -> Callable[[], None]:
+        """Check what :meth:`to_dict` wrote (:meth:`from_dict`) and return what makes it this accounting's."""
+        rounds = self.from_dict(data, where, last_round=last_round).rounds
+
+        def commit() -> None:
+            self.rounds = rounds
+
+        return commit
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "accounting", last_round: int | None = None) -> Accounting:

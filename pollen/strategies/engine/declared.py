@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from pollen.core import state_fields as fields
-from pollen.strategies.engine.accounting import Accounting
 from pollen.strategies.engine.model import GlobalModel
 from pollen.strategies.engine.screening import DEFAULT_MAX_ABS
 from pollen.strategies.engine.step import ServerStep
@@ -126,10 +125,7 @@ def strategy_state(strategy: Any) -> dict[str, Any]:
     state: dict[str, Any] = {
         "strategy": type(strategy).__name__,
         "seed": strategy.seed,
-        "sampler": strategy.sampler.state_dict(),
-        "screen": strategy.screen.state_dict(),
-        "ledger": strategy.ledger.state_dict(),
-        "accounting": strategy.accounting.to_dict(),
+        **{name: getattr(strategy, name).state_dict() for name in ENGINE_PARTS},
         **strategy.model.state_dict(),
     }
     if strategy.layout is not None:
@@ -141,8 +137,11 @@ def strategy_state(strategy: Any) -> dict[str, Any]:
     return state
 
 
+#: The engine's parts saved under their own names, each with ``state_dict()`` and ``prepare_load(state, ...)``
+#: (checked, then committed into the strategy's own part); the model and the optimiser's state are saved flat.
+ENGINE_PARTS = ("sampler", "screen", "ledger", "accounting")
 #: What every saved ``AdaptiveStrategy`` holds, and what it holds once its model is known.
-_ALWAYS = ("strategy", "seed", "sampler", "screen", "ledger", "accounting")
+_ALWAYS = ("strategy", "seed", *ENGINE_PARTS)
 _WITH_MODEL = ("key_order", "buffer_keys", "shapes", "dtypes", "params", "buffers", "optimizer")
 WHERE = "strategy"
 
@@ -194,18 +193,20 @@ def restore_strategy_state(strategy: Any, state: Any, *, server_round: int | Non
         for name, kind in strategy.state_fields.items()
         if kind != PART and name in state
     }
-    ledger = strategy.ledger.like()  # a new object: nothing of the strategy changes yet
-    ledger.load_state_dict(state["ledger"], last_round=server_round, where=fields.join(WHERE, "ledger"))
-    commits.append(strategy.sampler.prepare_load(state["sampler"], fields.join(WHERE, "sampler")))
-    commits.append(strategy.screen.prepare_load(state["screen"], fields.join(WHERE, "screen")))
-    accounting = Accounting.from_dict(state["accounting"], fields.join(WHERE, "accounting"), last_round=server_round)
+    at = {name: fields.join(WHERE, name) for name in ENGINE_PARTS}
+    commits.append(strategy.sampler.prepare_load(state["sampler"], at["sampler"]))
+    commits.append(strategy.screen.prepare_load(state["screen"], at["screen"]))
+    commits.append(strategy.ledger.prepare_load(state["ledger"], last_round=server_round, where=at["ledger"]))
+    commits.append(
+        strategy.accounting.prepare_load(state["accounting"], last_round=server_round, where=at["accounting"])
+    )
     commits.extend(_prepare_parts(strategy, state, layout, server_round))
     strategy.check_loaded(values, layout, server_round)
 
-    for commit in commits:
+    for commit in commits:  # into the strategy's own parts: a part a caller handed in stays the one in use
         commit()
-    strategy.accounting = accounting
-    strategy.model, strategy.server_step, strategy.ledger = model, step, ledger
+    strategy.model.take(model)
+    strategy.server_step = step
     for name, value in values.items():
         setattr(strategy, name, value)
 

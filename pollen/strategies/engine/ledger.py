@@ -20,7 +20,7 @@ what the server refused".
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from flwr.app import ConfigRecord, RecordDict
@@ -58,10 +58,6 @@ class AppliedLedger:
         tell, keep = self._asked
         self.tell = error_fed if tell is None else bool(tell)
         self.keep = must_keep or (self.tell if keep is None else bool(keep))
-
-    def like(self) -> AppliedLedger:
-        """An empty ledger with this one's settings (a state is loaded into it before it replaces this one)."""
-        return AppliedLedger(tell=self.tell, keep=self.keep)
 
     def told(self, content: RecordDict, shared: RecordDict, configrecord_key: str, client: str) -> RecordDict:
         """``content`` (a node's train message) with the ledger's word on ``client``'s last upload when clients
@@ -110,8 +106,12 @@ class AppliedLedger:
         return out
 
     def load_state_dict(self, state: Any, *, last_round: int | None = None, where: str = "ledger") -> None:
-        """Restore :meth:`state_dict`'s form, all or nothing; a :class:`~pollen.core.state_fields.StateError`
-        (a ``ValueError``) names the entry that does not fit.
+        """Restore :meth:`state_dict`'s form, all or nothing (:meth:`prepare_load`, then its commit)."""
+        self.prepare_load(state, last_round=last_round, where=where)()
+
+    def prepare_load(self, state: Any, *, last_round: int | None = None, where: str = "ledger") -> Callable[[], None]:
+        """Check :meth:`state_dict`'s form and return what makes it this ledger's; a
+        :class:`~pollen.core.state_fields.StateError` (a ``ValueError``) names the entry that does not fit.
 
         Each entry is ``[round, fraction]``: a whole round in ``[1, last_round]`` (the checkpoint's round,
         when known) and an applied fraction in ``(0, 1]``; or ``[round, fraction, refused round]``, where the
@@ -132,4 +132,8 @@ class AppliedLedger:
                 raise fields.StateError(fields.join(at, 1), "is 0; expected an applied fraction in (0, 1]")
             if applied:
                 rounds[client], scales[client] = applied, scale
-        self.rounds, self.scales, self.refused = rounds, scales, refused
+
+        def commit() -> None:
+            self.rounds, self.scales, self.refused = rounds, scales, refused
+
+        return commit

@@ -107,6 +107,10 @@ class GlobalModel:
         ``ValueError``) when it does not describe a usable model, and then nothing changes."""
         self.prepare_load(state, where)()
 
+    def take(self, other: GlobalModel) -> None:
+        """Hold what ``other`` holds (a model loaded into a fresh object, checked, then made this one's)."""
+        vars(self).update(vars(other))
+
     def prepare_load(self, state: Mapping[str, Any], where: str = "") -> Callable[[], None]:
         """Check the model part of ``state`` (names, shapes, dtypes, finite values; no array is allocated
         from a declared shape: the declared sizes are checked against the arrays that were read) and

@@ -155,6 +155,31 @@ def test_a_round_works_with_the_parts_handed_in() -> None:
     assert sorted(parts.ledger.rounds) == [f"node-{node}" for node in NODES]
 
 
+def test_a_loaded_state_goes_into_the_parts_a_caller_handed_in() -> None:
+    """Resume keeps the parts in use: the saved model, ledger, accounting, sampler and screen are loaded into
+    the objects the caller handed in, not into new ones the caller never sees."""
+    first = FedAMS(
+        fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(seed=3), ledger=AppliedLedger(keep=True))
+    )
+    grid = FakeGrid(NODES, moving_client)
+    strategy_round = first.configure_train(1, model_record(tiny_model()), ConfigRecord(), grid)
+    first.aggregate_train(1, grid.send_and_receive(strategy_round))
+    parts = EngineParts(
+        model=GlobalModel(),
+        sampler=ClientSampler(seed=3),
+        screen=UpdateScreen(),
+        ledger=AppliedLedger(keep=True),
+        accounting=Accounting(),
+    )
+    resumed = FedAMS(fraction_evaluate=0.0, parts=parts)
+    resumed.load_state_dict(first.state_dict(), server_round=1)
+    for name in ("model", "sampler", "screen", "ledger", "accounting"):
+        assert getattr(resumed, name) is getattr(parts, name), name
+    np.testing.assert_array_equal(parts.model.params, first.params)
+    assert parts.ledger.rounds == first.ledger.rounds and sorted(parts.accounting.rounds) == [1]
+    assert parts.screen.history == first.screen.history
+
+
 # ---------------------------------------------------------------------------- defaults
 def test_parts_left_none_are_built_with_their_defaults() -> None:
     strategy = FedAMS()
