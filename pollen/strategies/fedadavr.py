@@ -30,6 +30,7 @@ from pollen.strategies.engine.aggregation import Aggregator
 from pollen.strategies.engine.declared import PART
 from pollen.strategies.engine.parts import EngineParts
 from pollen.strategies.engine.replies import ReplySpec
+from pollen.strategies.engine.round_aggregate import MeanAggregate
 from pollen.strategies.engine.sampling import ClientSampler
 from pollen.strategies.engine.strategy import (
     AdaptiveStrategy,
@@ -101,8 +102,8 @@ class FedAdaVR(AdaptiveStrategy):
 
     @classmethod
     def default_parts(cls) -> EngineParts:
-        """A sampler that asks each new node for its stable client id (see the class docstring)."""
-        return EngineParts(sampler=ClientSampler(identify_clients=True))
+        """A sampler that asks each new node for its stable client id, and the table's round aggregate."""
+        return EngineParts(sampler=ClientSampler(identify_clients=True), round_aggregate=TableAggregate())
 
     def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, the method's, the engine's
         self,
@@ -225,59 +226,79 @@ class FedAdaVR(AdaptiveStrategy):
         factor = self.client_lr_factor(server_round) if self.client_lr_factor is not None else 1.0
         return self.client_lr * factor
 
-    def _new_round(self, server_round: int) -> VRRound:
-        """The round's VR aggregate; its staged rows are written only if the round's transaction commits."""
-        vr_round = VRRound(self.table, self.layout.dim, weighting=self.vr_weighting)
-        if self.store is not None:
-            self.transaction.stage(
-                server_round, lambda: self.store.write(server_round, vr_round) if vr_round.staged else None
-            )
-        return vr_round
-
-    def add_to_round(self, vr_round: VRRound, server_round: int, update: ClientUpdate) -> None:
-        """Add ``update`` as ``y = delta / eta_c`` (formed in place in the reply's buffer)."""
-        y = np.divide(update.delta, np.float32(self.client_lr_at(server_round)), out=update.delta)
-        vr_round.add(update.client_key, y, float(update.num_examples) if not self.variant.equal_weights else 1.0)
-
-    def round_sink(self, server_round: int, bound: float) -> ScreenedSink:
-        return _VRSink(self, server_round, bound, self._new_round(server_round))
-
-    def aggregate_deltas(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
-        """The variance-reduced delta ``eta_c * r`` of updates read without streaming (round 1), or, with a
-        robust aggregator (``novr`` only: no table), that aggregator's delta of the updates."""
-        if not self.aggregator.streams:
-            return super().aggregate_deltas(server_round, updates)
-        vr_round = self._new_round(server_round)
-        for update in updates:
-            if update.delta is not None:
-                self.add_to_round(vr_round, server_round, update)
-        return self.round_delta(server_round, vr_round)
-
-    def round_delta(self, server_round: int, vr_round: VRRound) -> np.ndarray:
-        known = self.store.known_clients if self.store is not None else 0
-        num_clients = max(self.num_clients or 0, len(self.sampler.known_clients), known, len(vr_round))
-        return vr_round.delta(num_clients=num_clients, client_lr=self.client_lr_at(server_round))
-
     def after_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
         """The table's size (its rows were written by the round's transaction, none if the round failed)."""
         if self.table is not None:
             self.accounting.round(server_round).server_state_bytes = self.table.memory_bytes()
 
 
+class TableAggregate:
+    """FedAdaVR's round aggregate (the strategy's ``round_aggregate``): each update enters the round's
+    :class:`~pollen.vr.VRRound` as ``y = delta / eta_c``, the round's delta is the variance-reduced ``eta_c * r``
+    over the stored-update table, and the clients' new rows are staged in the round's transaction (written only if
+    the round commits). With a robust aggregator (``novr`` only: no table) the round's delta is that aggregator's.
+    """
+
+    def sink(self, strategy: FedAdaVR, server_round: int, bound: float) -> ScreenedSink:
+        """A streamed round: each screened update goes into the round's ``VRRound``."""
+        return _VRSink(strategy.screen, bound, self, strategy, server_round, self.new_round(strategy, server_round))
+
+    def delta(self, strategy: FedAdaVR, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
+        """The variance-reduced delta of updates read without streaming (round 1), or the robust aggregator's."""
+        if not strategy.aggregator.streams:
+            return MeanAggregate().delta(strategy, server_round, updates)
+        vr_round = self.new_round(strategy, server_round)
+        for update in updates:
+            if update.delta is not None:
+                self.add(strategy, vr_round, server_round, update)
+        return self.round_delta(strategy, server_round, vr_round)
+
+    @staticmethod
+    def new_round(strategy: FedAdaVR, server_round: int) -> VRRound:
+        """The round's VR aggregate; its staged rows are written only if the round's transaction commits."""
+        vr_round = VRRound(strategy.table, strategy.layout.dim, weighting=strategy.vr_weighting)
+        if strategy.store is not None:
+            store = strategy.store
+            strategy.transaction.stage(
+                server_round, lambda: store.write(server_round, vr_round) if vr_round.staged else None
+            )
+        return vr_round
+
+    @staticmethod
+    def add(strategy: FedAdaVR, vr_round: VRRound, server_round: int, update: ClientUpdate) -> None:
+        """Add ``update`` as ``y = delta / eta_c`` (formed in place in the reply's buffer)."""
+        y = np.divide(update.delta, np.float32(strategy.client_lr_at(server_round)), out=update.delta)
+        weight = float(update.num_examples) if not strategy.variant.equal_weights else 1.0
+        vr_round.add(update.client_key, y, weight)
+
+    @staticmethod
+    def round_delta(strategy: FedAdaVR, server_round: int, vr_round: VRRound) -> np.ndarray:
+        """``eta_c * r`` over ``N`` clients: the run's, the sampler's, the table's or the round's, the largest."""
+        known = strategy.store.known_clients if strategy.store is not None else 0
+        num_clients = max(strategy.num_clients or 0, len(strategy.sampler.known_clients), known, len(vr_round))
+        return vr_round.delta(num_clients=num_clients, client_lr=strategy.client_lr_at(server_round))
+
+
 class _VRSink(ScreenedSink):
     """A streamed FedAdaVR round: each screened update goes into the round's :class:`VRRound`."""
 
-    def __init__(self, strategy: FedAdaVR, server_round: int, bound: float, vr_round: VRRound) -> None:
-        super().__init__(strategy.screen, bound)
-        self.strategy = strategy
-        self.server_round = server_round
-        self.vr_round = vr_round
+    def __init__(  # noqa: PLR0913 - the sink's round, in full
+        self,
+        screen: Any,
+        bound: float,
+        aggregate: TableAggregate,
+        strategy: FedAdaVR,
+        server_round: int,
+        vr_round: VRRound,
+    ) -> None:
+        super().__init__(screen, bound)
+        self.aggregate, self.strategy, self.server_round, self.vr_round = aggregate, strategy, server_round, vr_round
 
     def take(self, update: ClientUpdate) -> None:
-        self.strategy.add_to_round(self.vr_round, self.server_round, update)
+        self.aggregate.add(self.strategy, self.vr_round, self.server_round, update)
 
     def mean(self) -> np.ndarray:
-        return self.strategy.round_delta(self.server_round, self.vr_round)
+        return self.aggregate.round_delta(self.strategy, self.server_round, self.vr_round)
 
 
-__all__ = ["FedAdaVR", "OPTIMIZERS", "VARIANTS"]
+__all__ = ["OPTIMIZERS", "VARIANTS", "FedAdaVR", "TableAggregate"]

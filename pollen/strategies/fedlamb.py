@@ -107,6 +107,30 @@ VARIANTS = {
 }
 
 
+@dataclass(frozen=True)
+class SyncReplies:
+    """What a FedLAMB reply carries, by round: the variant's statistic (``v``, or Mime's ``grad``) as an extra on
+    the rounds that synchronise ``v_hat`` (every ``sync_every``-th: the first of each period, or the last), and
+    nothing else on the others (the strategy's ``reply_spec``: see :meth:`ReplySpec.for_round`)."""
+
+    stat: str | None
+    sync_every: int
+    sync_phase: str
+
+    def is_sync(self, server_round: int) -> bool:
+        """Whether ``server_round`` synchronises ``v_hat`` (Z = 1: every round; never without ``v_hat``)."""
+        if self.stat is None:
+            return False
+        if self.sync_phase == "first":
+            return (server_round - 1) % self.sync_every == 0
+        return server_round % self.sync_every == 0
+
+    def for_round(self, server_round: int) -> ReplySpec:
+        if self.is_sync(server_round):
+            return ReplySpec(extras=(Extra(self.stat, size="model", nonnegative=self.stat == "v"),))
+        return ReplySpec()
+
+
 class FedLAMB(AdaptiveStrategy):
     """Locally adaptive training with a server-synchronised second moment ``v_hat``.
 
@@ -252,6 +276,7 @@ class FedLAMB(AdaptiveStrategy):
             float(weight_decay),
         )
         self.sync_every, self.sync_phase = sync_every, sync_phase
+        self.reply_spec = SyncReplies(chosen.stat, sync_every, sync_phase)
         self.round1_denominator = round1_denominator
         self.server_v = server_v
         self.v_syncs = 0  # Mime's server EMA updates committed so far (k of the bias correction)
@@ -264,16 +289,7 @@ class FedLAMB(AdaptiveStrategy):
     # ------------------------------------------------------------------ rounds
     def is_sync_round(self, server_round: int) -> bool:
         """Whether ``server_round`` synchronises ``v_hat`` (Z = 1: every round; never without ``v_hat``)."""
-        if self.variant.stat is None:
-            return False
-        if self.sync_phase == "first":
-            return (server_round - 1) % self.sync_every == 0
-        return server_round % self.sync_every == 0
-
-    def reply_spec_for(self, server_round: int) -> ReplySpec:
-        if self.is_sync_round(server_round):
-            return ReplySpec(extras=(Extra(self.variant.stat, size="model", nonnegative=self.variant.stat == "v"),))
-        return ReplySpec()
+        return self.reply_spec.is_sync(server_round)
 
     def on_layout(self, layout: Any) -> None:
         if self.v_hat is None and self.variant.stat is not None:

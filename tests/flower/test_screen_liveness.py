@@ -279,8 +279,8 @@ def test_the_streamed_path_accepts_the_round_of_the_switch_too(buffer_grows) -> 
     and judges itself (as round 1), and streams again after."""
     strategy = fed_ams(streaming=True)
     streamed_rounds = []
-    original = strategy.round_sink
-    strategy.round_sink = lambda rnd, bound: streamed_rounds.append(rnd) or original(rnd, bound)
+    original = strategy.round_aggregate.sink
+    strategy.round_aggregate.sink = lambda own, rnd, bound: streamed_rounds.append(rnd) or original(own, rnd, bound)
     with capture_flwr_logs() as logs:
         trail = params_after_each_round(strategy, ROUNDS, buffer_grows)
     assert all(moved(trail)) and replies_per_round(strategy) == [len(NODES)] * ROUNDS

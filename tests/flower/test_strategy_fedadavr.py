@@ -11,6 +11,7 @@ from flwr.app import ConfigRecord
 from pollen.optim import make_server_optimizer
 from pollen.strategies import FedAdaVR
 from pollen.strategies.engine.parts import ClientSampler, EngineParts, RoundTransaction
+from pollen.strategies.fedadavr import TableAggregate
 from pollen.testing.fakes import (
     TRAINABLE,
     FakeGrid,
@@ -206,9 +207,11 @@ def test_streamed_rounds_equal_a_plain_transcription_of_the_boxed_estimator(prec
     the model and table still follow r = mean_S(y_i - D(y_i_old)) + sum_j p_j D(y_j_old), Adam on eta_c r,
     rows replaced after the step, over five rounds with a client dropping out in one of them."""
     streamed = []
-    original = FedAdaVR.round_sink
+    original = TableAggregate.sink
     monkeypatch.setattr(
-        FedAdaVR, "round_sink", lambda self, rnd, bound: streamed.append(rnd) or original(self, rnd, bound)
+        TableAggregate,
+        "sink",
+        lambda self, strategy, rnd, bound: streamed.append(rnd) or original(self, strategy, rnd, bound),
     )
     ids = {n: f"partition-{i}" for i, n in enumerate(NODES)}
     current = {"round": 1, "drop": set()}

@@ -24,6 +24,7 @@ from pollen.strategies.engine.accounting import Accounting
 from pollen.strategies.engine.ledger import AppliedLedger
 from pollen.strategies.engine.model import GlobalModel
 from pollen.strategies.engine.resume import RunCheckpoint
+from pollen.strategies.engine.round_aggregate import MeanAggregate
 from pollen.strategies.engine.rounds import SyncRounds
 from pollen.strategies.engine.sampling import ClientSampler
 from pollen.strategies.engine.screening import UpdateScreen
@@ -39,6 +40,7 @@ __all__ = [
     "ClientSampler",
     "EngineParts",
     "GlobalModel",
+    "MeanAggregate",
     "RoundTransaction",
     "RunCheckpoint",
     "SyncRounds",
@@ -83,6 +85,8 @@ class EngineParts:
         The round driver that ``start`` hands the run to (default: lock-step rounds).
     checkpoint : RunCheckpoint | None
         Where every round is checkpointed (and what to resume from); ``start(checkpoint=...)`` overrides it.
+    round_aggregate : MeanAggregate | None
+        How a round's screened updates become one delta (default: their mean; FedAdaVR's: its table's).
     """
 
     model: GlobalModel | None = None
@@ -93,6 +97,7 @@ class EngineParts:
     accounting: Accounting | None = None
     driver: SyncRounds | None = None
     checkpoint: RunCheckpoint | None = None
+    round_aggregate: Any = None
 
     def filled(self, defaults: EngineParts | None = None) -> EngineParts:
         """These parts, each ``None`` taken from ``defaults`` (a method's) or built with its defaults."""
@@ -104,6 +109,7 @@ class EngineParts:
             "transaction": RoundTransaction,
             "accounting": Accounting,
             "driver": SyncRounds,
+            "round_aggregate": MeanAggregate,
         }
         chosen: dict[str, Any] = {}
         for item in fields(self):
@@ -153,6 +159,14 @@ def _check_part(name: str, value: Any) -> None:
         raise ValueError(f"parts.{name}={value!r} is not a {kind.__name__}; allowed: a {kind.__name__}(...) or None")
     if name == "driver" and not callable(getattr(value, "run", None)):
         raise ValueError(f"parts.driver={value!r} has no run(strategy, grid, ...); allowed: a round driver or None")
+    if name == "round_aggregate" and not (
+        callable(getattr(value, "sink", None)) and callable(getattr(value, "delta", None))
+    ):
+        raise ValueError(
+            f"parts.round_aggregate={value!r} has no sink(...) and delta(...); allowed: a round aggregate "
+            "(MeanAggregate) "
+            "or None"
+        )
 
 
 def _check_fraction(name: str, value: float, allow_zero: bool) -> None:

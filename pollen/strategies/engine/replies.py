@@ -129,6 +129,11 @@ class ReplySpec:
     buffers: str = "norm"
     weight: bool = False
 
+    def for_round(self, server_round: int) -> ReplySpec:
+        """What a final reply of ``server_round`` carries: this spec, every round. (A method whose replies
+        change by round, FedLAMB's sync rounds, gives its strategy a spec object of its own with this method.)"""
+        return self
+
     def __post_init__(self) -> None:
         if self.update not in UPDATE_MODES:
             raise ValueError(f"update={self.update!r} is unknown; allowed: {', '.join(UPDATE_MODES)}")

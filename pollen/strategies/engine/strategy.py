@@ -29,7 +29,7 @@ from flwr.serverapp.strategy import Strategy
 from pollen.core.layout import ModelLayout
 from pollen.optim import Transform
 from pollen.strategies.engine import metrics as round_metrics
-from pollen.strategies.engine.aggregation import Aggregator, robust_delta
+from pollen.strategies.engine.aggregation import Aggregator
 from pollen.strategies.engine.collector import TRAIN_PHASE
 from pollen.strategies.engine.declared import restore_strategy_state, strategy_state
 from pollen.strategies.engine.flower_wrappers import refuse_dp_wrapper
@@ -44,7 +44,6 @@ from pollen.strategies.engine.sinks import (
     RunningMean,
     ScreenedSink,
     aggregate_metrics,
-    mean_of,
     records_first,
     weights_of,
 )
@@ -203,23 +202,16 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         return self.ledger.told(content, shared, self.configrecord_key, self.sampler.key(node))
 
     def reply_spec_for(self, server_round: int) -> ReplySpec:
-        """Hook: what a final reply of ``server_round`` carries (default: :attr:`reply_spec`)."""
-        return self.reply_spec
+        """What a final reply of ``server_round`` carries: the method's spec for that round."""
+        return self.reply_spec.for_round(server_round)
 
     def upload_codec(self) -> str:
         """Hook: the codec every reply's update is a decoding of (a method with its own uplink says its own)."""
         return self.uplink.codec if self.uplink is not None else "none"
 
-    def round_sink(self, server_round: int, bound: float) -> ScreenedSink:
-        """Hook: what takes each screened update of a streamed round (default: the running mean of deltas)."""
-        return RunningMean(self.layout.dim, self.screen, bound, weighted=self.aggregation == "weighted")
-
     def aggregate_deltas(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
-        """Hook: the round's delta from kept updates (default: the mean, as the streaming path computes it,
-        or the strategy's robust aggregator)."""
-        if not self.aggregator.streams:
-            return robust_delta(self.aggregator, [u.delta for u in updates if u.delta is not None], self.layout)
-        return mean_of(updates, self.layout.dim, self.screen, weighted=self.aggregation == "weighted")
+        """The round's delta from kept updates (the round aggregate's; a method may stage around it)."""
+        return self.round_aggregate.delta(self, server_round, updates)
 
     def after_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
         """Hook for subclasses that keep per-client state (called after the server step)."""
@@ -310,7 +302,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         if streamed is None:
             updates = self.collect(server_round, replies, phase=phase)
             return self.apply_updates(server_round, self.screened(server_round, updates))
-        running = self.round_sink(server_round, streamed.bound)
+        running = self.round_aggregate.sink(self, server_round, streamed.bound)
         sink = records_first(self.screen, streamed.record_bounds, running, streamed)
         updates = self.collect(server_round, replies, phase=phase, sink=sink)
         rejected = streamed.settle(lambda u, why: self.replies.refuse(server_round, u.node_id, why), running.admit)

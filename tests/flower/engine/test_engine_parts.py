@@ -31,6 +31,7 @@ from pollen.strategies.engine.parts import (
     ClientSampler,
     EngineParts,
     GlobalModel,
+    MeanAggregate,
     RoundTransaction,
     RunCheckpoint,
     SyncRounds,
@@ -55,6 +56,7 @@ def every_part(tmp_path) -> EngineParts:  # noqa: ANN001
         accounting=Accounting(),
         driver=SyncRounds(),
         checkpoint=RunCheckpoint(tmp_path),
+        round_aggregate=MeanAggregate(),
     )
 
 
@@ -178,6 +180,19 @@ def test_a_loaded_state_goes_into_the_parts_a_caller_handed_in() -> None:
     np.testing.assert_array_equal(parts.model.params, first.params)
     assert parts.ledger.rounds == first.ledger.rounds and sorted(parts.accounting.rounds) == [1]
     assert parts.screen.history == first.screen.history
+
+
+def test_the_round_aggregate_is_a_part_a_method_or_a_caller_chooses() -> None:
+    """FedAdaVR's table aggregate is its default part (the engine's is the mean); a caller's own wins, and one
+    without ``sink``/``delta`` is refused naming the part."""
+    from pollen.strategies.fedadavr import TableAggregate
+
+    assert isinstance(FedAMS().round_aggregate, MeanAggregate)
+    assert isinstance(FedAdaVR().round_aggregate, TableAggregate)
+    mean = MeanAggregate()
+    assert FedAdaVR(parts=EngineParts(round_aggregate=mean)).round_aggregate is mean
+    with pytest.raises(ValueError, match=r"parts\.round_aggregate=.* has no sink"):
+        FedAMS(parts=EngineParts(round_aggregate=object()))
 
 
 # ---------------------------------------------------------------------------- defaults
