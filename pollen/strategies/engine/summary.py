@@ -19,6 +19,7 @@ def log_summary(strategy: Any) -> None:
         log(INFO, "\t│\t├── %s: %s", key, value)
     log(INFO, "\t│\t├── aggregation: %s (weight key '%s')", strategy.aggregation, strategy.weighted_by_key)
     log(INFO, "\t│\t├── aggregator: %s", strategy.aggregator.describe())
+    log(INFO, "\t│\t├── round: %s", strategy.transaction.describe())
     log(
         INFO,
         "\t│\t└── sampling: train %.2f (min %d) | evaluate %.2f (min %d) | seed %d",
