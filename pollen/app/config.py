@@ -172,6 +172,42 @@ BAD_CLIENTS = {
     "outlier-rule": choice(_outlier_rules, "reject", server_side=True),
     "outlier-factor": Key(float, 10.0, lambda v: v > 1, "a number > 1"),
 }
+
+
+def _speed_ok(value: str) -> bool:
+    from pollen.asynchrony import parse_speed
+
+    if not value:
+        return True
+    try:
+        parse_speed(value)
+    except ValueError:
+        return False
+    return True
+
+
+#: The round driver (:mod:`pollen.strategies.engine.buffered`): lock-step rounds, or buffered asynchronous steps.
+DRIVER = {
+    "driver": choice(("sync", "async"), "sync"),
+    "async-rule": choice(("fadas", "fedbuff", "fedasync"), "fadas"),
+    "concurrency": non_neg_int(0),
+    "buffer-size": non_neg_int(0),
+    "max-staleness": Key(int, -1, lambda v: v >= -1, "an integer >= 0, or -1 for no limit"),
+    "refill": choice(("reply", "flush"), "reply"),
+    "async-clock": choice(("virtual", "real"), "virtual"),
+    "client-speed": Key(
+        str,
+        "",
+        _speed_ok,
+        "empty, constant[:d], uniform:lo:hi, exponential:mean, lognormal:sigma[:jitter], "
+        "stragglers:fraction:k_lo:k_hi, fadas-mild or fadas-large",
+    ),
+    "staleness-exponent": non_negative(0.5),
+    "fedasync-alpha": unit_open(0.9),
+    "delay-adaptive": Key(bool, True, allowed="true or false"),
+    "tau-c": non_negative(1.0),
+    "da-form": choice(("code", "paper"), "code"),
+}
 #: Experiment trackers (:mod:`pollen.app.trackers`); they change what is tracked, never the run's numbers.
 TRACKING = {
     "tracker": Key(
@@ -191,6 +227,7 @@ SCHEMA: dict[str, Key] = assemble(
     LOCAL_TRAINING,
     RESUME,
     BAD_CLIENTS,
+    DRIVER,
     TRACKING,
     *(family.KEYS for family in FAMILIES),
 )
@@ -289,6 +326,11 @@ class AppConfig:
             raise ConfigError("run-config 'lr-schedule' = 'step' needs 'lr-decay-rounds', e.g. \"30,70\"; it is empty")
         if values["min-evaluate-nodes"] == 0 and values["fraction-evaluate"] > 0:
             raise ConfigError("run-config 'min-evaluate-nodes' = 0 with 'fraction-evaluate' > 0; allowed: >= 1")
+        if values["driver"] == "async" and 0 < values["concurrency"] < values["buffer-size"]:
+            raise ConfigError(
+                f"run-config 'buffer-size' = {values['buffer-size']} > 'concurrency' = {values['concurrency']}: a "
+                "server step could never fill; allowed: buffer-size <= concurrency (0: a fifth of it, at least 1)"
+            )
         if values["population"] > 0 and not values["state-dir"]:
             raise ConfigError(
                 f"run-config 'population' = {values['population']} needs 'state-dir': each node plays many clients, "

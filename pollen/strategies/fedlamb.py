@@ -184,6 +184,11 @@ class FedLAMB(AdaptiveStrategy):
         sampler asks each new node for its client id (each client's ``v_hat`` version is kept by its stable id).
     """
 
+    async_refusal = (
+        "its server moments are synchronised with every client in sync rounds, and its replies differ by round "
+        "(moments only in a sync round), which a job applied steps later cannot keep"
+    )
+
     streaming = False  # the extras of every reply are needed after the step
     state_fields = {
         "v_hat": MOMENT,

@@ -128,6 +128,11 @@ class HAFed(AdaptiveStrategy):
         "into its neighbours' before any aggregator sees it (and only m per cluster upload)"
     )
 
+    async_refusal = (
+        "its clusters gossip with their neighbours in lock-step phases inside each round, so every member of a "
+        "cluster must train from the same model at the same time"
+    )
+
     @classmethod
     def default_parts(cls) -> EngineParts:
         """A sampler that asks each new node for its stable client id (see the class docstring)."""

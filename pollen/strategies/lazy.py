@@ -149,6 +149,12 @@ class FedLazy(FedAMS):
         sampler asks each new node for its client id (each client's stored copies are kept by its stable id).
     """
 
+    async_refusal = (
+        "its lazy rules compare each upload with the client's reference of the previous round, and its downlink "
+        "increments assume every client holds the same model replica, which clients training from different "
+        "versions do not"
+    )
+
     streaming = False  # each reply is resolved against its client's stored copies before the mean
     state_fields = {"book": PART}
     reply_spec = ReplySpec(flags=(protocol.FLAG_SKIP, protocol.FLAG_AA, protocol.FLAG_RESYNC), update="optional")

@@ -77,6 +77,9 @@ class FakeGrid(Grid):
     shuffle_seed : int | None (default: None)
         Hand each call's replies back in a seeded random order (a new order every call), as a SuperLink
         does when clients finish in a different order; ``None`` keeps the order the messages were sent in.
+    arrival_seed : int | None (default: None)
+        ``push_messages`` / ``pull_messages`` (an asynchronous driver): each pull hands back each waiting reply
+        with probability 1/2 (seeded), as clients that finish at arbitrary times; ``None``: all at once.
     """
 
     def __init__(
@@ -88,8 +91,11 @@ class FakeGrid(Grid):
         cluster_ids: Mapping[int, str] | None = None,
         keep_history: bool = True,
         shuffle_seed: int | None = None,
+        arrival_seed: int | None = None,
     ) -> None:
         self.node_ids = list(node_ids)
+        self._arrival = None if arrival_seed is None else np.random.default_rng(arrival_seed)
+        self._waiting: dict[str, Message] = {}  # pushed message id -> its reply, until pulled
         self._shuffle = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
         self.client_fn = client_fn
         self.client_ids = dict(client_ids or {})
@@ -138,10 +144,27 @@ class FakeGrid(Grid):
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        raise NotImplementedError("FakeGrid only implements send_and_receive")
+        """Stamp each message, compute its reply now (``client_fn``) and keep it until pulled; the ids."""
+        ids = []
+        for msg in messages:
+            self._stamp(msg)
+            if self.keep_history:
+                self.sent.append(msg)
+            reply = self._identify(msg) if msg.metadata.message_type == protocol.QUERY_IDENTIFY else self.client_fn(msg)
+            if reply is not None:
+                self._waiting[msg.metadata.message_id] = reply
+            ids.append(msg.metadata.message_id)
+        return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        raise NotImplementedError("FakeGrid only implements send_and_receive")
+        """The waiting replies to ``message_ids`` (with ``arrival_seed``: each one with probability 1/2)."""
+        out = []
+        for mid in message_ids:
+            if mid in self._waiting and (self._arrival is None or self._arrival.random() < 0.5):
+                out.append(self._waiting.pop(mid))
+        if self.keep_history:
+            self.replies.extend(out)
+        return out
 
     # -- helpers
     @staticmethod

@@ -39,6 +39,36 @@ def engine_parts(cfg: Mapping[str, Any]) -> Any:
         sampler=ClientSampler(seed=cfg["seed"], identify_clients=True, population=cfg["population"]),
         screen=screen_of(cfg),
         transaction=RoundTransaction(min_replies=cfg["min-replies"]),
+        driver=driver_of(cfg),
+    )
+
+
+def driver_of(cfg: Mapping[str, Any]) -> Any:
+    """The round driver the run-config asks for: lock-step rounds (with a virtual clock when ``client-speed`` is
+    given) or the buffered asynchronous driver with its rule (``driver``, ``async-rule`` and their keys)."""
+    from pollen.asynchrony import parse_speed
+    from pollen.strategies.engine.buffered import AsyncRule, BufferedAsync
+    from pollen.strategies.engine.rounds import SyncRounds
+
+    speed = parse_speed(cfg["client-speed"], cfg["seed"]) if cfg["client-speed"] else None
+    if cfg["driver"] == "sync":
+        return SyncRounds(speed=speed)
+    exponent = cfg["staleness-exponent"]
+    rules = {
+        "fadas": lambda: AsyncRule.fadas(
+            delay_adaptive=cfg["delay-adaptive"], tau_c=cfg["tau-c"], da_form=cfg["da-form"]
+        ),
+        "fedbuff": lambda: AsyncRule.fedbuff(exponent=exponent),
+        "fedasync": lambda: AsyncRule.fedasync(alpha=cfg["fedasync-alpha"], a=exponent),
+    }
+    return BufferedAsync(
+        concurrency=cfg["concurrency"] or None,
+        buffer_size=cfg["buffer-size"] or None,
+        rule=rules[cfg["async-rule"]](),
+        max_staleness=None if cfg["max-staleness"] < 0 else cfg["max-staleness"],
+        refill=cfg["refill"],
+        clock=cfg["async-clock"],
+        speed=speed,
     )
 
 

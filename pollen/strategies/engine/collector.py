@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from logging import ERROR, INFO, WARNING
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import Message, Metadata, MetricRecord, RecordDict
@@ -47,6 +47,9 @@ from pollen.strategies.engine.replies import (
 )
 from pollen.strategies.engine.sampling import ClientSampler
 from pollen.wire import protocol
+
+if TYPE_CHECKING:
+    from pollen.strategies.engine.jobs import StepJobs
 
 try:  # the node id the SuperLink's own replies come from (1 in every Flower this library supports)
     from flwr.common.constant import SUPERLINK_NODE_ID
@@ -133,6 +136,15 @@ class ReplyCollector:
             self._phase[server_round] = phase
         return group
 
+    def ask_jobs(self, server_round: int, phase: str, groups: Mapping[int, str]) -> None:
+        """Record that ``server_round`` reads the replies of jobs sent earlier, one per node, each with its own
+        group id (an asynchronous step: :mod:`~pollen.strategies.engine.buffered`); a reply must carry its own
+        node's group."""
+        self._asked[(server_round, phase)] = list(groups)
+        self._groups[(server_round, phase)] = dict(groups)  # type: ignore[assignment]
+        if phase != EVALUATE_PHASE:
+            self._phase[server_round] = phase
+
     def note_sent(self, server_round: int, phase: str, messages: Iterable[Message]) -> None:
         """Keep the metadata of the messages of ``phase``: the grid writes each one's id into it when it
         pushes, which is how a reply the SuperLink writes for an undeliverable message is traced to its node."""
@@ -187,6 +199,7 @@ class ReplyCollector:
         sent_to: dict[str, int] | None = None  # message id -> its node, built at the first SuperLink error reply
         for reply in self.in_fixed_order(replies):
             node = reply.metadata.src_node_id
+            expected = group.get(node) if isinstance(group, Mapping) else group
             if node not in asked and reply.has_error() and node == SUPERLINK_NODE_ID:
                 if sent_to is None:
                     sent_to = self._sent_to(server_round, phase)
@@ -200,11 +213,11 @@ class ReplyCollector:
                     self.reject(server_round, undelivered, f"{phase} message not delivered: {reply.error.reason}")
             elif node not in asked:
                 self.reject(server_round, node, f"reply from a node not asked in {phase} of round {server_round}")
-            elif group is not None and not reply.has_error() and reply.metadata.group_id != group:
+            elif expected is not None and not reply.has_error() and reply.metadata.group_id != expected:
                 self.reject(
                     server_round,
                     node,
-                    f"reply to another message (group '{reply.metadata.group_id}', this one is '{group}'): "
+                    f"reply to another message (group '{reply.metadata.group_id}', this one is '{expected}'): "
                     "an earlier round's or phase's answer",
                 )
             elif node in seen:
@@ -269,12 +282,14 @@ class ReplyCollector:
         max_abs: float,
         scratch: np.ndarray | None = None,
         sink: Callable[[ClientUpdate], None] | None = None,
+        jobs: StepJobs | None = None,
     ) -> list[ClientUpdate]:
         """Read every reply of ``phase`` once against ``spec``; rejected ones are failures with a reason.
 
         Counts each reply's bytes by record. With a ``sink``, each update is handed to it as soon
         as it is read (into ``scratch``, one reused buffer) and its vector is not kept; the sink may
-        reject it by raising ``ReplyRejected``.
+        reject it by raising ``ReplyRejected``. With ``jobs`` (an asynchronous step) each reply is read
+        against the model its job started from and moved to the driver's rule (:class:`StepJobs`).
         """
         stats = self._accounting().round(server_round)
         prefix = "" if phase == TRAIN_PHASE else f"{phase}/"
@@ -290,7 +305,7 @@ class ReplyCollector:
                     reply,
                     client_key=self.sampler.key(node),
                     layout=layout,
-                    params=params,
+                    params=params if jobs is None else jobs.base(node, params),
                     spec=spec,
                     arrayrecord_key=arrayrecord_key,
                     weighted_by_key=weighted_by_key,
@@ -298,6 +313,8 @@ class ReplyCollector:
                     max_abs=max_abs,
                     scratch=scratch if sink is not None else None,
                 )
+                if jobs is not None:
+                    jobs.adjust(update, params)
                 if sink is not None:
                     sink(update)
             except Exception as err:  # noqa: BLE001 - every failure is a rejected reply, never a crash

@@ -72,15 +72,21 @@ class AppliedLedger:
         return content
 
     def record(self, server_round: int, applied: Iterable[Any]) -> None:
-        """The server step of ``server_round`` committed these updates (``client_key``, ``applied_scale``)."""
+        """The server step of ``server_round`` committed these updates (``client_key``, ``applied_scale``); an
+        update applied later than it was sent (``sent_round``, an asynchronous step) is recorded under the round
+        its message named, which is the round the client knows its upload by."""
         for update in applied:
-            self.rounds[update.client_key] = server_round
+            sent = getattr(update, "sent_round", None)
+            self.rounds[update.client_key] = server_round if sent is None else sent
             self.scales[update.client_key] = float(update.applied_scale)
 
-    def refuse(self, server_round: int, clients: Iterable[str]) -> None:
-        """The uploads of ``clients`` in ``server_round`` were refused for their content (told, then dropped)."""
+    def refuse(
+        self, server_round: int, clients: Iterable[str], sent_round: Callable[[str, int], int] | None = None
+    ) -> None:
+        """The uploads of ``clients`` in ``server_round`` were refused for their content (told, then dropped);
+        ``sent_round(client, server_round)``: the round a client's message named, when it is another."""
         for client in clients:
-            self.refused[client] = server_round
+            self.refused[client] = server_round if sent_round is None else sent_round(client, server_round)
 
     def round_of(self, client: str) -> int:
         """The round of ``client``'s last applied upload (0: none)."""

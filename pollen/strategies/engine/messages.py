@@ -76,6 +76,20 @@ class Transport:
         count_sent(self._accounting().round(server_round), messages)
         return messages
 
+    def job_messages(
+        self, server_round: int, jobs: list[tuple[int, str]], content_for: Callable[[int], RecordDict]
+    ) -> list[Message]:
+        """One train message per ``(node, group id)`` job of an asynchronous run, each with ``content_for(node)``
+        and its own group id (the driver binds each reply to its job); bytes counted under ``server_round``."""
+        messages = [
+            Message(
+                content=self._played(node, content_for(node)), message_type="train", dst_node_id=node, group_id=group
+            )
+            for node, group in jobs
+        ]
+        count_sent(self._accounting().round(server_round), messages)
+        return messages
+
     def evaluate_messages(self, server_round: int, nodes: list[int], content: RecordDict) -> list[Message]:
         """One evaluate message per node, all with ``content``; asked nodes recorded, bytes counted."""
         group = self.replies.ask(server_round, EVALUATE_PHASE, nodes)

@@ -154,7 +154,8 @@ class ClientUpdate:
     clipped it; the client is told, :mod:`pollen.strategies.engine.ledger`); ``record_norms`` the L2 norm of
     each record the outlier screen judges, by kind (``"extra:v"``, ``"buffer:bn.running_var"``);
     ``update_record`` the name of the record the update came in; ``reply`` the reply's MetricRecords and
-    ConfigRecords (what a Flower metric aggregation function is given; the arrays are not kept).
+    ConfigRecords (what a Flower metric aggregation function is given; the arrays are not kept);
+    ``sent_round`` the round the client's message named when an asynchronous step applies it later.
     """
 
     client_key: str
@@ -171,6 +172,8 @@ class ClientUpdate:
     record_norms: dict[str, float] = field(default_factory=dict)
     update_record: str = ""
     reply: RecordDict | None = None
+    #: The round the client's message named, when it is not the round applying it (an asynchronous step).
+    sent_round: int | None = None
 
 
 def screened_kinds(spec: ReplySpec, layout: ModelLayout) -> list[str]:

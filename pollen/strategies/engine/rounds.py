@@ -30,6 +30,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
+from pollen.asynchrony import ClientSpeed
 from pollen.strategies.engine.resume import RunCheckpoint
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
@@ -56,7 +57,20 @@ class SyncRounds:
     ``state_dict``/``load_state_dict``; it holds nothing between runs, so one driver object can serve
     any number of runs. A driver that does not move in rounds (buffered asynchronous aggregation) takes
     its place as another part, reusing the strategy's collector, screen, transaction and ledger.
+
+    With a ``speed`` model (:class:`~pollen.asynchrony.ClientSpeed`) each round also advances a virtual clock
+    by its slowest sampled client's job, written to the results as ``method.async_virtual_time``: the
+    synchronous and the asynchronous driver are then compared on the same clients and the same clock.
     """
+
+    def __init__(self, *, speed: ClientSpeed | None = None) -> None:
+        self.timed = speed is not None
+        self.speed = speed if speed is not None else ClientSpeed()
+        self._clock, self._jobs_of_client = 0.0, {}
+
+    def describe(self) -> dict[str, Any]:
+        """The driver's settings, for the strategy's summary and the results."""
+        return {"driver": "sync", **({"speed": self.speed.describe()} if self.timed else {})}
 
     def run(  # noqa: PLR0913 (Flower's signature, plus the strategy)
         self,
@@ -77,6 +91,7 @@ class SyncRounds:
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         started = time.time()
+        self._clock, self._jobs_of_client = 0.0, {}
 
         first_round, arrays, result = 1, initial_arrays, Result()
         saved = checkpoint.load(strategy) if checkpoint is not None and checkpoint.resume else None
@@ -121,7 +136,9 @@ class SyncRounds:
         result: Result,
     ) -> ArrayRecord:
         """One training round: send, receive, mid-round exchanges, aggregate; the new arrays (or the old)."""
-        messages = strategy.configure_train(server_round, arrays, config, grid)
+        messages = list(strategy.configure_train(server_round, arrays, config, grid))
+        if self.timed:
+            self._advance_clock(strategy, server_round, messages)
         replies = list(grid.send_and_receive(messages=messages, timeout=timeout))
         replies = strategy.mid_round(server_round, grid, replies, timeout)
         new_arrays, metrics = strategy.aggregate_train(server_round, replies)
@@ -132,6 +149,17 @@ class SyncRounds:
             log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
             result.train_metrics_clientapp[server_round] = metrics
         return arrays
+
+    def _advance_clock(self, strategy: Any, server_round: int, messages: list[Message]) -> None:
+        """The round lasts as long as its slowest sampled client's job (the speed model's durations)."""
+        longest = 0.0
+        for message in messages:
+            client = strategy.sampler.key(message.metadata.dst_node_id)
+            number = self._jobs_of_client.get(client, 0)
+            self._jobs_of_client[client] = number + 1
+            longest = max(longest, self.speed.duration(client, number))
+        self._clock += longest
+        strategy.accounting.round(server_round).method["async_virtual_time"] = self._clock
 
     def evaluate_round(  # noqa: PLR0913
         self,

@@ -34,6 +34,8 @@ class ServerStep:
         self._spare_state: OptState | None = None
         self._spare_params: np.ndarray | None = None
         self._scratch: np.ndarray | None = None
+        #: A factor on the next steps' learning rate, set by a driver for one step (FADAS's delay-adaptive rate).
+        self.lr_scale = 1.0
 
     def start(self, optimizer: Transform, dim: int) -> None:
         """Use ``optimizer`` from its initial state for a model of ``dim`` trainable values."""
@@ -58,6 +60,8 @@ class ServerStep:
         step, new_state = self.optimizer.update(
             self.state, delta, params, into=self._spare_state, out=None if out is delta else out
         )
+        if self.lr_scale != 1.0:  # every optimiser's step is linear in its learning rate
+            step = np.multiply(step, np.float32(self.lr_scale), dtype=np.float32)
         for name, slot in new_state.slots.items():
             if not all_finite(slot):  # an Inf second moment gives a zero step: finite parameters, a frozen model
                 raise FloatingPointError(f"the server step produced NaN or Inf in the optimiser's '{name}'")

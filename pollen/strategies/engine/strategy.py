@@ -33,6 +33,7 @@ from pollen.strategies.engine.aggregation import Aggregator
 from pollen.strategies.engine.collector import TRAIN_PHASE
 from pollen.strategies.engine.declared import restore_strategy_state, strategy_state
 from pollen.strategies.engine.flower_wrappers import refuse_dp_wrapper
+from pollen.strategies.engine.jobs import StepJobs
 from pollen.strategies.engine.messages import train_config
 from pollen.strategies.engine.metrics import MetricsAggregationFn
 from pollen.strategies.engine.parts import FLOWER_ARGUMENTS, EngineParts, assemble
@@ -109,6 +110,10 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     state_fields: ClassVar[Mapping[str, str]] = {}
     #: Why a robust aggregator does not fit this method (``None``: its aggregate is a mean of updates).
     robust_refusal: ClassVar[str | None] = None
+    #: Why the buffered asynchronous driver does not fit this method (``None``: it does).
+    async_refusal: ClassVar[str | None] = None
+    #: The jobs behind the replies of the step being read, while an asynchronous driver sets them.
+    jobs: StepJobs | None = None
 
     def __init__(  # noqa: PLR0913 - Flower's FedAvg arguments, then the engine's
         self,
@@ -240,12 +245,28 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         self._train_started[server_round] = time.perf_counter()
         nodes = self.sampler.train_nodes(server_round, grid, self.fraction_train, self.min_train_nodes)
         self.accounting.round(server_round).sampled = len(nodes)
+        content_for = self._train_content(server_round, arrays, config)
+        log(INFO, "configure_train: sampled %d nodes (out of %d)", len(nodes), len(self.sampler.known_clients))
+        return self.transport.train_messages(server_round, nodes, content_for)
+
+    def job_messages(
+        self, server_round: int, jobs: list[tuple[int, str]], arrays: ArrayRecord, config: ConfigRecord
+    ) -> list[Message]:
+        """Train messages for an asynchronous driver's ``(node, group id)`` jobs, sent while ``server_round`` is
+        the step being filled: the same content a round's :meth:`configure_train` sends, counted in that step."""
+        refuse_dp_wrapper(self, optimiser_words(self))
+        self._adopt_global_model(arrays)
+        self._train_started.setdefault(server_round, time.perf_counter())
+        self.accounting.round(server_round).sampled += len(jobs)
+        return self.transport.job_messages(server_round, jobs, self._train_content(server_round, arrays, config))
+
+    def _train_content(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord
+    ) -> Callable[[int], RecordDict]:
+        """What a node's train message of ``server_round`` carries: the model and the round's config, shared."""
         config = train_config(config, server_round, self.layout.buffer_keys, self.round_config(server_round))
         shared = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
-        log(INFO, "configure_train: sampled %d nodes (out of %d)", len(nodes), len(self.sampler.known_clients))
-        return self.transport.train_messages(
-            server_round, nodes, lambda node: self.content_for(server_round, node, shared)
-        )
+        return lambda node: self.content_for(server_round, node, shared)
 
     def exchange(
         self, server_round: int, grid: Grid, contents: Mapping[int, RecordDict], *, phase: str, timeout: float
@@ -282,6 +303,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
             max_abs=self.screen.max_abs,
             scratch=self.server_step.scratch(self.layout.dim) if sink is not None else None,
             sink=sink,
+            jobs=self.jobs if phase == TRAIN_PHASE else None,
         )
 
     def screened(self, server_round: int, updates: list[ClientUpdate]) -> list[ClientUpdate]:
@@ -322,7 +344,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         stats.count_uploads(updates, self.arrayrecord_key, self.layout.dim)
         log(INFO, "aggregate_train: %d usable replies, %d failures", len(updates), stats.failures)
         if self.ledger.keep:
-            self.ledger.refuse(server_round, self.replies.refused(server_round))
+            sent_round = self.jobs.sent_round if self.jobs is not None else None
+            self.ledger.refuse(server_round, self.replies.refused(server_round), sent_round)
             self.transaction.stage(server_round, lambda: self.ledger.record(server_round, updates))
         self.transaction.stage(
             server_round, lambda: self.screen.observe([u.norm for u in updates], [u.record_norms for u in updates])
