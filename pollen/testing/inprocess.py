@@ -32,6 +32,7 @@ def run_inprocess(
     server_main: Any = None,
     client_app: Any = None,
     shuffle_seed: int | None = None,
+    arrival_seed: int | None = None,
     plots: bool = False,
 ) -> list[dict[str, Any]]:
     """Run one experiment; return its metrics rows (also written under results-dir/run-name).
@@ -41,7 +42,8 @@ def run_inprocess(
     (two threads were 2.2x slower per LeNet step under load). ``server_main`` (a ServerApp's main
     function, ``main(grid, context)``) and ``client_app`` (a ``ClientApp``) replace pollen's own,
     e.g. a user's apps with a method of their own. ``shuffle_seed`` hands each round's replies back in a
-    seeded random order (:class:`FakeGrid`), as clients finishing in another order would. ``plots``: the
+    seeded random order (:class:`FakeGrid`), as clients finishing in another order would; ``arrival_seed``
+    does the same for the asynchronous driver's pulls (each waiting reply comes with probability 1/2). ``plots``: the
     run-config ``plots`` unless ``overrides`` sets it; off by default, since callers read the metrics files and
     drawing the four PNGs took 1.7 s of a 2-second run of the MLP.
     """
@@ -73,6 +75,7 @@ def run_inprocess(
         if (size := int(effective.get("cluster-size", 0)))
         else None,
         shuffle_seed=shuffle_seed,
+        arrival_seed=arrival_seed,
     )
     grid.set_run(SimpleNamespace(override_config=dict(overrides)))  # what Flower's run record says was given
     server_context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)

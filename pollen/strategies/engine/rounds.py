@@ -66,7 +66,6 @@ class SyncRounds:
     def __init__(self, *, speed: ClientSpeed | None = None) -> None:
         self.timed = speed is not None
         self.speed = speed if speed is not None else ClientSpeed()
-        self._clock, self._jobs_of_client = 0.0, {}
 
     def describe(self) -> dict[str, Any]:
         """The driver's settings, for the strategy's summary and the results."""
@@ -91,7 +90,7 @@ class SyncRounds:
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         started = time.time()
-        self._clock, self._jobs_of_client = 0.0, {}
+        clock = RoundClock(self.speed) if self.timed else None
 
         first_round, arrays, result = 1, initial_arrays, Result()
         saved = checkpoint.load(strategy) if checkpoint is not None and checkpoint.resume else None
@@ -111,7 +110,7 @@ class SyncRounds:
         for server_round in range(first_round, num_rounds + 1):
             log(INFO, "")
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
-            arrays = self.train_round(strategy, server_round, grid, arrays, train_config, timeout, result)
+            arrays = self.train_round(strategy, server_round, grid, arrays, train_config, timeout, result, clock)
             self.evaluate_round(strategy, server_round, grid, arrays, evaluate_config, timeout, evaluate_fn, result)
             if checkpoint is not None:
                 checkpoint.save(server_round, arrays, strategy, result)
@@ -134,11 +133,12 @@ class SyncRounds:
         config: ConfigRecord,
         timeout: float,
         result: Result,
+        clock: RoundClock | None = None,
     ) -> ArrayRecord:
         """One training round: send, receive, mid-round exchanges, aggregate; the new arrays (or the old)."""
         messages = list(strategy.configure_train(server_round, arrays, config, grid))
-        if self.timed:
-            self._advance_clock(strategy, server_round, messages)
+        if clock is not None:
+            clock.advance(strategy, server_round, messages)
         replies = list(grid.send_and_receive(messages=messages, timeout=timeout))
         replies = strategy.mid_round(server_round, grid, replies, timeout)
         new_arrays, metrics = strategy.aggregate_train(server_round, replies)
@@ -149,17 +149,6 @@ class SyncRounds:
             log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
             result.train_metrics_clientapp[server_round] = metrics
         return arrays
-
-    def _advance_clock(self, strategy: Any, server_round: int, messages: list[Message]) -> None:
-        """The round lasts as long as its slowest sampled client's job (the speed model's durations)."""
-        longest = 0.0
-        for message in messages:
-            client = strategy.sampler.key(message.metadata.dst_node_id)
-            number = self._jobs_of_client.get(client, 0)
-            self._jobs_of_client[client] = number + 1
-            longest = max(longest, self.speed.duration(client, number))
-        self._clock += longest
-        strategy.accounting.round(server_round).method["async_virtual_time"] = self._clock
 
     def evaluate_round(  # noqa: PLR0913
         self,
@@ -183,6 +172,24 @@ class SyncRounds:
             res = evaluate_fn(server_round, arrays)
             if res is not None:
                 result.evaluate_metrics_serverapp[server_round] = res
+
+
+class RoundClock:
+    """A synchronous run's virtual clock: a round lasts as long as its slowest sampled client's job."""
+
+    def __init__(self, speed: ClientSpeed) -> None:
+        self.speed, self.now, self.jobs_of_client = speed, 0.0, {}
+
+    def advance(self, strategy: Any, server_round: int, messages: list[Message]) -> None:
+        """Move the clock past ``messages``' jobs and write it to the round's results (``async_virtual_time``)."""
+        longest = 0.0
+        for message in messages:
+            client = strategy.sampler.key(message.metadata.dst_node_id)
+            number = self.jobs_of_client.get(client, 0)
+            self.jobs_of_client[client] = number + 1
+            longest = max(longest, self.speed.duration(client, number))
+        self.now += longest
+        strategy.accounting.round(server_round).method["async_virtual_time"] = self.now
 
 
 class RoundLoop:

@@ -203,11 +203,12 @@ def test_each_step_gets_the_arrays_the_round_before_produced() -> None:
 
 def test_one_driver_serves_two_runs_and_holds_nothing_between_them() -> None:
     driver = SyncRounds()
+    settings = dict(vars(driver))
     first = FedAMS(eta=1.0, min_available_nodes=3, parts=EngineParts(driver=driver))
     second = FedAMS(eta=1.0, min_available_nodes=3, parts=EngineParts(driver=driver))
     one = first.start(grid=FakeGrid(NODES, client), initial_arrays=model_record(tiny_model()), num_rounds=2)
     two = second.start(grid=FakeGrid(NODES, client), initial_arrays=model_record(tiny_model()), num_rounds=2)
-    assert vars(driver) == {}
+    assert vars(driver) == settings and set(settings) == {"timed", "speed"}  # its settings, no run's state
     a, b = named_arrays(one.arrays), named_arrays(two.arrays)
     assert all(np.array_equal(a[name], b[name]) for name in a)
 
