@@ -277,3 +277,47 @@ def test_too_stale_replies_are_refused_and_counted() -> None:
     reasons = [r for s in strategy.accounting.rounds.values() for r in s.failure_reasons]
     assert refused >= 1 and sum("max_staleness=1" in r for r in reasons) == refused
     assert max(method_column(strategy, "async_staleness_max")) <= 1
+
+
+# --------------------------------------------------------------------------- error feedback under asynchrony
+def test_error_feedback_stays_exact_when_uploads_are_applied_late_refused_as_too_stale_or_left_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Per client: applied + residual + owed = the sum of its true updates (§8.1), with FedCAMS's codec on
+    pollen's client mods, replies applied steps after they were sent, some refused as too stale, and jobs
+    still in flight when the run ends."""
+    from tests.flower.test_error_feedback_exact import NODES as EF_NODES
+    from tests.flower.test_error_feedback_exact import Harness, _build
+
+    harness = Harness(monkeypatch)
+    settings = {
+        "driver": "async",
+        "concurrency": 3,
+        "buffer-size": 1,
+        "max-staleness": 1,
+        "client-speed": "stragglers:0.5:3:6",
+    }
+    strategy = _build("fedcams", **settings)
+    original = strategy.aggregate_train
+
+    def aggregate(step, replies):  # noqa: ANN001, ANN202
+        harness.taken = []
+        new, metrics = original(step, replies)
+        if new is not None:
+            for key, delta in harness.taken:
+                harness.applied[key].append(delta)
+        return new, metrics
+
+    strategy.aggregate_train = aggregate
+    grid = FakeGrid(EF_NODES, harness.client, client_ids={n: f"c{n}" for n in EF_NODES}, arrival_seed=4)
+    steps = 10
+    strategy.start(grid=grid, initial_arrays=model_record(tiny_model(2)), num_rounds=steps)
+    assert sum(v or 0 for v in method_column(strategy, "async_too_stale")) >= 1, "some replies were too stale"
+    assert max(method_column(strategy, "async_staleness_max")) == 1
+    assert strategy.ledger.rounds, "uploads were applied, and the clients told"
+    for node in EF_NODES:
+        key = f"c{node}"
+        applied = np.sum(harness.applied[key], axis=0) if harness.applied[key] else np.zeros(D)
+        dropped = np.sum(harness.dropped[key], axis=0) if harness.dropped[key] else np.zeros(D)
+        balance = applied + dropped + harness.residual(node) + harness.owed_now(strategy, node, steps + 2)
+        np.testing.assert_allclose(balance, np.sum(harness.true[key], axis=0), atol=2e-5, err_msg=key)
