@@ -2,7 +2,8 @@
 
 Exported: the strategies, Flower's baselines with pollen's metering, and what a user builds a new
 method from or catches (``AdaptiveStrategy``, ``Uplink``, ``Downlink``, ``ReplySpec``, ``Extra``, ``ClientUpdate``,
-``ReplyRejected``, ``RunCheckpoint``, ``RunInterrupted``). The parts of the engine (model, transport,
+``ReplyRejected``, ``RunCheckpoint``, ``RunInterrupted``), the parts a caller hands in most (``EngineParts``) and the
+round drivers (``SyncRounds``, ``BufferedAsync`` with its ``AsyncRule``). The parts of the engine (model, transport,
 reply collector, sinks, server step, sampler, accounting) are imported from their modules.
 
 >>> from pollen.strategies import FedAMS
@@ -11,10 +12,12 @@ reply collector, sinks, server step, sampler, accounting) are imported from thei
 """
 
 from pollen.strategies.baselines import MeteredFedAdagrad, MeteredFedAdam, MeteredFedAvg, MeteredFedYogi
+from pollen.strategies.engine.buffered import AsyncRule, BufferedAsync
 from pollen.strategies.engine.downlink import Downlink
+from pollen.strategies.engine.parts import EngineParts
 from pollen.strategies.engine.replies import ClientUpdate, Extra, ReplyRejected, ReplySpec
 from pollen.strategies.engine.resume import RunCheckpoint
-from pollen.strategies.engine.rounds import RunInterrupted
+from pollen.strategies.engine.rounds import RunInterrupted, SyncRounds
 from pollen.strategies.engine.strategy import AdaptiveStrategy
 from pollen.strategies.engine.uplink import Uplink
 from pollen.strategies.fedadavr import FedAdaVR
@@ -27,6 +30,10 @@ from pollen.strategies.lazy import FedLazy
 
 __all__ = [
     "AdaptiveStrategy",
+    "AsyncRule",
+    "BufferedAsync",
+    "EngineParts",
+    "SyncRounds",
     "ClientUpdate",
     "Downlink",
     "Extra",

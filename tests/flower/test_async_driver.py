@@ -11,6 +11,7 @@ reason, too-stale replies refused and counted, and error feedback exact under as
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -321,3 +322,66 @@ def test_error_feedback_stays_exact_when_uploads_are_applied_late_refused_as_too
         dropped = np.sum(harness.dropped[key], axis=0) if harness.dropped[key] else np.zeros(D)
         balance = applied + dropped + harness.residual(node) + harness.owed_now(strategy, node, steps + 2)
         np.testing.assert_allclose(balance, np.sum(harness.true[key], axis=0), atol=2e-5, err_msg=key)
+
+
+# --------------------------------------------------------------------------- replies that go wrong
+class ScriptedGrid(FakeGrid):
+    """A fake grid that can hold a node's first reply back for a while, send it twice, or sign it as another node."""
+
+    def __init__(self, *, hold: float = 0.0, twice: bool = False, claim: int | None = None, **kwargs: Any) -> None:
+        super().__init__(range(1, N + 1), client, **kwargs)
+        self.hold, self.twice, self.claim = hold, twice, claim
+        self.target_id: str | None = None
+        self.pushed_at = 0.0
+
+    def push_messages(self, messages):  # noqa: ANN001, ANN201
+        messages = list(messages)
+        ids = list(super().push_messages(messages))
+        for msg, mid in zip(messages, ids):
+            if msg.metadata.dst_node_id == 2 and self.target_id is None:
+                self.target_id, self.pushed_at = mid, time.monotonic()
+                reply = self._waiting[mid]
+                if self.claim is not None:
+                    reply.metadata.__dict__["_src_node_id"] = self.claim
+        return ids
+
+    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
+        time.sleep(0.002)  # a pull takes a while, as through a SuperLink
+        message_ids = list(message_ids)
+        if self.target_id in message_ids and time.monotonic() - self.pushed_at < self.hold:
+            message_ids.remove(self.target_id)
+        extra = self._waiting.get(self.target_id) if self.twice and self.target_id in message_ids else None
+        out = list(super().pull_messages(message_ids))
+        return out + [extra] if extra is not None and extra in out else out
+
+
+def _reasons(strategy: Any) -> list[str]:
+    return [r for s in strategy.accounting.rounds.values() for r in s.failure_reasons]
+
+
+def test_a_job_without_a_reply_is_dropped_after_the_timeout_and_its_late_reply_refused() -> None:
+    strategy = build(driver=BufferedAsync(concurrency=3, buffer_size=1, rule=AsyncRule.fadas()))
+    grid = ScriptedGrid(hold=0.4)
+    strategy.start(grid=grid, initial_arrays=model_record(tiny_model()), num_rounds=150, timeout=0.25)
+    reasons = _reasons(strategy)
+    assert sum("no reply before the timeout" in r for r in reasons) == 1, reasons
+    assert sum("late reply to a job dropped after the timeout" in r for r in reasons) == 1, reasons
+    jobs_of_2 = [m for m in grid.sent if m.metadata.dst_node_id == 2]
+    assert len(jobs_of_2) >= 2, "node 2 got work again once its late reply came"
+
+
+def test_a_second_reply_to_one_job_is_refused_and_changes_nothing() -> None:
+    def once(grid: FakeGrid) -> tuple[Any, dict[str, np.ndarray]]:
+        strategy = build(driver=BufferedAsync(concurrency=3, buffer_size=2, rule=AsyncRule.fedbuff()))
+        result = strategy.start(grid=grid, initial_arrays=model_record(tiny_model()), num_rounds=5)
+        return strategy, {name: array.numpy() for name, array in result.arrays.items()}
+
+    strategy, doubled = once(ScriptedGrid(twice=True))
+    assert sum("second reply to one job" in r for r in _reasons(strategy)) == 1, _reasons(strategy)
+    assert same_bits(doubled, once(ScriptedGrid())[1])
+
+
+def test_a_reply_signed_by_another_node_is_refused() -> None:
+    strategy = build(driver=BufferedAsync(concurrency=3, buffer_size=1, rule=AsyncRule.fedbuff()))
+    strategy.start(grid=ScriptedGrid(claim=5), initial_arrays=model_record(tiny_model()), num_rounds=5)
+    assert sum("job came from node 5" in r for r in _reasons(strategy)) == 1, _reasons(strategy)

@@ -135,6 +135,7 @@ class _Flight:
     snapshots: dict[int, np.ndarray] = field(default_factory=dict)
     sent_in_step: dict[int, int] = field(default_factory=dict)  # node -> the step it was last sent a job in
     jobs_of_client: dict[str, int] = field(default_factory=dict)
+    extra: list[Message] = field(default_factory=list)  # second replies to one job, refused at the next event
     seq: int = 0
     clock: float = 0.0
     incompatible: int = 0
@@ -255,6 +256,9 @@ class BufferedAsync(SyncRounds):
             if flight.in_flight() == 0:  # whatever the refill rule: nothing in flight would stall the run
                 self._fill(strategy, grid, flight, step, arrays, train_config)
             job, reply = self._next(grid, flight, timeout, real_start)
+            for extra in flight.extra:
+                strategy.replies.reject(step, extra.metadata.src_node_id, "second reply to one job")
+            flight.extra.clear()
             if job is not None:
                 self._receive(strategy, flight, step, job, reply)
             if len(flight.buffer) >= self.buffer_size:
@@ -367,6 +371,8 @@ class BufferedAsync(SyncRounds):
             mid = reply.metadata.reply_to_message_id
             if mid in flight.jobs and mid not in flight.arrived:
                 flight.arrived[mid] = reply
+            else:
+                flight.extra.append(reply)
 
     def _next(
         self, grid: Grid, flight: _Flight, timeout: float, real_start: float
