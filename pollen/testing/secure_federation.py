@@ -40,12 +40,21 @@ def resident_bytes(pid: int) -> int:
 class SecureFederation:
     """A TLS + node-auth SuperLink and ``num_nodes`` registered SuperNodes (started on demand)."""
 
-    def __init__(self, root: Path, procs: lf.Processes, num_nodes: int, key_bits: int = 2048) -> None:
+    def __init__(
+        self, root: Path, procs: lf.Processes, num_nodes: int, key_bits: int = 2048, *, variant: str = "product"
+    ) -> None:
         self.root = Path(root)
         self.procs = procs
         self.num_nodes = num_nodes
         self.certs = lf.make_certs(self.root / "certs", bits=key_bits)
         self.app = lf.snapshot_app(self.root / "app")
+        if variant == "testing":  # the harness's apps (fault injection: a node that sleeps, pollen.testing.faults)
+            from pollen.testing.apps import testing_pyproject
+
+            pyproject = self.app / "pyproject.toml"
+            pyproject.write_text(testing_pyproject(pyproject.read_text()))
+        #: Node-config added to a node's own (index -> "key=value ..."), e.g. a testing app's fault settings.
+        self.extra_node_config: dict[int, str] = {}
         self.keys = lf.make_supernode_keys(self.root / "keys", *self.node_names())
         self.http_port, self.fleet_port = lf.free_ports(2)
         self.user_env = lf.flower_env(self.root / "home-user")
@@ -86,6 +95,8 @@ class SecureFederation:
         node_config = (
             f"partition-id={index} num-partitions={self.num_nodes} device='cpu' state-dir='{self.state_dir(index)}'"
         )
+        if index in self.extra_node_config:
+            node_config += " " + self.extra_node_config[index]
         env = lf.flower_env(self.root / f"home-{name}", OMP_NUM_THREADS="1")
         self.nodes[index] = self.procs.start(
             name,
