@@ -65,7 +65,11 @@ def test_an_async_run_writes_a_row_per_step_and_ignores_arrival_order(tmp_path: 
 
 def test_the_async_fedasync_rule_takes_a_buffer_of_one_by_default(tmp_path: Path) -> None:
     rows, _ = _run(
-        tmp_path, "fedasync", None, strategy="fedopt", **{"server-optimizer": "sgd", "server-lr": 1.0},
+        tmp_path,
+        "fedasync",
+        None,
+        strategy="fedopt",
+        **{"server-optimizer": "sgd", "server-lr": 1.0},
         **{"async-rule": "fedasync", "buffer-size": 0},
     )
     assert [row["replies"] for row in rows] == [1, 1, 1, 1]
@@ -88,3 +92,58 @@ def test_a_bad_client_speed_is_refused_with_the_models_allowed() -> None:
     run_config = {**defaults_from_pyproject(str(PYPROJECT)), "client-speed": "stragglers:half"}
     with pytest.raises(ConfigError, match="stragglers:fraction:k_lo:k_hi"):
         AppConfig.from_run_config(run_config, given={"client-speed"})
+
+
+@pytest.mark.parametrize("stop_after", [1, 3])
+def test_a_resumed_async_run_equals_the_uninterrupted_one(tmp_path: Path, stop_after: int) -> None:
+    """FedCAMS (error feedback in client state files) on the async driver: stopped after a step with jobs still
+    in flight (their clients already trained them), resumed, it ends bit-identical to the uninterrupted run. The
+    jobs in flight go out again with the model and round they had, and each client starts them again from its
+    state of before (``state-dir``)."""
+    import numpy as np
+
+    settings = {
+        **SMALL,
+        "strategy": "fedcams",
+        "compressor": "sign",
+        "num-server-rounds": 5,
+        "results-dir": str(tmp_path),
+    }
+    full = run_inprocess({**settings, "run-name": "full", "state-dir": str(tmp_path / "clients-full")}, NODES)
+    cut_settings = {**settings, "state-dir": str(tmp_path / "clients")}
+    run_inprocess({**cut_settings, "run-name": "cut", "stop-after-round": stop_after}, NODES, arrival_seed=3)
+    cut = tmp_path / "cut"
+    assert (cut / "checkpoint.npz").is_file() and not (cut / "final_model.npz").exists()
+    resumed = run_inprocess({**cut_settings, "run-name": "cut", "resume": str(cut)}, NODES, arrival_seed=9)
+    assert [row["round"] for row in resumed] == [row["round"] for row in full]
+    assert [row["accuracy"] for row in resumed] == [row["accuracy"] for row in full]
+    clock = [row.get("method.async_virtual_time") for row in resumed]
+    assert clock == [row.get("method.async_virtual_time") for row in full]
+    want, got = np.load(tmp_path / "full" / "final_model.npz"), np.load(cut / "final_model.npz")
+    for name in want.files:
+        assert want[name].tobytes() == got[name].tobytes(), name
+
+
+@pytest.mark.parametrize(("first", "then"), [("async", "sync"), ("sync", "async")])
+def test_a_checkpoint_resumes_only_on_the_driver_that_wrote_it(tmp_path: Path, first: str, then: str) -> None:
+    from pollen.server_app import RunRefused
+
+    settings = {**SMALL, "num-server-rounds": 3, "results-dir": str(tmp_path), "strategy": "fedams"}
+    run_inprocess({**settings, "driver": first, "run-name": "cut", "stop-after-round": 1}, NODES)
+    with pytest.raises(RunRefused, match="driver"):
+        run_inprocess({**settings, "run-name": "cut", "driver": then, "resume": str(tmp_path / "cut")}, NODES)
+
+
+def test_an_altered_driver_state_is_refused_before_the_run_goes_on(tmp_path: Path) -> None:
+    """A job in flight whose start lies after the saved clock: one line naming the field, nothing resumed."""
+    from pollen.core.checkpoint import load_checkpoint, save_checkpoint
+    from pollen.server_app import RunRefused
+
+    settings = {**SMALL, "num-server-rounds": 3, "results-dir": str(tmp_path), "resume-trust-file": True}
+    run_inprocess({**settings, "run-name": "cut", "stop-after-round": 1}, NODES)
+    path = tmp_path / "cut" / "checkpoint.npz"
+    tree = load_checkpoint(path)
+    tree["driver"]["jobs"][0][2] = tree["driver"]["clock"] + 5.0
+    save_checkpoint(path, tree)
+    with pytest.raises(RunRefused, match=r"driver/jobs/0/2"):
+        run_inprocess({**settings, "run-name": "cut", "resume": str(tmp_path / "cut")}, NODES)

@@ -45,11 +45,13 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from pollen.asynchrony import ClientSpeed, StalenessWeight, delay_adaptive_scale
+from pollen.core import state_fields as fields
 from pollen.strategies.engine.client_errors import ClientAppIncompatible, client_error_text, incompatibility
 from pollen.strategies.engine.collector import TRAIN_PHASE
 from pollen.strategies.engine.jobs import StepJobs
 from pollen.strategies.engine.resume import RunCheckpoint
-from pollen.strategies.engine.rounds import EvaluateFn, SetupError, SyncRounds
+from pollen.strategies.engine.rounds import EvaluateFn, RunInterrupted, SetupError, SyncRounds
+from pollen.wire.records import arrays_to_record, record_to_arrays
 
 REFILLS = ("reply", "flush")
 CLOCKS = ("virtual", "real")
@@ -133,9 +135,11 @@ class _Flight:
     arrived: dict[str, Message] = field(default_factory=dict)
     buffer: list[tuple[Job, Message]] = field(default_factory=list)
     snapshots: dict[int, np.ndarray] = field(default_factory=dict)
+    records: dict[int, ArrayRecord] = field(default_factory=dict)  # version -> the model as sent (for a resume)
     sent_in_step: dict[int, int] = field(default_factory=dict)  # node -> the step it was last sent a job in
     jobs_of_client: dict[str, int] = field(default_factory=dict)
     extra: list[Message] = field(default_factory=list)  # second replies to one job, refused at the next event
+    sent_by_client: dict[str, int] = field(default_factory=dict)  # sent_in_step by client id, until a resume
     seq: int = 0
     clock: float = 0.0
     incompatible: int = 0
@@ -234,24 +238,36 @@ class BufferedAsync(SyncRounds):
         checkpoint: RunCheckpoint | None = None,
     ) -> Result:
         """``num_rounds`` server steps of ``strategy``, each from ``buffer_size`` replies (module docstring)."""
-        self.check_fits(strategy, checkpoint)
+        self.check_fits(strategy)
         log(INFO, "Starting %s strategy (asynchronous driver):", type(strategy).__name__)
         strategy.summary()
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         started = time.time()
-        result, arrays = Result(), initial_arrays
-        if evaluate_fn:
+        result, arrays, step, flight = Result(), initial_arrays, 1, _Flight()
+        saved = checkpoint.load(strategy) if checkpoint is not None and checkpoint.resume else None
+        if saved is not None:
+            step, arrays, result = saved.server_round + 1, saved.arrays, saved.result
+            try:
+                flight = self.restore(strategy, saved.driver_state, saved.server_round)
+            except fields.StateError as err:
+                raise SetupError(str(err.in_file(str(checkpoint.path)))) from None
+            log(INFO, "Resuming after step %d of %d from %s", saved.server_round, num_rounds, checkpoint.path)
+        elif evaluate_fn:
             res = evaluate_fn(0, initial_arrays)
             log(INFO, "Initial global evaluation results: %s", res)
             if res is not None:
                 result.evaluate_metrics_serverapp[0] = res
-        strategy.check_setup(grid)
-        nodes = strategy.sampler.connected(grid, strategy.min_train_nodes)
-        self.settle_sizes(len(nodes))
-        log(INFO, "Driver: %s", ", ".join(f"{k}={v}" for k, v in self.describe().items()))
-        flight, step, real_start = _Flight(), 1, time.monotonic()
-        self._fill(strategy, grid, flight, step, arrays, train_config)
+        if step <= num_rounds:
+            strategy.check_setup(grid)
+            nodes = strategy.sampler.connected(grid, strategy.min_train_nodes)
+            self.settle_sizes(len(nodes))
+            log(INFO, "Driver: %s", ", ".join(f"{k}={v}" for k, v in self.describe().items()))
+        real_start = time.monotonic()
+        if saved is not None and step <= num_rounds:
+            self._resend(strategy, grid, flight, step, arrays, train_config)
+        elif step <= num_rounds:
+            self._fill(strategy, grid, flight, step, arrays, train_config)
         while step <= num_rounds:
             if flight.in_flight() == 0:  # whatever the refill rule: nothing in flight would stall the run
                 self._fill(strategy, grid, flight, step, arrays, train_config)
@@ -267,6 +283,11 @@ class BufferedAsync(SyncRounds):
                     res = evaluate_fn(step, arrays)
                     if res is not None:
                         result.evaluate_metrics_serverapp[step] = res
+                if checkpoint is not None:
+                    checkpoint.save(step, arrays, strategy, result, self.state_dict(strategy, flight))
+                    if checkpoint.stop_after_round == step and step < num_rounds:
+                        log(WARNING, "Stopping after step %d as asked (stop-after-round)", step)
+                        raise RunInterrupted(step, result)
                 step += 1
                 if step > num_rounds:
                     break
@@ -303,7 +324,7 @@ class BufferedAsync(SyncRounds):
         self.concurrency, self.buffer_size = concurrency, buffer_size
         return concurrency, buffer_size
 
-    def check_fits(self, strategy: Any, checkpoint: RunCheckpoint | None) -> None:
+    def check_fits(self, strategy: Any) -> None:
         """``SetupError`` before round 1 when the strategy or the run cannot go asynchronous, with the reason."""
         name = type(strategy).__name__
         if not hasattr(strategy, "job_messages"):
@@ -315,8 +336,6 @@ class BufferedAsync(SyncRounds):
                 "the asynchronous driver keeps one job per node; population mode binds clients to nodes per round "
                 "and is not supported with it (allowed: population=0)"
             )
-        if checkpoint is not None and checkpoint.resume:
-            raise SetupError("resuming an asynchronous run is not supported yet; start it afresh")
 
     # ------------------------------------------------------------------ sending
     def _fill(
@@ -354,12 +373,100 @@ class BufferedAsync(SyncRounds):
         messages = strategy.job_messages(step, [(job.node, job.group) for job in jobs], arrays, config)
         if step - 1 not in flight.snapshots:
             flight.snapshots[step - 1] = np.array(strategy.params, copy=True)
+            flight.records[step - 1] = arrays
         ids = list(grid.push_messages(messages))
         for job, message, message_id in zip(jobs, messages, ids):
             job.message_id = str(message_id or message.metadata.message_id)
             flight.jobs[job.message_id] = job
             heapq.heappush(flight.heap, (job.finish, job.seq, job.message_id))
         log(INFO, "async: step %d: sent %d jobs (%d in flight)", step, len(jobs), flight.in_flight())
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, strategy: Any, flight: _Flight) -> dict[str, Any]:
+        """What a resume needs beyond the strategy, taken after a step (the buffer is then empty): the clock,
+        the job counters, every job in flight (by client id) and the model each of them started from."""
+        live = sorted((job for job in flight.jobs.values() if not job.dropped), key=lambda job: job.seq)
+        versions = sorted({job.version for job in live})
+        return {
+            "clock": float(flight.clock),
+            "seq": int(flight.seq),
+            "jobs": [[job.client, job.version, job.started, job.finish, job.seq] for job in live],
+            "models": [
+                [str(v), [[name, np.array(a)] for name, a in record_to_arrays(flight.records[v]).items()]]
+                for v in versions
+            ],
+            "jobs_of_client": dict(flight.jobs_of_client),
+            "sent_in_step": {strategy.sampler.key(node): int(s) for node, s in flight.sent_in_step.items()},
+        }
+
+    def restore(self, strategy: Any, state: Any, last_step: int) -> _Flight:
+        """The run's moving parts from :meth:`state_dict`'s form, every field checked (a
+        :class:`~pollen.core.state_fields.StateError` names the one that does not fit); jobs are keyed by client
+        until :meth:`_resend` finds their nodes."""
+        where = "driver"
+        fields.mapping(state, where, keys=("clock", "seq", "jobs", "models", "jobs_of_client", "sent_in_step"))
+        flight = _Flight()
+        flight.clock = fields.finite_number(state["clock"], fields.join(where, "clock"), low=0.0)
+        flight.seq = fields.whole(state["seq"], fields.join(where, "seq"))
+        layout = strategy.model.layout
+        for i, item in enumerate(fields.sequence(state["models"], fields.join(where, "models"))):
+            at = fields.join(fields.join(where, "models"), i)
+            version_text, pairs = fields.sequence(item, at, length=2)
+            version = fields.whole(
+                int(version_text) if str(version_text).isdigit() else -1, fields.join(at, 0), high=last_step
+            )
+            named = dict(fields.pairs(pairs, fields.join(at, 1)))
+            try:
+                layout.check_arrays(named, layout.trainable + layout.buffers)
+            except ValueError as err:
+                raise fields.StateError(fields.join(at, 1), str(err)) from None
+            flight.records[version] = arrays_to_record({name: named[name] for name in strategy.model.key_order})
+            flight.snapshots[version] = layout.flatten(named)
+        for i, item in enumerate(fields.sequence(state["jobs"], fields.join(where, "jobs"))):
+            at = fields.join(fields.join(where, "jobs"), i)
+            client, version, started, finish, seq = fields.sequence(item, at, length=5)
+            client = fields.text(client, fields.join(at, 0), most=256)
+            version = fields.whole(version, fields.join(at, 1), high=last_step)
+            if version not in flight.records:
+                raise fields.StateError(fields.join(at, 1), f"is version {version}, whose model is not saved")
+            started = fields.finite_number(started, fields.join(at, 2), low=0.0, high=flight.clock)
+            finish = fields.finite_number(finish, fields.join(at, 3), low=started)
+            seq = fields.whole(seq, fields.join(at, 4), low=1, high=flight.seq)
+            job = Job(seq, -1, client, version, version + 1, started, finish, 0.0, f"pollen/async/{seq}")
+            flight.jobs[f"saved/{seq}"] = job
+        counts = fields.mapping(state["jobs_of_client"], fields.join(where, "jobs_of_client"))
+        flight.jobs_of_client = {c: fields.whole(n, fields.join(where, c)) for c, n in counts.items()}
+        steps = fields.mapping(state["sent_in_step"], fields.join(where, "sent_in_step"))
+        flight.sent_by_client = {
+            c: fields.whole(s, fields.join(where, c), high=last_step + 1) for c, s in steps.items()
+        }
+        return flight
+
+    def _resend(
+        self, strategy: Any, grid: Grid, flight: _Flight, step: int, arrays: ArrayRecord, config: ConfigRecord
+    ) -> None:
+        """Send the saved jobs again, each to the node its client is on now, with the model and round it had
+        (a client that kept its state in a file starts the job again from its state of before it); a job whose
+        client is not connected is dropped. Then the rest of the jobs, as after any step."""
+        nodes_of = {strategy.sampler.key(node): node for node in strategy.sampler.connected(grid)}
+        saved, flight.jobs = sorted(flight.jobs.values(), key=lambda job: job.seq), {}
+        flight.sent_in_step = {nodes_of[c]: s for c, s in flight.sent_by_client.items() if c in nodes_of}
+        for job in saved:
+            if job.client not in nodes_of:
+                log(WARNING, "async: %s is not connected; its job in flight at the checkpoint is dropped", job.client)
+                continue
+            job.node, job.sent_at = nodes_of[job.client], time.monotonic()
+            (message,) = strategy.job_messages(
+                job.sent_round, [(job.node, job.group)], flight.records[job.version], config, count_in=step
+            )
+            (message_id,) = list(grid.push_messages([message]))
+            job.message_id = str(message_id or message.metadata.message_id)
+            flight.jobs[job.message_id] = job
+            heapq.heappush(flight.heap, (job.finish, job.seq, job.message_id))
+        strategy._adopt_global_model(arrays)  # the model of now again: the step reads replies against it
+        log(INFO, "async: resumed with %d of %d saved jobs sent again", len(flight.jobs), len(saved))
+        self._release(flight)
+        self._fill(strategy, grid, flight, step, arrays, config)
 
     # ------------------------------------------------------------------ receiving
     def _pull(self, grid: Grid, flight: _Flight) -> None:
@@ -483,6 +590,7 @@ class BufferedAsync(SyncRounds):
         used |= {job.version for job, _ in flight.buffer}
         for version in [v for v in flight.snapshots if v not in used]:
             del flight.snapshots[version]
+            flight.records.pop(version, None)
 
     # ------------------------------------------------------------------ stepping
     def _step(  # noqa: PLR0913

@@ -30,7 +30,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ CHECKPOINT_FILE = "checkpoint.npz"
 #: The digest file beside the checkpoint (``sha256sum`` format).
 DIGEST_FILE = CHECKPOINT_FILE + ".sha256"
 _RESULT_FIELDS = ("train_metrics_clientapp", "evaluate_metrics_clientapp", "evaluate_metrics_serverapp")
-_TREE_FIELDS = ("round", "strategy_class", "fingerprint", "arrays", "strategy", "result", "app")
+_TREE_FIELDS = ("round", "strategy_class", "fingerprint", "arrays", "strategy", "result", "app", "driver")
 _DIGEST_LINE = re.compile(r"([0-9a-f]{64})  " + re.escape(CHECKPOINT_FILE))
 #: The largest run-config value a fingerprint may hold (a string) and the most rows the app may keep.
 _MAX_TEXT, _MAX_ROWS = 4096, 10**7
@@ -62,6 +62,8 @@ class SavedRound:
     arrays: ArrayRecord
     result: Result
     app_state: dict[str, Any]
+    #: The round driver's own state (empty for lock-step rounds; the asynchronous driver's jobs in flight).
+    driver_state: dict[str, Any] = field(default_factory=dict)
 
 
 class RunCheckpoint:
@@ -110,8 +112,16 @@ class RunCheckpoint:
         self.last_seconds = 0.0
 
     # ------------------------------------------------------------------ write
-    def save(self, server_round: int, arrays: ArrayRecord, strategy: Any, result: Result) -> None:
-        """Write the checkpoint of a complete round (atomically)."""
+    def save(
+        self,
+        server_round: int,
+        arrays: ArrayRecord,
+        strategy: Any,
+        result: Result,
+        driver_state: dict[str, Any] | None = None,
+    ) -> None:
+        """Write the checkpoint of a complete round (atomically); ``driver_state``: what the round driver keeps
+        beyond the strategy (the asynchronous driver's jobs in flight), checked by the driver on load."""
         started = time.perf_counter()
         named = record_to_arrays(arrays)
         tree = {
@@ -122,6 +132,7 @@ class RunCheckpoint:
             "strategy": strategy.state_dict(),
             "result": {name: _metrics_to_tree(getattr(result, name)) for name in _RESULT_FIELDS},
             "app": self.app_state() if self.app_state is not None else {},
+            "driver": dict(driver_state or {}),
         }
         listed, written = self._listed_digests(), []
 
@@ -176,13 +187,15 @@ class RunCheckpoint:
         result = Result(arrays=arrays)
         for name in _RESULT_FIELDS:
             setattr(result, name, _metrics_from_tree(tree["result"][name]))
-        return SavedRound(server_round, arrays, result, dict(tree["app"]))
+        return SavedRound(server_round, arrays, result, dict(tree["app"]), dict(tree["driver"]))
 
     def _read(self, strategy_class: str) -> dict[str, Any]:
         if not self.path.is_file():
             raise CheckpointError(f"nothing to resume: {self.path} does not exist")
         self._check_digest()
         tree = load_checkpoint(self.path)
+        if isinstance(tree, dict):
+            tree.setdefault("driver", {})  # written before drivers kept state: lock-step rounds
         try:
             self._check_tree(tree)
         except fields.StateError as err:
@@ -231,6 +244,7 @@ class RunCheckpoint:
             _check_metrics(tree["result"][name], fields.join("result", name), server_round)
         _check_app_state(tree["app"], server_round)
         fields.mapping(tree["strategy"], "strategy")
+        fields.mapping(tree["driver"], "driver")
 
     def _checked_arrays(self, tree: dict[str, Any]) -> dict[str, np.ndarray]:
         """The saved model, which must be the strategy's own (same names, shapes and dtypes; same values)."""

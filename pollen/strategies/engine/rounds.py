@@ -94,6 +94,8 @@ class SyncRounds:
 
         first_round, arrays, result = 1, initial_arrays, Result()
         saved = checkpoint.load(strategy) if checkpoint is not None and checkpoint.resume else None
+        if saved is not None and saved.driver_state:
+            raise SetupError("the checkpoint was written by the asynchronous driver; resume it with that driver")
         if saved is not None:
             first_round, arrays, result = saved.server_round + 1, saved.arrays, saved.result
             log(INFO, "Resuming after round %d of %d from %s", saved.server_round, num_rounds, checkpoint.path)
