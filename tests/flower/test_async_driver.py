@@ -385,3 +385,43 @@ def test_a_reply_signed_by_another_node_is_refused() -> None:
     strategy = build(driver=BufferedAsync(concurrency=3, buffer_size=1, rule=AsyncRule.fedbuff()))
     strategy.start(grid=ScriptedGrid(claim=5), initial_arrays=model_record(tiny_model()), num_rounds=5)
     assert sum("job came from node 5" in r for r in _reasons(strategy)) == 1, _reasons(strategy)
+
+
+# --------------------------------------------------------------------------- FedAdaVR's table as CA2FL's cache
+@pytest.mark.parametrize("variant", ["fedvarp", "fedadavr"])
+def test_fedadavr_with_buffer_equal_to_concurrency_is_the_synchronous_table_method(variant: str) -> None:
+    """§9.3: with every reply fresh, the table under the async driver is the synchronous method bit for bit."""
+    from pollen.strategies import FedAdaVR
+
+    sync = run(build(FedAdaVR, variant=variant, num_clients=N), rounds=5)
+    driver = BufferedAsync(concurrency=4, buffer_size=4, refill="flush", speed=parse_speed("uniform:1:4", 2))
+    asynchronous = build(FedAdaVR, driver=driver, variant=variant, num_clients=N)
+    assert same_bits(run(asynchronous, rounds=5, arrival_seed=6), sync)
+
+
+def test_fedadavr_keeps_each_clients_latest_applied_update_as_ca2fl_does_under_staleness() -> None:
+    """CA2FL's cache (``async.md`` §5): after the run each client's row is its latest *applied* update (taken
+    against the model its job started from, in the table's gradient units), however stale it was."""
+    from pollen.strategies import FedAdaVR
+
+    driver = BufferedAsync(
+        concurrency=4, buffer_size=2, rule=AsyncRule.fadas(), speed=parse_speed("stragglers:0.5:3:6", 5)
+    )
+    strategy = build(FedAdaVR, driver=driver, variant="fedvarp", num_clients=N, client_lr=0.5)
+    latest: dict[str, np.ndarray] = {}
+    original = strategy.aggregate_train
+
+    def spy(step, replies):  # noqa: ANN001, ANN202
+        keys = {r.metadata.src_node_id: strategy.sampler.key(r.metadata.src_node_id) for r in replies}
+        sent = {node: strategy.jobs.sent_round(key, step) for node, key in keys.items()}  # set while the step runs
+        out = original(step, replies)
+        if out[0] is not None:
+            latest.update({keys[node]: delta_of(node, sent[node]) for node in keys})
+        return out
+
+    strategy.aggregate_train = spy
+    run(strategy, rounds=8, arrival_seed=2)
+    assert max(method_column(strategy, "async_staleness_max")) >= 1
+    assert latest
+    for key, delta in latest.items():
+        np.testing.assert_allclose(strategy.store.table.get(key), delta / 0.5, rtol=1e-5, atol=1e-6, err_msg=key)
