@@ -383,8 +383,10 @@ def test_a_second_reply_to_one_job_is_refused_and_changes_nothing() -> None:
 
 def test_a_reply_signed_by_another_node_is_refused() -> None:
     strategy = build(driver=BufferedAsync(concurrency=3, buffer_size=1, rule=AsyncRule.fedbuff()))
-    strategy.start(grid=ScriptedGrid(claim=5), initial_arrays=model_record(tiny_model()), num_rounds=5)
-    assert sum("job came from node 5" in r for r in _reasons(strategy)) == 1, _reasons(strategy)
+    strategy.start(grid=ScriptedGrid(claim=5), initial_arrays=model_record(tiny_model()), num_rounds=5, timeout=0.3)
+    reasons = _reasons(strategy)
+    assert sum("job came from node 5" in r for r in reasons) == 1, reasons
+    assert sum("no reply before the timeout" in r for r in reasons) == 1, "node 2's own reply never came"
 
 
 # --------------------------------------------------------------------------- FedAdaVR's table as CA2FL's cache
@@ -425,3 +427,21 @@ def test_fedadavr_keeps_each_clients_latest_applied_update_as_ca2fl_does_under_s
     assert latest
     for key, delta in latest.items():
         np.testing.assert_allclose(strategy.store.table.get(key), delta / 0.5, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_when_no_more_replies_can_come_the_step_takes_the_buffer_it_has() -> None:
+    """Buffer = concurrency = all clients, one client's job fails: no job is in flight and no client is idle,
+    so the step goes on with the other replies (as a synchronous round does), not a stalled run."""
+    from pollen.testing.fakes import error_reply
+
+    def failing(msg):  # noqa: ANN001, ANN202
+        if msg.metadata.dst_node_id == 2 and int(config_of(msg)[protocol.CFG_SERVER_ROUND]) == 2:
+            return error_reply(msg, "out of memory")
+        return client(msg)
+
+    strategy = build(driver=BufferedAsync(concurrency=3, buffer_size=3, refill="flush"), n=3)
+    grid = FakeGrid(range(1, 4), failing)
+    strategy.start(grid=grid, initial_arrays=model_record(tiny_model()), num_rounds=3)
+    rounds = strategy.accounting.rounds
+    assert [rounds[s].replies for s in (1, 2, 3)] == [3, 2, 3]
+    assert any("out of memory" in r for r in rounds[2].failure_reasons), rounds[2].failure_reasons

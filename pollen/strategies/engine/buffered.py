@@ -138,7 +138,7 @@ class _Flight:
     records: dict[int, ArrayRecord] = field(default_factory=dict)  # version -> the model as sent (for a resume)
     sent_in_step: dict[int, int] = field(default_factory=dict)  # node -> the step it was last sent a job in
     jobs_of_client: dict[str, int] = field(default_factory=dict)
-    extra: list[Message] = field(default_factory=list)  # second replies to one job, refused at the next event
+    extra: list[tuple[Message, str]] = field(default_factory=list)  # replies that answer no job, and why
     sent_by_client: dict[str, int] = field(default_factory=dict)  # sent_in_step by client id, until a resume
     seq: int = 0
     clock: float = 0.0
@@ -271,28 +271,36 @@ class BufferedAsync(SyncRounds):
         while step <= num_rounds:
             if flight.in_flight() == 0:  # whatever the refill rule: nothing in flight would stall the run
                 self._fill(strategy, grid, flight, step, arrays, train_config)
-            job, reply = self._next(grid, flight, timeout, real_start)
-            for extra in flight.extra:
-                strategy.replies.reject(step, extra.metadata.src_node_id, "second reply to one job")
-            flight.extra.clear()
-            if job is not None:
-                self._receive(strategy, flight, step, job, reply)
-            if len(flight.buffer) >= self.buffer_size:
-                arrays = self._step(strategy, flight, step, arrays, result, started)
-                if evaluate_fn:
-                    res = evaluate_fn(step, arrays)
-                    if res is not None:
-                        result.evaluate_metrics_serverapp[step] = res
-                if checkpoint is not None:
-                    checkpoint.save(step, arrays, strategy, result, self.state_dict(strategy, flight))
-                    if checkpoint.stop_after_round == step and step < num_rounds:
-                        log(WARNING, "Stopping after step %d as asked (stop-after-round)", step)
-                        raise RunInterrupted(step, result)
-                step += 1
-                if step > num_rounds:
-                    break
-                self._fill(strategy, grid, flight, step, arrays, train_config)
-            elif self.refill == "reply":
+            if flight.in_flight() == 0 and flight.buffer:  # no more replies can come: the step takes what it has
+                log(
+                    WARNING,
+                    "async: step %d takes %d replies: no job in flight, no idle client",
+                    step,
+                    len(flight.buffer),
+                )
+            else:
+                job, reply = self._next(grid, flight, timeout, real_start)
+                for extra, why in flight.extra:
+                    strategy.replies.reject(step, extra.metadata.src_node_id, why)
+                flight.extra.clear()
+                if job is not None:
+                    self._receive(strategy, flight, step, job, reply)
+                if len(flight.buffer) < self.buffer_size:
+                    if self.refill == "reply":
+                        self._fill(strategy, grid, flight, step, arrays, train_config)
+                    continue
+            arrays = self._step(strategy, flight, step, arrays, result, started)
+            if evaluate_fn:
+                res = evaluate_fn(step, arrays)
+                if res is not None:
+                    result.evaluate_metrics_serverapp[step] = res
+            if checkpoint is not None:
+                checkpoint.save(step, arrays, strategy, result, self.state_dict(strategy, flight))
+                if checkpoint.stop_after_round == step and step < num_rounds:
+                    log(WARNING, "Stopping after step %d as asked (stop-after-round)", step)
+                    raise RunInterrupted(step, result)
+            step += 1
+            if step <= num_rounds:
                 self._fill(strategy, grid, flight, step, arrays, train_config)
         left = flight.in_flight()
         if left:
@@ -475,11 +483,16 @@ class BufferedAsync(SyncRounds):
         if not waiting:
             return
         for reply in grid.pull_messages(waiting):
-            mid = reply.metadata.reply_to_message_id
-            if mid in flight.jobs and mid not in flight.arrived:
-                flight.arrived[mid] = reply
+            mid, node = reply.metadata.reply_to_message_id, reply.metadata.src_node_id
+            job = flight.jobs.get(mid)
+            if job is None:
+                flight.extra.append((reply, "reply to no job in flight (an earlier or unknown message)"))
+            elif node != job.node and not (reply.has_error() and node == SUPERLINK_NODE_ID):
+                flight.extra.append((reply, f"reply to node {job.node}'s job came from node {node}"))
+            elif mid in flight.arrived:
+                flight.extra.append((reply, "second reply to one job"))
             else:
-                flight.extra.append(reply)
+                flight.arrived[mid] = reply
 
     def _next(
         self, grid: Grid, flight: _Flight, timeout: float, real_start: float
