@@ -172,25 +172,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--methods", default="", help="comma-separated method names (default: every registered one)")
     parser.add_argument("--write", default="", help="also write the figures as Markdown to this file")
+    parser.add_argument(
+        "--driver", choices=hostile.DRIVERS, default="sync", help="round driver (async: the methods that take it)"
+    )
     args = parser.parse_args(argv)
     logging.getLogger("flwr").setLevel(logging.CRITICAL)
-    methods = [m for m in args.methods.split(",") if m] or hostile.method_names()
+    every = hostile.method_names() if args.driver == "sync" else hostile.async_method_names()
+    methods = [m for m in args.methods.split(",") if m] or every
     started = time.perf_counter()
     matrix, fuzz = [], []
     for method in methods:
         family = METHODS[method].family
         t0 = time.perf_counter()
         for case in cases_for(method):
-            matrix.append((family, method, case, judge(method, case)))
+            matrix.append((family, method, case, judge(method, case, args.driver)))
         for case in fuzz_cases(method, args.fuzz_per_method, args.seed):
-            fuzz.append((family, method, case, judge(method, case)))
+            fuzz.append((family, method, case, judge(method, case, args.driver)))
         print(f"{method}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - started
     command = "PYTHONPATH=. python benchmarks/fuzz_replies.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         f"Command: `{command.strip()}`",
         "",
-        f"{len(methods)} methods, {len(matrix)} matrix cases and {len(fuzz)} fuzz cases (seed {args.seed}) "
+        f"{len(methods)} methods on the {args.driver} driver, {len(matrix)} matrix cases and {len(fuzz)} fuzz "
+        f"cases (seed {args.seed}) "
         f"in {seconds:.0f} s on one core ({platform.processor() or platform.machine()}, Python "
         f"{platform.python_version()}).",
         "",

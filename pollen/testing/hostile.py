@@ -53,6 +53,14 @@ ROUNDS = 2
 ATTACK_ROUND = 2
 #: A node that is connected to no grid (its replies are never asked for).
 STRANGER = 99
+#: The round drivers the matrix runs on.
+DRIVERS = ("sync", "async")
+#: The asynchronous driver's settings in the matrix: every client in flight, a step when all have answered,
+#: new jobs only at a step. Each step is then the synchronous round (``async.md`` §9.1), so the references
+#: mean the same, and a hostile reply meets the asynchronous driver's binding of replies to jobs first.
+ASYNC_CONFIG = {"driver": "async", "concurrency": len(NODES), "buffer-size": len(NODES), "refill": "flush"}
+#: A silent client's job is dropped after this many seconds (the asynchronous driver waits for it).
+ASYNC_TIMEOUT_S = 0.2
 
 #: What every method is built with on top of its own recommended values: all clients train, no
 #: federated evaluation, two local steps (HA-Fed gossips after each), one cluster of four.
@@ -87,6 +95,16 @@ def tiny_bn_model(seed: int = 0) -> OrderedDict[str, np.ndarray]:
 def method_names() -> list[str]:
     """Every registered method, in the table's order."""
     return list(METHODS)
+
+
+def async_method_names() -> list[str]:
+    """The registered methods that run on the asynchronous driver (the rest refuse it with their reason)."""
+    names = []
+    for name in METHODS:
+        strategy = build_method(name)
+        if hasattr(strategy, "job_messages") and getattr(strategy, "async_refusal", None) is None:
+            names.append(name)
+    return names
 
 
 def build_method(name: str, **overrides: Any) -> Any:
@@ -254,7 +272,10 @@ class AttackGrid(FakeGrid):
         self.attack = attack
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        messages = list(messages)
+        return self.deliver(list(messages))
+
+    def deliver(self, messages: list[Message]) -> list[Message]:
+        """Every message answered: honest replies, the attacker's through its tamper (none: silent)."""
         attack = self.attack
         replies: list[Message] = []
         for msg in messages:
@@ -285,14 +306,35 @@ class AttackGrid(FakeGrid):
         return replies
 
 
-def run(name: str, attack: Attack, *, rounds: int = ROUNDS, **overrides: Any) -> Any:
-    """Run method ``name`` for ``rounds`` rounds against ``attack``; return the strategy."""
+class AsyncAttackGrid(AttackGrid):
+    """:class:`AttackGrid` for the asynchronous driver: ``push_messages`` answers every message at once, and
+    ``pull_messages`` hands back every reply waiting, whatever message it claims to answer (a transport that
+    does not check, so the driver's own binding of replies to jobs is what is tested)."""
+
+    def __init__(self, clients: HonestClients, attack: Attack) -> None:
+        super().__init__(clients, attack)
+        self._waiting_replies: list[Message] = []
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        messages = list(messages)
+        self._waiting_replies += self.deliver(messages)
+        return [m.metadata.message_id for m in messages]
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        out, self._waiting_replies = self._waiting_replies, []
+        return out
+
+
+def run(name: str, attack: Attack, *, rounds: int = ROUNDS, driver: str = "sync", **overrides: Any) -> Any:
+    """Run method ``name`` for ``rounds`` rounds (steps) on round ``driver`` against ``attack``; the strategy."""
     random.seed(0)  # Flower's baselines sample with the global generator
-    strategy = build_method(name, **overrides)
+    asynchronous = driver == "async"
+    strategy = build_method(name, **{**(ASYNC_CONFIG if asynchronous else {}), **overrides})
     attack.clients = HonestClients(strategy)
-    grid = AttackGrid(attack.clients, attack)
+    grid = (AsyncAttackGrid if asynchronous else AttackGrid)(attack.clients, attack)
     initial = model_record(tiny_bn_model())
-    result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=rounds, timeout=60.0)
+    timeout = ASYNC_TIMEOUT_S if asynchronous else 60.0
+    result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=rounds, timeout=timeout)
     strategy.hostile_result_arrays = result.arrays  # the global model Flower's FedAvg keeps no state of
     return strategy
 

@@ -523,11 +523,12 @@ def _codec_values(array: str, is_index: bool, itemsize: int) -> tuple[str, ...]:
 
 # --------------------------------------------------------------------------- references and the oracle
 @functools.lru_cache(maxsize=None)
-def reference(name: str, silent_from: int | None) -> dict[str, np.ndarray]:
-    """The state of an honest run (``silent_from=None``) or of one whose attacker is silent from that phase."""
+def reference(name: str, silent_from: int | None, driver: str = "sync") -> dict[str, np.ndarray]:
+    """The state of an honest run (``silent_from=None``) or of one whose attacker is silent from that phase,
+    on round ``driver`` (``hostile.DRIVERS``)."""
     if silent_from is None:
-        return hostile.state_arrays(hostile.run(name, hostile.Attack(lambda a, m, h: [h])))
-    return hostile.state_arrays(hostile.run(name, hostile.Attack(None, phase=silent_from)))
+        return hostile.state_arrays(hostile.run(name, hostile.Attack(lambda a, m, h: [h]), driver=driver))
+    return hostile.state_arrays(hostile.run(name, hostile.Attack(None, phase=silent_from), driver=driver))
 
 
 @dataclass
@@ -547,18 +548,19 @@ ESCAPES = ("crashed", "corrupted", "stalled", "uncounted")
 _ROUND_FAILED = re.compile(r"round skipped|rolled back|aggregation failed")
 
 
-def judge(name: str, case: Case) -> Verdict:
-    """Run ``case`` against method ``name`` and judge it (see the module docstring of :mod:`hostile`)."""
+def judge(name: str, case: Case, driver: str = "sync") -> Verdict:
+    """Run ``case`` against method ``name`` on round ``driver`` and judge it (the module docstring of
+    :mod:`hostile`)."""
     attack = hostile.Attack(case.tamper, phase=case.phase)
     try:
-        strategy = hostile.run(name, attack)
+        strategy = hostile.run(name, attack, driver=driver)
     except Exception as err:  # noqa: BLE001 - a hostile reply that raises out of the server is an escape
         return Verdict("crashed", f"{type(err).__name__}: {str(err)[:160]}")
     if attack.tamper_error is not None:
         raise RuntimeError(f"case {case.id} could not build its reply: {attack.tamper_error!r}")
     if not attack.hit:
         raise RuntimeError(f"case {case.id}: the attacker was never asked in round {attack.server_round}")
-    return classify(strategy, case.expect, reference(name, case.phase), reference(name, None))
+    return classify(strategy, case.expect, reference(name, case.phase, driver), reference(name, None, driver))
 
 
 def classify(strategy: Any, expect: str, silent: dict[str, np.ndarray], honest: dict[str, np.ndarray]) -> Verdict:

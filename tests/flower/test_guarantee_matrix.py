@@ -22,12 +22,12 @@ from pollen.testing.hostile_cases import ESCAPES, TIMEOUT_REASON, Case, cases_fo
 pytestmark = pytest.mark.flower_compat
 
 
-def _sample(method: str) -> list[Case]:
-    """Every kind's first case and every fifth one after it (the benchmark runs them all)."""
+def _sample(method: str, every: int = 5) -> list[Case]:
+    """Every kind's first case and every ``every``-th one after it (the benchmark runs them all)."""
     kept, seen = [], {}
     for case in cases_for(method):
         index = seen[case.kind] = seen.get(case.kind, -1) + 1
-        if index % 5 == 0:
+        if index % every == 0:
             kept.append(case)
     return kept
 
@@ -44,6 +44,37 @@ def _params() -> list:
 def test_a_hostile_reply_leaves_no_trace_but_a_counted_rejection(method: str, case: Case) -> None:
     verdict = judge(method, case)
     assert verdict.outcome not in ESCAPES, f"{method} {case.id}: {verdict.outcome}: {verdict.detail}"
+
+
+def _async_params() -> list:
+    """The asynchronous driver's share: every method that runs on it, every kind, every tenth value."""
+    return [
+        pytest.param(method, case, id=f"{method}:{case.id}")
+        for method in hostile.async_method_names()
+        for case in _sample(method, every=10)
+    ]
+
+
+@pytest.mark.parametrize(("method", "case"), _async_params())
+def test_on_the_async_driver_a_hostile_reply_leaves_no_trace_but_a_counted_rejection(method: str, case: Case) -> None:
+    """The same oracle with each step the synchronous round (``hostile.ASYNC_CONFIG``): replies meet the
+    driver's binding to their job first, a silent client's job is dropped after its timeout."""
+    verdict = judge(method, case, "async")
+    assert verdict.outcome not in ESCAPES, f"{method} {case.id}: {verdict.outcome}: {verdict.detail}"
+
+
+def test_the_async_matrix_covers_the_adaptive_methods_and_not_the_lock_step_ones() -> None:
+    names = set(hostile.async_method_names())
+    assert {"fedams", "fedcams", "fedopt", "fedadavr"} <= names, names
+    assert not names & {"hafed", "fed-lamb", "fednlaa", "fedbnlaca", "fedavg"}, names
+
+
+def test_on_the_async_driver_a_silent_client_leaves_the_step_to_the_others() -> None:
+    strategy = hostile.run("fedcams", hostile.Attack(None), driver="async")
+    stats = strategy.accounting.rounds[hostile.ATTACK_ROUND]
+    assert stats.replies == len(hostile.NODES) - 1 and stats.failures == 1, stats.failure_reasons
+    assert hostile.differences(reference("fedcams", 0, "async"), reference("fedcams", None, "async"))
+    assert not hostile.differences(reference("fedcams", None, "async"), reference("fedcams", None))
 
 
 @pytest.mark.parametrize("method", hostile.method_names())
