@@ -603,6 +603,34 @@ def dropin() -> Path:
     return _save(fig, "dropin")
 
 
+@_styled
+def async_stragglers() -> Path:
+    t = table("async", "method", "stragglers", "virtual time to it")
+    fractions = list(dict.fromkeys(label(r[t.col("stragglers")]) for r in t.rows))
+    fig, axes = plt.subplots(1, len(fractions), figsize=(WIDTH, 2.9), sharey=True)
+    for ax, fraction in zip(axes, fractions):
+        rows = [r for r in t.rows if label(r[t.col("stragglers")]) == fraction]
+        names = [label(r[t.col("method")]) for r in rows]
+        stats = [mean_sd(r[t.col("virtual time to it")]) for r in rows]
+        colours = [FLOWER if name.endswith("-sync") else POLLEN for name in names]
+        y = list(range(len(names)))
+        ax.barh(y, [m for m, _ in stats], xerr=[sd for _, sd in stats], color=colours, height=0.65, capsize=2)
+        for i, (m, sd) in enumerate(stats):
+            ax.annotate(f"{m:.0f}", (m + sd, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7.5)
+        ax.set_yticks(y, names)
+        ax.invert_yaxis()
+        ax.grid(False, axis="y")
+        ax.set_xlim(0, max(m + sd for m, sd in stats) * 1.25)
+        ax.set_title(f"{fraction} stragglers")
+        ax.set_xlabel("virtual time to 65%")
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=FLOWER, label="synchronous driver"), Patch(color=POLLEN, label="asynchronous driver")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=2, frameon=False, fontsize=8.5)
+    fig.suptitle("Time to 65% on Fashion-MNIST, 100 clients, stragglers 5-10x slower (mean ± sd, 3 seeds)")
+    return _save(fig, "async")
+
+
 #: Page name (``docs/results/<page>.md``) -> the function that draws its figure.
 FIGURES_OF: dict[str, Callable[[], Path]] = {
     "fedcams": fedcams,
@@ -619,6 +647,7 @@ FIGURES_OF: dict[str, Callable[[], Path]] = {
     "hostile-replies": hostile_replies,
     "altered-files": altered_files,
     "dropin": dropin,
+    "async": async_stragglers,
 }
 
 

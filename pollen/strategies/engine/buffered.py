@@ -31,10 +31,9 @@ Checkpoints are not written by this driver yet, and a resume is refused before r
 
 from __future__ import annotations
 
-import heapq
 import io
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
@@ -48,15 +47,14 @@ from pollen.asynchrony import ClientSpeed, StalenessWeight, delay_adaptive_scale
 from pollen.core import state_fields as fields
 from pollen.strategies.engine.client_errors import ClientAppIncompatible, client_error_text, incompatibility
 from pollen.strategies.engine.collector import TRAIN_PHASE
+from pollen.strategies.engine.flight import SUPERLINK_NODE_ID, Flight, Job
 from pollen.strategies.engine.jobs import StepJobs
 from pollen.strategies.engine.resume import RunCheckpoint
 from pollen.strategies.engine.rounds import EvaluateFn, RunInterrupted, SetupError, SyncRounds
-from pollen.wire.records import arrays_to_record, record_to_arrays
 
 REFILLS = ("reply", "flush")
 CLOCKS = ("virtual", "real")
 REFERENCES = ("dispatch", "current")
-SUPERLINK_NODE_ID = 0
 
 
 @dataclass(frozen=True)
@@ -107,48 +105,6 @@ class AsyncRule:
         if self.delay_adaptive:
             out.update(delay_adaptive=True, tau_c=self.tau_c, da_form=self.da_form)
         return out
-
-
-@dataclass
-class Job:
-    """One train message in flight: who, from which model version, and when it finishes."""
-
-    seq: int
-    node: int
-    client: str
-    version: int
-    sent_round: int
-    started: float
-    finish: float
-    sent_at: float
-    group: str
-    message_id: str = ""
-    dropped: bool = False
-
-
-@dataclass
-class _Flight:
-    """The run's moving parts: jobs in flight, replies waiting, the buffer, the model snapshots."""
-
-    jobs: dict[str, Job] = field(default_factory=dict)  # message id -> job
-    heap: list[tuple[float, int, str]] = field(default_factory=list)  # (finish, seq, message id)
-    arrived: dict[str, Message] = field(default_factory=dict)
-    buffer: list[tuple[Job, Message]] = field(default_factory=list)
-    snapshots: dict[int, np.ndarray] = field(default_factory=dict)
-    records: dict[int, ArrayRecord] = field(default_factory=dict)  # version -> the model as sent (for a resume)
-    sent_in_step: dict[int, int] = field(default_factory=dict)  # node -> the step it was last sent a job in
-    jobs_of_client: dict[str, int] = field(default_factory=dict)
-    extra: list[tuple[Message, str]] = field(default_factory=list)  # replies that answer no job, and why
-    sent_by_client: dict[str, int] = field(default_factory=dict)  # sent_in_step by client id, until a resume
-    seq: int = 0
-    clock: float = 0.0
-    incompatible: int = 0
-
-    def busy(self) -> set[int]:
-        return {job.node for job in self.jobs.values()} | {job.node for job, _ in self.buffer}
-
-    def in_flight(self) -> int:
-        return sum(1 for job in self.jobs.values() if not job.dropped)
 
 
 class BufferedAsync(SyncRounds):
@@ -244,12 +200,12 @@ class BufferedAsync(SyncRounds):
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         started = time.time()
-        result, arrays, step, flight = Result(), initial_arrays, 1, _Flight()
+        result, arrays, step, flight = Result(), initial_arrays, 1, Flight()
         saved = checkpoint.load(strategy) if checkpoint is not None and checkpoint.resume else None
         if saved is not None:
             step, arrays, result = saved.server_round + 1, saved.arrays, saved.result
             try:
-                flight = self.restore(strategy, saved.driver_state, saved.server_round)
+                flight = Flight.from_state(saved.driver_state, strategy.model, saved.server_round)
             except fields.StateError as err:
                 raise SetupError(str(err.in_file(str(checkpoint.path)))) from None
             log(INFO, "Resuming after step %d of %d from %s", saved.server_round, num_rounds, checkpoint.path)
@@ -279,7 +235,13 @@ class BufferedAsync(SyncRounds):
                     len(flight.buffer),
                 )
             else:
-                job, reply = self._next(grid, flight, timeout, real_start)
+                job, reply = flight.next_event(
+                    grid,
+                    virtual=self.clock == "virtual",
+                    timeout=timeout,
+                    real_start=real_start,
+                    poll_interval=self.poll_interval,
+                )
                 for extra, why in flight.extra:
                     strategy.replies.reject(step, extra.metadata.src_node_id, why)
                 flight.extra.clear()
@@ -295,7 +257,7 @@ class BufferedAsync(SyncRounds):
                 if res is not None:
                     result.evaluate_metrics_serverapp[step] = res
             if checkpoint is not None:
-                checkpoint.save(step, arrays, strategy, result, self.state_dict(strategy, flight))
+                checkpoint.save(step, arrays, strategy, result, flight.state_dict(strategy.sampler.key))
                 if checkpoint.stop_after_round == step and step < num_rounds:
                     log(WARNING, "Stopping after step %d as asked (stop-after-round)", step)
                     raise RunInterrupted(step, result)
@@ -347,7 +309,7 @@ class BufferedAsync(SyncRounds):
 
     # ------------------------------------------------------------------ sending
     def _fill(
-        self, strategy: Any, grid: Grid, flight: _Flight, step: int, arrays: ArrayRecord, config: ConfigRecord
+        self, strategy: Any, grid: Grid, flight: Flight, step: int, arrays: ArrayRecord, config: ConfigRecord
     ) -> None:
         """Send new jobs until ``concurrency`` are in flight, to clients sampled from the idle ones."""
         need = self.concurrency - flight.in_flight()
@@ -384,74 +346,12 @@ class BufferedAsync(SyncRounds):
             flight.records[step - 1] = arrays
         ids = list(grid.push_messages(messages))
         for job, message, message_id in zip(jobs, messages, ids):
-            job.message_id = str(message_id or message.metadata.message_id)
-            flight.jobs[job.message_id] = job
-            heapq.heappush(flight.heap, (job.finish, job.seq, job.message_id))
+            flight.add(job, str(message_id or message.metadata.message_id))
         log(INFO, "async: step %d: sent %d jobs (%d in flight)", step, len(jobs), flight.in_flight())
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, strategy: Any, flight: _Flight) -> dict[str, Any]:
-        """What a resume needs beyond the strategy, taken after a step (the buffer is then empty): the clock,
-        the job counters, every job in flight (by client id) and the model each of them started from."""
-        live = sorted((job for job in flight.jobs.values() if not job.dropped), key=lambda job: job.seq)
-        versions = sorted({job.version for job in live})
-        return {
-            "clock": float(flight.clock),
-            "seq": int(flight.seq),
-            "jobs": [[job.client, job.version, job.started, job.finish, job.seq] for job in live],
-            "models": [
-                [str(v), [[name, np.array(a)] for name, a in record_to_arrays(flight.records[v]).items()]]
-                for v in versions
-            ],
-            "jobs_of_client": dict(flight.jobs_of_client),
-            "sent_in_step": {strategy.sampler.key(node): int(s) for node, s in flight.sent_in_step.items()},
-        }
-
-    def restore(self, strategy: Any, state: Any, last_step: int) -> _Flight:
-        """The run's moving parts from :meth:`state_dict`'s form, every field checked (a
-        :class:`~pollen.core.state_fields.StateError` names the one that does not fit); jobs are keyed by client
-        until :meth:`_resend` finds their nodes."""
-        where = "driver"
-        fields.mapping(state, where, keys=("clock", "seq", "jobs", "models", "jobs_of_client", "sent_in_step"))
-        flight = _Flight()
-        flight.clock = fields.finite_number(state["clock"], fields.join(where, "clock"), low=0.0)
-        flight.seq = fields.whole(state["seq"], fields.join(where, "seq"))
-        layout = strategy.model.layout
-        for i, item in enumerate(fields.sequence(state["models"], fields.join(where, "models"))):
-            at = fields.join(fields.join(where, "models"), i)
-            version_text, pairs = fields.sequence(item, at, length=2)
-            version = fields.whole(
-                int(version_text) if str(version_text).isdigit() else -1, fields.join(at, 0), high=last_step
-            )
-            named = dict(fields.pairs(pairs, fields.join(at, 1)))
-            try:
-                layout.check_arrays(named, layout.trainable + layout.buffers)
-            except ValueError as err:
-                raise fields.StateError(fields.join(at, 1), str(err)) from None
-            flight.records[version] = arrays_to_record({name: named[name] for name in strategy.model.key_order})
-            flight.snapshots[version] = layout.flatten(named)
-        for i, item in enumerate(fields.sequence(state["jobs"], fields.join(where, "jobs"))):
-            at = fields.join(fields.join(where, "jobs"), i)
-            client, version, started, finish, seq = fields.sequence(item, at, length=5)
-            client = fields.text(client, fields.join(at, 0), most=256)
-            version = fields.whole(version, fields.join(at, 1), high=last_step)
-            if version not in flight.records:
-                raise fields.StateError(fields.join(at, 1), f"is version {version}, whose model is not saved")
-            started = fields.finite_number(started, fields.join(at, 2), low=0.0, high=flight.clock)
-            finish = fields.finite_number(finish, fields.join(at, 3), low=started)
-            seq = fields.whole(seq, fields.join(at, 4), low=1, high=flight.seq)
-            job = Job(seq, -1, client, version, version + 1, started, finish, 0.0, f"pollen/async/{seq}")
-            flight.jobs[f"saved/{seq}"] = job
-        counts = fields.mapping(state["jobs_of_client"], fields.join(where, "jobs_of_client"))
-        flight.jobs_of_client = {c: fields.whole(n, fields.join(where, c)) for c, n in counts.items()}
-        steps = fields.mapping(state["sent_in_step"], fields.join(where, "sent_in_step"))
-        flight.sent_by_client = {
-            c: fields.whole(s, fields.join(where, c), high=last_step + 1) for c, s in steps.items()
-        }
-        return flight
-
     def _resend(
-        self, strategy: Any, grid: Grid, flight: _Flight, step: int, arrays: ArrayRecord, config: ConfigRecord
+        self, strategy: Any, grid: Grid, flight: Flight, step: int, arrays: ArrayRecord, config: ConfigRecord
     ) -> None:
         """Send the saved jobs again, each to the node its client is on now, with the model and round it had
         (a client that kept its state in a file starts the job again from its state of before it); a job whose
@@ -468,106 +368,22 @@ class BufferedAsync(SyncRounds):
                 job.sent_round, [(job.node, job.group)], flight.records[job.version], config, count_in=step
             )
             (message_id,) = list(grid.push_messages([message]))
-            job.message_id = str(message_id or message.metadata.message_id)
-            flight.jobs[job.message_id] = job
-            heapq.heappush(flight.heap, (job.finish, job.seq, job.message_id))
+            flight.add(job, str(message_id or message.metadata.message_id))
         strategy._adopt_global_model(arrays)  # the model of now again: the step reads replies against it
         log(INFO, "async: resumed with %d of %d saved jobs sent again", len(flight.jobs), len(saved))
-        self._release(flight)
+        flight.release()
         self._fill(strategy, grid, flight, step, arrays, config)
 
     # ------------------------------------------------------------------ receiving
-    def _pull(self, grid: Grid, flight: _Flight) -> None:
-        """Keep every reply that came for a job in flight (the first per job; another is a failure later)."""
-        waiting = [mid for mid in flight.jobs if mid not in flight.arrived]
-        if not waiting:
-            return
-        for reply in grid.pull_messages(waiting):
-            mid, node = reply.metadata.reply_to_message_id, reply.metadata.src_node_id
-            job = flight.jobs.get(mid)
-            if job is None:
-                flight.extra.append((reply, "reply to no job in flight (an earlier or unknown message)"))
-            elif node != job.node and not (reply.has_error() and node == SUPERLINK_NODE_ID):
-                flight.extra.append((reply, f"reply to node {job.node}'s job came from node {node}"))
-            elif mid in flight.arrived:
-                flight.extra.append((reply, "second reply to one job"))
-            else:
-                flight.arrived[mid] = reply
-
-    def _next(
-        self, grid: Grid, flight: _Flight, timeout: float, real_start: float
-    ) -> tuple[Job | None, Message | None]:
-        """The next job to handle and its reply (``None``: dropped after the timeout, or a dropped job's late reply
-        came). ``RuntimeError`` when no job is in flight and no late reply comes within ``timeout``."""
-        waiting_since = time.monotonic()
-        while True:
-            self._pull(grid, flight)
-            late = [mid for mid, job in flight.jobs.items() if job.dropped and mid in flight.arrived]
-            if late:
-                job = flight.jobs.pop(late[0])
-                flight.arrived.pop(late[0])
-                return job, None
-            if self.clock == "virtual":
-                while flight.heap and flight.jobs.get(flight.heap[0][2]) is None:
-                    heapq.heappop(flight.heap)
-                if not flight.heap:
-                    self._stalled(flight, waiting_since, timeout)
-                    time.sleep(self.poll_interval)
-                    continue
-                finish, _, mid = flight.heap[0]
-                job = flight.jobs[mid]
-                if mid in flight.arrived:
-                    heapq.heappop(flight.heap)
-                    flight.clock = max(flight.clock, finish)
-                    return self._take(flight, mid), flight.arrived.pop(mid)
-                if time.monotonic() - job.sent_at > timeout:
-                    heapq.heappop(flight.heap)
-                    flight.clock = max(flight.clock, finish)
-                    return self._drop(flight, job), None
-            else:
-                ready = sorted((flight.jobs[mid].seq, mid) for mid in flight.arrived if not flight.jobs[mid].dropped)
-                if ready:
-                    mid = ready[0][1]
-                    flight.clock = time.monotonic() - real_start
-                    return self._take(flight, mid), flight.arrived.pop(mid)
-                now = time.monotonic()
-                overdue = [job for job in flight.jobs.values() if not job.dropped and now - job.sent_at > timeout]
-                if overdue:
-                    flight.clock = time.monotonic() - real_start
-                    return self._drop(flight, min(overdue, key=lambda job: job.seq)), None
-                if flight.in_flight() == 0:
-                    self._stalled(flight, waiting_since, timeout)
-            time.sleep(self.poll_interval)
-
-    @staticmethod
-    def _stalled(flight: _Flight, since: float, timeout: float) -> None:
-        """Nothing in flight: wait up to ``timeout`` for a dropped job's late reply, then stop the run."""
-        if time.monotonic() - since > timeout:
-            dropped = sorted(job.node for job in flight.jobs.values() if job.dropped)
-            raise RuntimeError(
-                f"the asynchronous run stalled: no job in flight, no idle client to send one to, and no late reply "
-                f"within {timeout:g} s (nodes holding dropped jobs: {dropped})"
-            )
-
-    @staticmethod
-    def _take(flight: _Flight, mid: str) -> Job:
-        return flight.jobs.pop(mid)
-
-    @staticmethod
-    def _drop(flight: _Flight, job: Job) -> Job:
-        """A job past the timeout: it stays in the book, dropped, until its late reply (if any) comes."""
-        job.dropped = True
-        return job
-
-    def _receive(self, strategy: Any, flight: _Flight, step: int, job: Job, reply: Message | None) -> None:
+    def _receive(self, strategy: Any, flight: Flight, step: int, job: Job, reply: Message | None) -> None:
         """Put ``job``'s reply in the buffer, or count why not (timeout, late, error, too stale)."""
         refuse = strategy.replies.reject
         if reply is None:
-            if job.dropped and job.message_id not in flight.jobs:
+            if job.message_id not in flight.jobs:  # a dropped job's late reply
                 refuse(step, job.node, "late reply to a job dropped after the timeout")
             else:
                 refuse(step, job.node, "no reply before the timeout (train)")
-            self._release(flight)
+            flight.release()
             return
         node = reply.metadata.src_node_id
         if reply.has_error():
@@ -580,34 +396,25 @@ class BufferedAsync(SyncRounds):
                     flight.incompatible += 1
                     if flight.incompatible >= max(len(strategy.sampler.node_keys), 1):
                         raise ClientAppIncompatible(f"stopped in step {step}: no ClientApp can answer: {why}")
-            self._release(flight)
+            flight.release()
             return
         if node != job.node:
             refuse(step, job.node, f"reply to node {job.node}'s job came from node {node}")
-            self._release(flight)
+            flight.release()
             return
         tau = (step - 1) - job.version
         if self.max_staleness is not None and tau > self.max_staleness:
             refuse(step, job.node, f"reply {tau} steps stale, more than max_staleness={self.max_staleness}")
             stats = strategy.accounting.round(step).method
             stats["async_too_stale"] = stats.get("async_too_stale", 0) + 1
-            self._release(flight)
+            flight.release()
             return
         flight.incompatible = 0
         flight.buffer.append((job, reply))
 
-    @staticmethod
-    def _release(flight: _Flight) -> None:
-        """Forget snapshots no job in flight or in the buffer still starts from."""
-        used = {job.version for job in flight.jobs.values() if not job.dropped}
-        used |= {job.version for job, _ in flight.buffer}
-        for version in [v for v in flight.snapshots if v not in used]:
-            del flight.snapshots[version]
-            flight.records.pop(version, None)
-
     # ------------------------------------------------------------------ stepping
     def _step(  # noqa: PLR0913
-        self, strategy: Any, flight: _Flight, step: int, arrays: ArrayRecord, result: Result, started: float
+        self, strategy: Any, flight: Flight, step: int, arrays: ArrayRecord, result: Result, started: float
     ) -> ArrayRecord:
         """One server step from the buffer through the strategy's ``aggregate_train``; the new arrays (or the old)."""
         buffer, flight.buffer = flight.buffer, []
@@ -638,7 +445,7 @@ class BufferedAsync(SyncRounds):
         finally:
             strategy.jobs = None
             strategy.server_step.lr_scale = 1.0
-        self._release(flight)
+        flight.release()
         log(
             INFO,
             "async: step %d at virtual time %.3f: %d replies, staleness mean %.2f max %d",

@@ -250,28 +250,18 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         return self.transport.train_messages(server_round, nodes, content_for)
 
     def job_messages(
-        self,
-        server_round: int,
-        jobs: list[tuple[int, str]],
-        arrays: ArrayRecord,
-        config: ConfigRecord,
-        *,
-        count_in: int | None = None,
-    ) -> list[Message]:
-        """Train messages for an asynchronous driver's ``(node, group id)`` jobs, sent while ``server_round`` is
-        the step being filled: the same content a round's :meth:`configure_train` sends, counted in that step
-        (or in ``count_in``: a job of an earlier step sent again after a resume)."""
+        self, rnd: int, jobs: list, arrays: ArrayRecord, config: ConfigRecord, *, count_in: Any = None
+    ) -> list:
+        """An asynchronous driver's ``(node, group id)`` jobs of round ``rnd``: a round's content, counted in
+        that step (or in ``count_in``: a job of an earlier step sent again after a resume)."""
         refuse_dp_wrapper(self, optimiser_words(self))
         self._adopt_global_model(arrays)
-        counted = server_round if count_in is None else count_in
+        counted = rnd if count_in is None else count_in
         self._train_started.setdefault(counted, time.perf_counter())
         self.accounting.round(counted).sampled += len(jobs)
-        content_for = self._train_content(server_round, arrays, config)
-        return self.transport.job_messages(counted, jobs, content_for)
+        return self.transport.job_messages(counted, jobs, self._train_content(rnd, arrays, config))
 
-    def _train_content(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord
-    ) -> Callable[[int], RecordDict]:
+    def _train_content(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord) -> Callable:
         """What a node's train message of ``server_round`` carries: the model and the round's config, shared."""
         config = train_config(config, server_round, self.layout.buffer_keys, self.round_config(server_round))
         shared = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
