@@ -147,3 +147,36 @@ def test_an_altered_driver_state_is_refused_before_the_run_goes_on(tmp_path: Pat
     save_checkpoint(path, tree)
     with pytest.raises(RunRefused, match=r"driver/jobs/0/2"):
         run_inprocess({**settings, "run-name": "cut", "resume": str(tmp_path / "cut")}, NODES)
+
+
+def test_a_driver_state_with_two_jobs_of_one_client_is_refused(tmp_path: Path) -> None:
+    from pollen.core.checkpoint import load_checkpoint, save_checkpoint
+    from pollen.server_app import RunRefused
+
+    settings = {**SMALL, "num-server-rounds": 3, "results-dir": str(tmp_path), "resume-trust-file": True}
+    run_inprocess({**settings, "run-name": "cut", "stop-after-round": 1}, NODES)
+    path = tmp_path / "cut" / "checkpoint.npz"
+    tree = load_checkpoint(path)
+    first = list(tree["driver"]["jobs"][0])
+    tree["driver"]["jobs"].append([first[0], first[1], first[2], first[3], tree["driver"]["seq"]])
+    save_checkpoint(path, tree)
+    index = len(tree["driver"]["jobs"]) - 1
+    with pytest.raises(RunRefused, match=rf"driver/jobs/{index}/0.*one job at a time"):
+        run_inprocess({**settings, "run-name": "cut", "resume": str(tmp_path / "cut")}, NODES)
+
+
+def test_a_resumed_sync_run_with_a_speed_model_keeps_its_virtual_clock(tmp_path: Path) -> None:
+    settings = {
+        **SMALL,
+        "driver": "sync",
+        "strategy": "fedams",
+        "num-server-rounds": 4,
+        "results-dir": str(tmp_path),
+        "client-speed": "stragglers:0.5:3:5",
+    }
+    full = run_inprocess({**settings, "run-name": "full"}, NODES)
+    run_inprocess({**settings, "run-name": "cut", "stop-after-round": 2}, NODES)
+    resumed = run_inprocess({**settings, "run-name": "cut", "resume": str(tmp_path / "cut")}, NODES)
+    want = [row.get("method.async_virtual_time") for row in full]
+    assert [row.get("method.async_virtual_time") for row in resumed] == want
+    assert want[-1] > want[1] > 0

@@ -445,3 +445,98 @@ def test_when_no_more_replies_can_come_the_step_takes_the_buffer_it_has() -> Non
     rounds = strategy.accounting.rounds
     assert [rounds[s].replies for s in (1, 2, 3)] == [3, 2, 3]
     assert any("out of memory" in r for r in rounds[2].failure_reasons), rounds[2].failure_reasons
+
+
+def test_a_superlink_error_reply_ends_its_job_at_once_as_not_delivered() -> None:
+    """Flower's SuperLink answers a message it cannot deliver itself (node id 1): the job ends then, counted
+    against its own node, not after the timeout against a phantom node."""
+    from flwr.app import Error, Message
+
+    from pollen.strategies.engine.flight import SUPERLINK_NODE_ID
+
+    def undeliverable(msg):  # noqa: ANN001, ANN202
+        if msg.metadata.dst_node_id == 3 and int(config_of(msg)[protocol.CFG_SERVER_ROUND]) == 2:
+            reply = Message(Error(code=3, reason="Node unavailable"), reply_to=msg)
+            reply.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
+            return reply
+        return client(msg)
+
+    strategy = build(driver=BufferedAsync(concurrency=3, buffer_size=3, refill="flush"), n=3)
+    started = time.monotonic()
+    strategy.start(
+        grid=FakeGrid(range(1, 4), undeliverable), initial_arrays=model_record(tiny_model()), num_rounds=3,
+        timeout=30,
+    )  # fmt: skip
+    assert time.monotonic() - started < 10, "the job waited for its timeout"
+    reasons = _reasons(strategy)
+    assert [r for r in reasons if "not delivered" in r] == ["node-3: train message not delivered: Node unavailable"]
+    assert [strategy.accounting.rounds[s].replies for s in (1, 2, 3)] == [3, 2, 3]
+
+
+def test_a_step_whose_every_job_failed_is_skipped_and_the_run_goes_on() -> None:
+    from pollen.testing.fakes import error_reply
+
+    def failing(msg):  # noqa: ANN001, ANN202
+        if int(config_of(msg)[protocol.CFG_SERVER_ROUND]) == 2:
+            return error_reply(msg, "disk full")
+        return client(msg)
+
+    strategy = build(driver=BufferedAsync(concurrency=3, buffer_size=3, refill="flush"), n=3)
+    strategy.start(grid=FakeGrid(range(1, 4), failing), initial_arrays=model_record(tiny_model()), num_rounds=4)
+    rounds = strategy.accounting.rounds
+    assert [rounds[s].replies for s in (1, 2, 3, 4)] == [3, 0, 3, 3]
+    assert sum("disk full" in r for r in rounds[2].failure_reasons) == 3
+    # the skipped step changed no model: the next step's replies are fresh against it
+    assert method_column(strategy, "async_staleness_max")[2:] == [0, 0]
+
+
+def test_fadas_paper_form_keeps_a_small_learning_rate_where_the_code_form_divides_it() -> None:
+    """§9.6: with eta = 1e-3 and tau_max = 4, the code form gives eta / 4, the paper form min(eta, 1/4) = eta."""
+    from pollen.asynchrony import delay_adaptive_scale
+
+    assert delay_adaptive_scale(4, 1, 1e-3, "code") == 0.25
+    assert delay_adaptive_scale(4, 1, 1e-3, "paper") == 1.0
+
+    def scales(form: str) -> list[float]:
+        driver = BufferedAsync(
+            concurrency=4, buffer_size=1, rule=AsyncRule.fadas(da_form=form), speed=parse_speed("stragglers:0.5:4:8", 3)
+        )
+        strategy = build(driver=driver, eta=1e-3)
+        run(strategy, rounds=10)
+        return method_column(strategy, "async_lr_scale")
+
+    code, paper = scales("code"), scales("paper")
+    assert min(code) < 1.0 and set(paper) == {1.0}
+
+
+def test_the_delay_adaptive_rate_and_the_staleness_record_count_only_the_replies_the_step_applied() -> None:
+    """A stale reply the outlier screen refuses must not shrink the step's learning rate."""
+    from pollen.strategies.engine.screening import UpdateScreen
+
+    def huge_when_stale(msg):  # noqa: ANN001, ANN202
+        reply = client(msg)
+        if msg.metadata.dst_node_id == 1:  # node 1's every update is 1e4 times the others': refused
+            arrays = global_arrays_of(msg)
+            local = dict(arrays)
+            for name, part in split_trainable(delta_of(1, 0) * 1e4, arrays, TRAINABLE).items():
+                local[name] = (arrays[name] + part).astype(arrays[name].dtype)
+            reply = full_model_reply(msg, local)
+        return reply
+
+    driver = BufferedAsync(
+        concurrency=4, buffer_size=2, rule=AsyncRule.fadas(), speed=parse_speed("stragglers:0.5:4:8", 3)
+    )
+    parts = EngineParts(sampler=ClientSampler(seed=3), driver=driver, screen=UpdateScreen(rule="reject", factor=5))
+    strategy = FedAMS(fraction_train=1.0, min_train_nodes=4, fraction_evaluate=0.0, min_evaluate_nodes=0, parts=parts)
+    strategy.start(
+        grid=FakeGrid(range(1, N + 1), huge_when_stale), initial_arrays=model_record(tiny_model()), num_rounds=12
+    )
+    taus = method_column(strategy, "async_staleness_max")
+    scales = method_column(strategy, "async_lr_scale")
+    assert scales == [1.0 if t <= 1 else 1.0 / t for t in taus]
+    refused = [
+        s
+        for s, st in strategy.accounting.rounds.items()
+        if any("node 1" in r or "node-1" in r for r in st.failure_reasons)
+    ]
+    assert refused, "node 1's replies were refused by the screen"

@@ -16,17 +16,21 @@ taken since. The driver's :class:`AsyncRule` says how a buffer becomes a step (`
 
 Steps are the engine's rounds: step ``s`` is round ``s`` to the strategy (its results row, its byte counts,
 the ledger's round), and a job sent while step ``s`` fills names round ``s`` in its message, so every
-(client, round) pair names one job: a client is sent at most one job per step, and a client whose reply waits
-in the buffer is not sent another before the step.
+(client, round) pair names one job: a client (by its stable id, whatever node it is on) is sent at most one
+job per step, and a client whose reply waits in the buffer is not sent another before the step. Staleness
+counts *model versions*: a step that applied nothing (too few replies, a rolled-back step) is not one. When no
+job is in flight and no client may be sent one, the step takes the replies it has, none included.
 
 **The clock.** With ``clock="virtual"`` (simulation) each job gets a finish time from a seeded
 :class:`~pollen.asynchrony.ClientSpeed` (a pure function of the client and its job number), and replies are
 handled strictly in (virtual finish, job number) order: a reply that arrives early waits for the ones
 before it, so a run ends bit-identical whatever the machine's timing and however many workers train. With
 ``clock="real"`` (deployment) replies are handled as they arrive. Either way a job without a reply after
-``timeout`` seconds is dropped (counted); its node gets no new job until its late reply comes (refused).
+``timeout`` seconds is dropped (counted); its client gets no new job until its late reply comes (refused),
+the one place where real time can matter in a virtual-clock run.
 
-Checkpoints are not written by this driver yet, and a resume is refused before round 1 with that reason.
+A checkpoint after every step holds the driver's book too (:class:`~pollen.strategies.engine.flight.Flight`);
+a resume sends the jobs in flight again and ends bit-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -204,6 +208,8 @@ class BufferedAsync(SyncRounds):
         saved = checkpoint.load(strategy) if checkpoint is not None and checkpoint.resume else None
         if saved is not None:
             step, arrays, result = saved.server_round + 1, saved.arrays, saved.result
+            if saved.driver_state.get("kind") != "async":
+                raise SetupError("the checkpoint was written by the synchronous driver; resume it with that driver")
             try:
                 flight = Flight.from_state(saved.driver_state, strategy.model, saved.server_round)
             except fields.StateError as err:
@@ -227,10 +233,11 @@ class BufferedAsync(SyncRounds):
         while step <= num_rounds:
             if flight.in_flight() == 0:  # whatever the refill rule: nothing in flight would stall the run
                 self._fill(strategy, grid, flight, step, arrays, train_config)
-            if flight.in_flight() == 0 and flight.buffer:  # no more replies can come: the step takes what it has
+            if flight.in_flight() == 0 and (flight.buffer or self._spent(strategy, grid, flight, step)):
+                # no more replies can come to this step: it takes what it has (none: the model stays as it is)
                 log(
                     WARNING,
-                    "async: step %d takes %d replies: no job in flight, no idle client",
+                    "async: step %d takes %d replies: nothing in flight, nobody to send to",
                     step,
                     len(flight.buffer),
                 )
@@ -257,7 +264,7 @@ class BufferedAsync(SyncRounds):
                 if res is not None:
                     result.evaluate_metrics_serverapp[step] = res
             if checkpoint is not None:
-                checkpoint.save(step, arrays, strategy, result, flight.state_dict(strategy.sampler.key))
+                checkpoint.save(step, arrays, strategy, result, flight.state_dict())
                 if checkpoint.stop_after_round == step and step < num_rounds:
                     log(WARNING, "Stopping after step %d as asked (stop-after-round)", step)
                     raise RunInterrupted(step, result)
@@ -308,6 +315,14 @@ class BufferedAsync(SyncRounds):
             )
 
     # ------------------------------------------------------------------ sending
+    @staticmethod
+    def _spent(strategy: Any, grid: Grid, flight: Flight, step: int) -> bool:
+        """Whether some connected client is idle but was already sent a job in this step (a new step frees it)."""
+        busy, key = flight.busy(), strategy.sampler.key
+        return any(
+            key(n) not in busy and flight.sent_in_step.get(key(n)) == step for n in strategy.sampler.connected(grid)
+        )
+
     def _fill(
         self, strategy: Any, grid: Grid, flight: Flight, step: int, arrays: ArrayRecord, config: ConfigRecord
     ) -> None:
@@ -315,8 +330,12 @@ class BufferedAsync(SyncRounds):
         need = self.concurrency - flight.in_flight()
         if need <= 0:
             return
-        busy = flight.busy()
-        idle = [n for n in strategy.sampler.connected(grid) if n not in busy and flight.sent_in_step.get(n) != step]
+        busy, key = flight.busy(), strategy.sampler.key
+        idle = [
+            n
+            for n in strategy.sampler.connected(grid)
+            if key(n) not in busy and flight.sent_in_step.get(key(n)) != step
+        ]
         if not idle:
             return
         picks = strategy.sampler.rng.choice(len(idle), size=min(need, len(idle)), replace=False)
@@ -331,7 +350,7 @@ class BufferedAsync(SyncRounds):
                 seq=flight.seq,
                 node=node,
                 client=client,
-                version=step - 1,
+                version=flight.version,
                 sent_round=step,
                 started=flight.clock,
                 finish=flight.clock + self.speed.duration(client, number),
@@ -339,11 +358,11 @@ class BufferedAsync(SyncRounds):
                 group=f"pollen/async/{flight.seq}",
             )
             jobs.append(job)
-            flight.sent_in_step[node] = step
+            flight.sent_in_step[client] = step
         messages = strategy.job_messages(step, [(job.node, job.group) for job in jobs], arrays, config)
-        if step - 1 not in flight.snapshots:
-            flight.snapshots[step - 1] = np.array(strategy.params, copy=True)
-            flight.records[step - 1] = arrays
+        if flight.version not in flight.snapshots:
+            flight.snapshots[flight.version] = np.array(strategy.params, copy=True)
+            flight.records[flight.version] = arrays
         ids = list(grid.push_messages(messages))
         for job, message, message_id in zip(jobs, messages, ids):
             flight.add(job, str(message_id or message.metadata.message_id))
@@ -358,7 +377,6 @@ class BufferedAsync(SyncRounds):
         client is not connected is dropped. Then the rest of the jobs, as after any step."""
         nodes_of = {strategy.sampler.key(node): node for node in strategy.sampler.connected(grid)}
         saved, flight.jobs = sorted(flight.jobs.values(), key=lambda job: job.seq), {}
-        flight.sent_in_step = {nodes_of[c]: s for c, s in flight.sent_by_client.items() if c in nodes_of}
         for job in saved:
             if job.client not in nodes_of:
                 log(WARNING, "async: %s is not connected; its job in flight at the checkpoint is dropped", job.client)
@@ -402,7 +420,7 @@ class BufferedAsync(SyncRounds):
             refuse(step, job.node, f"reply to node {job.node}'s job came from node {node}")
             flight.release()
             return
-        tau = (step - 1) - job.version
+        tau = flight.version - job.version
         if self.max_staleness is not None and tau > self.max_staleness:
             refuse(step, job.node, f"reply {tau} steps stale, more than max_staleness={self.max_staleness}")
             stats = strategy.accounting.round(step).method
@@ -418,33 +436,33 @@ class BufferedAsync(SyncRounds):
     ) -> ArrayRecord:
         """One server step from the buffer through the strategy's ``aggregate_train``; the new arrays (or the old)."""
         buffer, flight.buffer = flight.buffer, []
-        taus = {job.node: (step - 1) - job.version for job, _ in buffer}
-        weights = {node: self.rule.staleness(tau) for node, tau in taus.items()}
-        tau_max = max(taus.values())
-        lr = float(getattr(strategy.server_step.optimizer, "lr", 1.0) or 1.0)
-        rule = self.rule
-        scale = delay_adaptive_scale(tau_max, rule.tau_c, lr, rule.da_form) if rule.delay_adaptive else 1.0
+        taus = {job.node: flight.version - job.version for job, _ in buffer}
+        rule, eta = self.rule, server_lr(strategy)
         strategy.replies.ask_jobs(step, TRAIN_PHASE, {job.node: job.group for job, _ in buffer})
-        strategy.jobs = StepJobs(
+        jobs = strategy.jobs = StepJobs(
             bases={job.node: flight.snapshots[job.version] for job, _ in buffer},
-            weights=weights if not self.rule.staleness.is_one else {},
+            weights={} if rule.staleness.is_one else {node: rule.staleness(tau) for node, tau in taus.items()},
             sent_rounds={job.client: job.sent_round for job, _ in buffer},
-            reference=self.rule.reference,
-        )
-        strategy.server_step.lr_scale = scale
-        stats = strategy.accounting.round(step)
-        stats.method.update(
-            async_virtual_time=float(flight.clock),
-            async_wall_seconds=time.time() - started,
-            async_staleness_mean=float(np.mean(list(taus.values()))),
-            async_staleness_max=int(tau_max),
-            async_lr_scale=float(scale),
+            reference=rule.reference,
+            taus=taus,
+            lr_scale_of=(lambda tau: delay_adaptive_scale(tau, rule.tau_c, eta, rule.da_form))
+            if rule.delay_adaptive
+            else None,
         )
         try:
             new_arrays, metrics = strategy.aggregate_train(step, [reply for _, reply in buffer])
         finally:
             strategy.jobs = None
             strategy.server_step.lr_scale = 1.0
+        applied = jobs.applied_taus if jobs.applied_taus is not None else list(taus.values())
+        stats = strategy.accounting.round(step)
+        stats.method.update(
+            async_virtual_time=float(flight.clock),
+            async_wall_seconds=time.time() - started,
+            async_staleness_mean=float(np.mean(applied)) if applied else 0.0,
+            async_staleness_max=int(max(applied, default=0)),
+            async_lr_scale=float(jobs.lr_scale_used),
+        )
         flight.release()
         log(
             INFO,
@@ -453,12 +471,22 @@ class BufferedAsync(SyncRounds):
             flight.clock,
             len(buffer),
             stats.method["async_staleness_mean"],
-            tau_max,
+            stats.method["async_staleness_max"],
         )
         if new_arrays is not None:
+            flight.version += 1
             result.arrays = arrays = new_arrays
         else:
             log(WARNING, "async: step %d applied nothing; the model is unchanged", step)
         if metrics is not None:
             result.train_metrics_clientapp[step] = metrics
         return arrays
+
+
+def server_lr(strategy: Any) -> float:
+    """The strategy's server learning rate (its optimiser's ``eta``, else the strategy's), for FADAS's paper form."""
+    optimizer = strategy.server_step.optimizer
+    eta = optimizer.hyperparameters().get("eta") if optimizer is not None else None
+    if eta is None:
+        eta = getattr(strategy, "eta", None)
+    return float(eta) if isinstance(eta, (int, float)) and eta > 0 else 1.0

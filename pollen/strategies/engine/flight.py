@@ -23,7 +23,10 @@ from flwr.serverapp import Grid
 from pollen.core import state_fields as fields
 from pollen.wire.records import arrays_to_record, record_to_arrays
 
-SUPERLINK_NODE_ID = 0
+try:  # the node id the SuperLink signs its own error replies with (a message it could not deliver)
+    from flwr.common.constant import SUPERLINK_NODE_ID
+except ImportError:  # pragma: no cover - older Flower
+    SUPERLINK_NODE_ID = 1
 
 
 @dataclass
@@ -53,17 +56,19 @@ class Flight:
     buffer: list[tuple[Job, Message]] = field(default_factory=list)
     snapshots: dict[int, np.ndarray] = field(default_factory=dict)
     records: dict[int, ArrayRecord] = field(default_factory=dict)  # version -> the model as sent (for a resume)
-    sent_in_step: dict[int, int] = field(default_factory=dict)  # node -> the step it was last sent a job in
+    sent_in_step: dict[str, int] = field(default_factory=dict)  # client -> the step it was last sent a job in
     jobs_of_client: dict[str, int] = field(default_factory=dict)
     extra: list[tuple[Message, str]] = field(default_factory=list)  # replies that answer no job, and why
-    sent_by_client: dict[str, int] = field(default_factory=dict)  # sent_in_step by client id, until a resume
     seq: int = 0
     clock: float = 0.0
+    #: Model versions: the steps that changed the model (a skipped step is not one; staleness counts these).
+    version: int = 0
     incompatible: int = 0
 
-    def busy(self) -> set[int]:
-        """Nodes that hold a job (dropped ones too, until their late reply) or a reply in the buffer."""
-        return {job.node for job in self.jobs.values()} | {job.node for job, _ in self.buffer}
+    def busy(self) -> set[str]:
+        """Clients that hold a job (dropped ones too, until their late reply) or a reply in the buffer, by client
+        id: a client that came back under a new node id is still the same client."""
+        return {job.client for job in self.jobs.values()} | {job.client for job, _ in self.buffer}
 
     def in_flight(self) -> int:
         """Jobs still expected to answer."""
@@ -165,21 +170,23 @@ class Flight:
             )
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, key_of: Any) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """What a resume needs beyond the strategy, taken after a step (the buffer is then empty): the clock,
-        the job counters, every job in flight (by client id, ``key_of(node)``) and the model each started from."""
+        the job counters, every job in flight (by client id) and the model each of them started from."""
         live = sorted((job for job in self.jobs.values() if not job.dropped), key=lambda job: job.seq)
         versions = sorted({job.version for job in live})
         return {
+            "kind": "async",
             "clock": float(self.clock),
             "seq": int(self.seq),
+            "version": int(self.version),
             "jobs": [[job.client, job.version, job.started, job.finish, job.seq] for job in live],
             "models": [
                 [str(v), [[name, np.array(a)] for name, a in record_to_arrays(self.records[v]).items()]]
                 for v in versions
             ],
             "jobs_of_client": dict(self.jobs_of_client),
-            "sent_in_step": {key_of(node): int(s) for node, s in self.sent_in_step.items()},
+            "sent_in_step": {client: int(s) for client, s in self.sent_in_step.items()},
         }
 
     @classmethod
@@ -188,40 +195,52 @@ class Flight:
         checked (a :class:`~pollen.core.state_fields.StateError` names the one that does not fit); jobs are keyed
         by client until the driver finds their nodes."""
         where = "driver"
-        fields.mapping(state, where, keys=("clock", "seq", "jobs", "models", "jobs_of_client", "sent_in_step"))
+        keys = ("kind", "clock", "seq", "version", "jobs", "models", "jobs_of_client", "sent_in_step")
+        fields.mapping(state, where, keys=keys)
+        fields.text(state["kind"], fields.join(where, "kind"), allowed=("async",))
         flight = cls()
         flight.clock = fields.finite_number(state["clock"], fields.join(where, "clock"), low=0.0)
         flight.seq = fields.whole(state["seq"], fields.join(where, "seq"))
-        flight._load_models(state["models"], model, last_step)
+        flight.version = fields.whole(state["version"], fields.join(where, "version"), high=last_step)
+        flight._load_models(state["models"], model, flight.version)
+        counts = fields.mapping(state["jobs_of_client"], fields.join(where, "jobs_of_client"))
+        flight.jobs_of_client = {
+            c: fields.whole(n, fields.join(fields.join(where, "jobs_of_client"), c)) for c, n in counts.items()
+        }
         for i, item in enumerate(fields.sequence(state["jobs"], fields.join(where, "jobs"))):
             at = fields.join(fields.join(where, "jobs"), i)
             client, version, started, finish, seq = fields.sequence(item, at, length=5)
             client = fields.text(client, fields.join(at, 0), most=256)
-            version = fields.whole(version, fields.join(at, 1), high=last_step)
+            if any(job.client == client for job in flight.jobs.values()):
+                raise fields.StateError(fields.join(at, 0), f"is {client!r} again; a client holds one job at a time")
+            if flight.jobs_of_client.get(client, 0) < 1:
+                raise fields.StateError(fields.join(at, 0), f"is {client!r}, whom jobs_of_client counts no job")
+            version = fields.whole(version, fields.join(at, 1), high=flight.version)
             if version not in flight.records:
                 raise fields.StateError(fields.join(at, 1), f"is version {version}, whose model is not saved")
             started = fields.finite_number(started, fields.join(at, 2), low=0.0, high=flight.clock)
             finish = fields.finite_number(finish, fields.join(at, 3), low=started)
             seq = fields.whole(seq, fields.join(at, 4), low=1, high=flight.seq)
+            if f"saved/{seq}" in flight.jobs:
+                raise fields.StateError(fields.join(at, 4), f"is job number {seq} again; each job has its own")
             flight.jobs[f"saved/{seq}"] = Job(
                 seq, -1, client, version, version + 1, started, finish, 0.0, f"pollen/async/{seq}"
             )
-        counts = fields.mapping(state["jobs_of_client"], fields.join(where, "jobs_of_client"))
-        flight.jobs_of_client = {c: fields.whole(n, fields.join(where, c)) for c, n in counts.items()}
         steps = fields.mapping(state["sent_in_step"], fields.join(where, "sent_in_step"))
-        flight.sent_by_client = {
-            c: fields.whole(s, fields.join(where, c), high=last_step + 1) for c, s in steps.items()
+        flight.sent_in_step = {
+            c: fields.whole(s, fields.join(fields.join(where, "sent_in_step"), c), high=last_step + 1)
+            for c, s in steps.items()
         }
         return flight
 
-    def _load_models(self, saved: Any, model: Any, last_step: int) -> None:
+    def _load_models(self, saved: Any, model: Any, last_version: int) -> None:
         where = fields.join("driver", "models")
         layout = model.layout
         for i, item in enumerate(fields.sequence(saved, where)):
             at = fields.join(where, i)
             version_text, pairs = fields.sequence(item, at, length=2)
             number = int(version_text) if str(version_text).isdigit() else -1
-            version = fields.whole(number, fields.join(at, 0), high=last_step)
+            version = fields.whole(number, fields.join(at, 0), high=last_version)
             named = dict(fields.pairs(pairs, fields.join(at, 1)))
             try:
                 layout.check_arrays(named, layout.trainable + layout.buffers)

@@ -11,7 +11,7 @@ synchronous round.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,12 +26,26 @@ class StepJobs:
     ``bases[node]`` is the flat model the node's job started from; ``weights[node]`` the factor its update
     is scaled by (``1.0``: none); ``sent_rounds[client]`` the round the job's message named; with
     ``reference="current"`` the update becomes ``x_local - x_now`` (FedAsync), else ``x_local - x_start``.
+    ``taus[node]`` is the reply's staleness and ``lr_scale_of(tau_max)`` the rule's factor on the step's
+    learning rate, taken over the replies that reach the server step (:meth:`lr_scale`: after the screen).
     """
 
     bases: Mapping[int, np.ndarray]
     weights: Mapping[int, float] = field(default_factory=dict)
     sent_rounds: Mapping[str, int] = field(default_factory=dict)
     reference: str = "dispatch"
+    taus: Mapping[int, int] = field(default_factory=dict)
+    lr_scale_of: Callable[[int], float] | None = None
+    #: What the server step used: the staleness of the updates it applied and its learning-rate factor.
+    applied_taus: list[int] | None = None
+    lr_scale_used: float = 1.0
+
+    def lr_scale(self, nodes: list[int]) -> float:
+        """The step's learning-rate factor for the updates of ``nodes`` (the ones the screen kept); noted."""
+        self.applied_taus = [self.taus[node] for node in nodes if node in self.taus]
+        if self.lr_scale_of is not None and self.applied_taus:
+            self.lr_scale_used = float(self.lr_scale_of(max(self.applied_taus)))
+        return self.lr_scale_used
 
     def base(self, node: int, current: np.ndarray) -> np.ndarray:
         """The model ``node``'s reply is read against (``current`` for a node the step has no job of)."""

@@ -31,6 +31,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from pollen.asynchrony import ClientSpeed
+from pollen.core import state_fields as fields
 from pollen.strategies.engine.resume import RunCheckpoint
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
@@ -94,8 +95,10 @@ class SyncRounds:
 
         first_round, arrays, result = 1, initial_arrays, Result()
         saved = checkpoint.load(strategy) if checkpoint is not None and checkpoint.resume else None
-        if saved is not None and saved.driver_state:
+        if saved is not None and saved.driver_state.get("kind", "sync") != "sync":
             raise SetupError("the checkpoint was written by the asynchronous driver; resume it with that driver")
+        if saved is not None and clock is not None and saved.driver_state:
+            clock.load(saved.driver_state, checkpoint.path)
         if saved is not None:
             first_round, arrays, result = saved.server_round + 1, saved.arrays, saved.result
             log(INFO, "Resuming after round %d of %d from %s", saved.server_round, num_rounds, checkpoint.path)
@@ -115,7 +118,7 @@ class SyncRounds:
             arrays = self.train_round(strategy, server_round, grid, arrays, train_config, timeout, result, clock)
             self.evaluate_round(strategy, server_round, grid, arrays, evaluate_config, timeout, evaluate_fn, result)
             if checkpoint is not None:
-                checkpoint.save(server_round, arrays, strategy, result)
+                checkpoint.save(server_round, arrays, strategy, result, clock.state_dict() if clock else None)
                 if checkpoint.stop_after_round == server_round and server_round < num_rounds:
                     log(WARNING, "Stopping after round %d as asked (stop-after-round)", server_round)
                     raise RunInterrupted(server_round, result)
@@ -192,6 +195,21 @@ class RoundClock:
             longest = max(longest, self.speed.duration(client, number))
         self.now += longest
         strategy.accounting.round(server_round).method["async_virtual_time"] = self.now
+
+    def state_dict(self) -> dict[str, Any]:
+        """The clock and each client's job count (a checkpoint's driver state)."""
+        return {"kind": "sync", "clock": float(self.now), "jobs_of_client": dict(self.jobs_of_client)}
+
+    def load(self, state: Any, path: Any) -> None:
+        """Continue from :meth:`state_dict`'s form, checked (``SetupError`` naming the field)."""
+        try:
+            fields.mapping(state, "driver", keys=("kind", "clock", "jobs_of_client"))
+            now = fields.finite_number(state["clock"], "driver/clock", low=0.0)
+            counts = fields.mapping(state["jobs_of_client"], "driver/jobs_of_client")
+            jobs = {c: fields.whole(n, fields.join("driver/jobs_of_client", c)) for c, n in counts.items()}
+        except fields.StateError as err:
+            raise SetupError(str(err.in_file(str(path)))) from None
+        self.now, self.jobs_of_client = now, jobs
 
 
 class RoundLoop:

@@ -373,6 +373,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def _server_step(self, server_round: int, updates: list[ClientUpdate], running: ScreenedSink | None) -> None:
         """Aggregate, step, average buffers (inside the round's transaction: writes go to spare arrays)."""
         delta = running.mean() if running is not None else self.aggregate_deltas(server_round, updates)
+        if self.jobs is not None:  # an asynchronous step: its rule may scale the learning rate (FADAS)
+            self.server_step.lr_scale = self.jobs.lr_scale([u.node_id for u in updates])
         self.apply_server_step(server_round, delta)
         with_buffers = [u for u in updates if u.buffers]
         if with_buffers:
