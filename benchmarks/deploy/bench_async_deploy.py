@@ -2,6 +2,7 @@
 
     python benchmarks/deploy/bench_async_deploy.py                     # about 6 minutes on 2 cores
     python benchmarks/deploy/bench_async_deploy.py --updates 24 --slow-delay 16
+    python benchmarks/deploy/bench_async_deploy.py --rules --slow-delay 12   # FADAS, FedBuff, FedAsync, 6 steps each
 
 Four ``flower-supernode`` processes over TLS with node authentication on 127.0.0.1
 (:class:`pollen.testing.secure_federation.SecureFederation`, the test harness's app), a fresh
@@ -13,7 +14,9 @@ fast node's job on this machine. FedCAMS (scaled sign, error feedback) runs twic
 - **async**: ``driver=async``, the real clock, 4 jobs in flight, a step every ``--buffer`` replies,
   ``--updates / --buffer`` steps.
 
-Both apply the same number of client updates. Reported: the median seconds per server step (the app's
+Both apply the same number of client updates. ``--rules`` instead runs each asynchronous rule on real
+SuperNodes, 6 steps each with 2 local steps (FADAS: FedAMS; FedBuff and FedAsync: a server SGD of lr 1;
+a step every 2 replies, FedAsync every reply). Reported: the median seconds per server step (the app's
 ``round_seconds``, from step 2 on), the seconds until the last update was applied (the last row's
 ``elapsed_seconds``), the staleness of the async steps and the final test accuracy. Absolute seconds
 measure this machine's two cores as much as pollen (every ClientApp is a Python process importing torch);
@@ -58,6 +61,21 @@ def base_config(results: Path, name: str) -> dict[str, Any]:
     }
 
 
+def rule_configs(results: Path) -> dict[str, dict[str, Any]]:
+    """FADAS, FedBuff and FedAsync on the real clock, 6 steps each (``--rules``)."""
+    sgd = {"strategy": "fedopt", "server-optimizer": "sgd", "server-lr": 1.0}
+    rules = {
+        "fadas": {"strategy": "fedams", "async-rule": "fadas"},
+        "fedbuff": {**sgd, "async-rule": "fedbuff"},
+        "fedasync": {**sgd, "async-rule": "fedasync", "buffer-size": 1},
+    }
+    common = {"driver": "async", "async-clock": "real", "concurrency": NODES, "buffer-size": 2}
+    return {
+        name: base_config(results, name) | common | {"num-server-rounds": 6, "eval-every": 6, "local-steps": 2} | rule
+        for name, rule in rules.items()
+    }
+
+
 def one_run(fed: SecureFederation, config: dict[str, Any], results: Path) -> dict[str, Any]:
     run = fed.start_run(f"flwr-run-{config['run-name']}", config)
     deadline = time.monotonic() + 1800
@@ -84,6 +102,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=24, help="client updates each run applies")
     parser.add_argument("--buffer", type=int, default=2, help="async: replies per step")
     parser.add_argument("--slow-delay", type=float, default=16.0, help="seconds the slow node sleeps per job")
+    parser.add_argument("--rules", action="store_true", help="run FADAS, FedBuff and FedAsync instead")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not sys.platform.startswith("linux"):
@@ -99,6 +118,13 @@ def main() -> None:
                 fed.start_node(index)
             fed.wait_online(NODES)
             results = root / "results"
+            if args.rules:
+                report = {name: one_run(fed, config, results) for name, config in rule_configs(results).items()}
+                for name, row in report.items():
+                    print(name, json.dumps(row), flush=True)
+                if args.out is not None:
+                    args.out.write_text(json.dumps(report, indent=1))
+                return
             sync = base_config(results, "sync") | {"num-server-rounds": args.updates // NODES}
             asynchronous = base_config(results, "async") | {
                 "driver": "async",
