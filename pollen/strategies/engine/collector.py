@@ -70,10 +70,16 @@ def reason_of(err: BaseException) -> str:
     return reason[: MAX_CLIENT_ERROR_LENGTH + 20] if isinstance(err, ClientErrorReply) else reason[:200]
 
 
+#: The largest magnitude an evaluation metric may have (as the weight: a count of examples up to 1e12). A
+#: metric's own range (an accuracy a fraction or a percentage) is the project's to know, not the server's.
+MAX_METRIC = 1e12
+
+
 def evaluation_reading(content: RecordDict, weighted_by_key: str) -> tuple[MetricRecord, float]:
     """An evaluation reply's metrics and weight, the one rule for every strategy (pollen's and Flower's
     baselines): the ``metrics`` MetricRecord (or the only one), a positive ``weighted_by_key`` as Flower's
-    strategies require, and finite numbers; ``ReplyRejected`` with the reason otherwise."""
+    strategies require, and finite numbers at most :data:`MAX_METRIC` in magnitude (one client's accuracy of
+    1e300 would otherwise make the round's average 1e299); ``ReplyRejected`` with the reason otherwise."""
     metrics = content.metric_records.get(protocol.METRICS_RECORD)
     if metrics is None:
         metrics = next(iter(content.metric_records.values()), None)
@@ -88,6 +94,11 @@ def evaluation_reading(content: RecordDict, weighted_by_key: str) -> tuple[Metri
         if not isinstance(v, list)
     ):
         raise ReplyRejected("evaluation metrics hold non-finite values")
+    for name, value in metrics.items():
+        values = value if isinstance(value, list) else [value]
+        if any(not (isinstance(v, (int, float)) and math.isfinite(v) and abs(v) <= MAX_METRIC) for v in values):
+            shown = name if len(name) <= 64 else name[:64] + "..."
+            raise ReplyRejected(f"evaluation metric '{shown}' is not a finite number within +-{MAX_METRIC:g}")
     return metrics, weight
 
 

@@ -159,7 +159,10 @@ class ClientSampler:
         self.node_keys[node] = client_id
         holders_of[client_id] = [node]
         cluster = record.get(protocol.IDENTITY_CLUSTER_ID)
-        if isinstance(cluster, str) and cluster:
+        if isinstance(cluster, str) and len(cluster) > MAX_CLIENT_ID_LENGTH:
+            log(WARNING, "\t> node %d reports a cluster id of %d characters (at most %d); it has none", node,
+                len(cluster), MAX_CLIENT_ID_LENGTH)  # fmt: skip
+        elif isinstance(cluster, str) and cluster:
             self.node_clusters[node] = cluster
 
     # ------------------------------------------------------------------ sampling
