@@ -3,7 +3,8 @@
 Each top-level entry of ``pollen/`` belongs to one layer (``DESIGN.md``):
 
 - core (``core``): numpy and the standard library;
-- math (``optim``, ``compression``, ``vr``, ``gossip``, ``lazy``, ``aggregate``, ``asynchrony``) and task (``task``): no Flower;
+- math (``optim``, ``compression``, ``vr``, ``gossip``, ``lazy``, ``aggregate``, ``asynchrony``) and task
+  (``task``): no Flower;
 - wire (``wire``): the records and names both sides of Flower share;
 - Flower glue (``strategies``, ``clientside``);
 - app (``app``, ``server_app``, ``client_app``);
