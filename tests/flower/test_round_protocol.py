@@ -5,7 +5,7 @@
 - ``RelayAverage`` (the worked example) runs a mid-round exchange with per-node relays and reads one
   extra uplink record; its result equals a hand computation;
 - extras and flags are validated like the update (shape, dtype, finite, sign, names);
-- replies from nodes that were not asked, or a second reply from a node, are rejected;
+- replies from nodes that were not asked are rejected, and two answers from one node are both refused;
 - resume: a run stopped after round k and resumed from its checkpoint ends with bit-identical
   parameters to an uninterrupted run, for every kind of strategy; a checkpoint of another strategy
   or config is refused with one line.
@@ -294,7 +294,7 @@ def test_extras_and_flags_reach_the_update():
     assert set(update.record_bytes) >= {protocol.ARRAYS_RECORD, protocol.extra_record("v"), protocol.FLAGS_RECORD}
 
 
-def test_replies_from_nodes_not_asked_and_second_replies_are_rejected():
+def test_replies_from_nodes_not_asked_and_two_answers_to_one_message_are_rejected():
     strategy = FedAMS(
         fraction_train=0.5,
         fraction_evaluate=0.0,
@@ -310,10 +310,10 @@ def test_replies_from_nodes_not_asked_and_second_replies_are_rejected():
     replies += [forged, keyed_client(messages[0])]
     strategy.aggregate_train(1, replies)
     stats = strategy.accounting.rounds[1]
-    assert stats.replies == len(asked)
-    assert stats.failures == 2
+    assert stats.replies == len(asked) - 1  # both of the node's answers are refused
+    assert stats.failures == 3
     assert any("not asked" in r for r in stats.failure_reasons) and any(
-        "second reply" in r for r in stats.failure_reasons
+        "two answers to one message" in r for r in stats.failure_reasons
     )
 
 

@@ -396,6 +396,9 @@ class BufferedAsync(SyncRounds):
     def _receive(self, strategy: Any, flight: Flight, step: int, job: Job, reply: Message | None) -> None:
         """Put ``job``'s reply in the buffer, or count why not (timeout, late, error, too stale)."""
         refuse = strategy.replies.reject
+        if reply is None and job.refused:  # its two answers were refused and counted as they came
+            flight.release()
+            return
         if reply is None:
             if job.message_id not in flight.jobs:  # a dropped job's late reply
                 refuse(step, job.node, "late reply to a job dropped after the timeout")

@@ -202,11 +202,13 @@ class ReplyCollector:
         The kept replies come back ordered by stable client id (then node id), not in the order they
         arrived: everything downstream (the float32 running sum, a method's per-client loop, the
         metrics' average) then gives the same bits whatever order the clients finished in and however
-        many workers ran them.
+        many workers ran them. Two answers from one node to one message are both refused and counted:
+        which of them is the node's own is not the server's to guess, and arrival order must not decide.
         """
         asked = set(self._asked.get((server_round, phase), []))
         group = self._groups.get((server_round, phase))
-        kept, seen = [], set()
+        answers: dict[int, list[Message]] = {}
+        seen: set[int] = set()
         sent_to: dict[str, int] | None = None  # message id -> its node, built at the first SuperLink error reply
         for reply in self.in_fixed_order(replies):
             node = reply.metadata.src_node_id
@@ -231,11 +233,19 @@ class ReplyCollector:
                     f"reply to another message (group '{reply.metadata.group_id}', this one is '{expected}'): "
                     "an earlier round's or phase's answer",
                 )
-            elif node in seen:
+            elif node in seen:  # the SuperLink said it could not deliver this node's message
                 self.reject(server_round, node, f"second reply in {phase} of round {server_round}")
             else:
-                seen.add(node)
-                kept.append(reply)
+                answers.setdefault(node, []).append(reply)
+        kept = []
+        for node, given in answers.items():  # in the fixed order of each node's first answer
+            if len(given) == 1:
+                kept.append(given[0])
+                continue
+            self._undelivered.setdefault((server_round, phase), set()).add(node)  # already failures: not "missing"
+            for _ in given:
+                self.reject(server_round, node, f"two answers to one message in {phase} of round {server_round}: "
+                            "both refused")  # fmt: skip
         self._stop_if_none_can_answer(server_round, phase, kept)
         return kept
 

@@ -3,10 +3,10 @@
 :class:`Flight` holds one asynchronous run's moving parts (:mod:`~pollen.strategies.engine.buffered`): the
 jobs in flight keyed by message id, the replies that arrived and wait their turn, the buffer of accepted
 replies, the model each job started from, the clock and the job counters. It binds every reply pulled from
-the grid to its job by message id *and* node (another node's reply, a reply to an unknown message and a
-second reply to one job are set aside with their reason, never taking the job's place), hands the driver the
-next event in virtual-finish order (``clock="virtual"``) or in arrival order (``"real"``), drops a job after
-its timeout, and writes and checks its state for a checkpoint.
+the grid to its job by message id *and* node (another node's reply and a reply to an unknown message are
+set aside with their reason; two answers to one message are both refused: arrival order never decides), hands
+the driver the next event in virtual-finish order (``clock="virtual"``) or in arrival order (``"real"``),
+drops a job after its timeout, and writes and checks its state for a checkpoint.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class Job:
     group: str
     message_id: str = ""
     dropped: bool = False
+    #: Why the job ended without a reply to use (two answers to its message), once it has.
+    refused: str = ""
 
 
 @dataclass
@@ -101,8 +103,11 @@ class Flight:
                 self.extra.append((reply, "reply to no job in flight (an earlier or unknown message)"))
             elif node != job.node and not (reply.has_error() and node == SUPERLINK_NODE_ID):
                 self.extra.append((reply, f"reply to node {job.node}'s job came from node {node}"))
-            elif mid in self.arrived:
-                self.extra.append((reply, "second reply to one job"))
+            elif mid in self.arrived or job.refused:  # which answer is the node's own is not ours to guess
+                job.refused = "two answers to one message: both refused"
+                if mid in self.arrived:
+                    self.extra.append((self.arrived.pop(mid), job.refused))
+                self.extra.append((reply, job.refused))
             else:
                 self.arrived[mid] = reply
 
@@ -118,6 +123,9 @@ class Flight:
             if late:
                 self.arrived.pop(late[0])
                 return self.jobs.pop(late[0]), None
+            refused = [mid for mid, job in self.jobs.items() if job.refused]
+            if refused:  # its answers are counted already; the job ends now
+                return self.jobs.pop(refused[0]), None
             event = self._virtual_event(timeout) if virtual else self._real_event(timeout, real_start)
             if event is not None:
                 return event

@@ -133,13 +133,15 @@ def test_the_bytes_of_every_reply_read_are_counted_by_record() -> None:
 
 
 # ---------------------------------------------------------------------------- refused replies
-def test_a_second_reply_from_a_node_is_refused() -> None:
-    book = Round(nodes=(11,))
+def test_two_answers_from_a_node_to_one_message_are_both_refused() -> None:
+    """Which of the two is the node's own is not the server's to guess; arrival order must not decide (issue 43)."""
+    book = Round(nodes=(11, 12))
     first, second = trained(book.messages[11], shift=1.0), trained(book.messages[11], shift=2.0)
-    updates = book.read([first, second])
-    assert len(updates) == 1 and updates[0].delta[0] == 1.0  # the first one read is kept
-    assert book.stats.failures == 1
-    assert book.stats.failure_reasons == ["node-11: second reply in train of round 1"]
+    for order in ([first, second], [second, first]):
+        updates = book.read([trained(book.messages[12]), *order])
+        assert [u.node_id for u in updates] == [12]
+    assert book.stats.failures == 4
+    assert set(book.stats.failure_reasons) == {"node-11: two answers to one message in train of round 1: both refused"}
 
 
 def test_a_reply_from_a_node_not_asked_is_refused() -> None:
