@@ -151,7 +151,7 @@ class Metered(RoundLoop):
                 self.replies.reject(server_round, reply.metadata.src_node_id, reason_of(err))
         judged = self._without_outliers(server_round, judged)
         done: dict[str, Any] = {}
-        judged = self._same_metric_form(server_round, judged, "")
+        judged = self._same_metric_form(server_round, self._same_array_name(server_round, judged), "")
         usable = [reply for reply, _ in judged]
         for reply in usable:  # each has exactly one ArrayRecord (_judge)
             update_bytes = next(iter(reply.content.array_records.values())).count_bytes()
@@ -253,6 +253,19 @@ class Metered(RoundLoop):
                     "(Flower's aggregation needs the exact shape)"
                 )
         return update
+
+    def _same_array_name(self, server_round: int, judged: list[tuple[Message, Any]]) -> list[tuple[Message, Any]]:
+        """Keep the replies whose one ArrayRecord has the name most others' have: Flower's aggregation needs one
+        name in every reply (a reply with another fails the whole round there)."""
+        names = [next(iter(reply.content.array_records)) for reply, _ in judged]
+        common = Counter(names).most_common(1)[0][0] if names else ""
+        for (reply, _), name in zip(judged, names):
+            if name != common:
+                why = (
+                    f"its ArrayRecord is named '{name[:64]}', the others' '{common[:64]}' (Flower aggregates one name)"
+                )
+                self.replies.refuse(server_round, reply.metadata.src_node_id, why)
+        return [item for item, name in zip(judged, names) if name == common]
 
     def _same_metric_form(
         self, server_round: int, judged: list[tuple[Message, Any]], phase: str
