@@ -35,7 +35,6 @@ a resume sends the jobs in flight again and ends bit-identical to an uninterrupt
 
 from __future__ import annotations
 
-import io
 import time
 from dataclasses import dataclass
 from logging import INFO, WARNING
@@ -54,7 +53,7 @@ from pollen.strategies.engine.collector import TRAIN_PHASE
 from pollen.strategies.engine.flight import SUPERLINK_NODE_ID, Flight, Job
 from pollen.strategies.engine.jobs import StepJobs
 from pollen.strategies.engine.resume import RunCheckpoint
-from pollen.strategies.engine.rounds import EvaluateFn, RunInterrupted, SetupError, SyncRounds
+from pollen.strategies.engine.rounds import EvaluateFn, SetupError, SyncRounds
 
 REFILLS = ("reply", "flush")
 CLOCKS = ("virtual", "real")
@@ -204,22 +203,15 @@ class BufferedAsync(SyncRounds):
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         started = time.time()
-        result, arrays, step, flight = Result(), initial_arrays, 1, Flight()
-        saved = checkpoint.load(strategy) if checkpoint is not None and checkpoint.resume else None
+        step, arrays, result, saved = self.opening(
+            strategy, initial_arrays, num_rounds, evaluate_fn, checkpoint, kind="async"
+        )
+        flight = Flight()
         if saved is not None:
-            step, arrays, result = saved.server_round + 1, saved.arrays, saved.result
-            if saved.driver_state.get("kind") != "async":
-                raise SetupError("the checkpoint was written by the synchronous driver; resume it with that driver")
             try:
                 flight = Flight.from_state(saved.driver_state, strategy.model, saved.server_round)
             except fields.StateError as err:
                 raise SetupError(str(err.in_file(str(checkpoint.path)))) from None
-            log(INFO, "Resuming after step %d of %d from %s", saved.server_round, num_rounds, checkpoint.path)
-        elif evaluate_fn:
-            res = evaluate_fn(0, initial_arrays)
-            log(INFO, "Initial global evaluation results: %s", res)
-            if res is not None:
-                result.evaluate_metrics_serverapp[0] = res
         if step <= num_rounds:
             strategy.check_setup(grid)
             nodes = strategy.sampler.connected(grid, strategy.min_train_nodes)
@@ -263,11 +255,7 @@ class BufferedAsync(SyncRounds):
                 res = evaluate_fn(step, arrays)
                 if res is not None:
                     result.evaluate_metrics_serverapp[step] = res
-            if checkpoint is not None:
-                checkpoint.save(step, arrays, strategy, result, flight.state_dict())
-                if checkpoint.stop_after_round == step and step < num_rounds:
-                    log(WARNING, "Stopping after step %d as asked (stop-after-round)", step)
-                    raise RunInterrupted(step, result)
+            self.checkpointed(checkpoint, step, num_rounds, arrays, strategy, result, flight.state_dict())
             step += 1
             if step <= num_rounds:
                 self._fill(strategy, grid, flight, step, arrays, train_config)
@@ -276,11 +264,7 @@ class BufferedAsync(SyncRounds):
             log(INFO, "%d jobs still in flight at the end were not waited for", left)
         if num_rounds >= 1:
             self.evaluate_round(strategy, num_rounds, grid, arrays, evaluate_config, timeout, None, result)
-        log(INFO, "")
-        log(INFO, "Strategy execution finished in %.2fs", time.time() - started)
-        for line in io.StringIO(str(result)):
-            log(INFO, "\t%s", line.strip("\n"))
-        return result
+        return self.finished(result, started)
 
     def settle_sizes(self, nodes: int) -> tuple[int, int]:
         """The run's concurrency and buffer size for ``nodes`` connected nodes (module docstring's defaults);

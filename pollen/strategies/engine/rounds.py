@@ -92,23 +92,11 @@ class SyncRounds:
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         started = time.time()
         clock = RoundClock(self.speed) if self.timed else None
-
-        first_round, arrays, result = 1, initial_arrays, Result()
-        saved = checkpoint.load(strategy) if checkpoint is not None and checkpoint.resume else None
-        if saved is not None and saved.driver_state.get("kind", "sync") != "sync":
-            raise SetupError("the checkpoint was written by the asynchronous driver; resume it with that driver")
+        first_round, arrays, result, saved = self.opening(
+            strategy, initial_arrays, num_rounds, evaluate_fn, checkpoint, kind="sync"
+        )
         if saved is not None and clock is not None and saved.driver_state:
             clock.load(saved.driver_state, checkpoint.path)
-        if saved is not None:
-            first_round, arrays, result = saved.server_round + 1, saved.arrays, saved.result
-            log(INFO, "Resuming after round %d of %d from %s", saved.server_round, num_rounds, checkpoint.path)
-            if len(result.arrays) == 0:
-                result.arrays = arrays
-        elif evaluate_fn:
-            res = evaluate_fn(0, initial_arrays)
-            log(INFO, "Initial global evaluation results: %s", res)
-            if res is not None:
-                result.evaluate_metrics_serverapp[0] = res
 
         if first_round <= num_rounds:
             strategy.check_setup(grid)
@@ -117,12 +105,62 @@ class SyncRounds:
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
             arrays = self.train_round(strategy, server_round, grid, arrays, train_config, timeout, result, clock)
             self.evaluate_round(strategy, server_round, grid, arrays, evaluate_config, timeout, evaluate_fn, result)
-            if checkpoint is not None:
-                checkpoint.save(server_round, arrays, strategy, result, clock.state_dict() if clock else None)
-                if checkpoint.stop_after_round == server_round and server_round < num_rounds:
-                    log(WARNING, "Stopping after round %d as asked (stop-after-round)", server_round)
-                    raise RunInterrupted(server_round, result)
+            driver_state = clock.state_dict() if clock else None
+            self.checkpointed(checkpoint, server_round, num_rounds, arrays, strategy, result, driver_state)
+        return self.finished(result, started)
 
+    # ------------------------------------------------------------------ what every driver does around its loop
+    @staticmethod
+    def opening(  # noqa: PLR0913
+        strategy: Any,
+        initial_arrays: ArrayRecord,
+        num_rounds: int,
+        evaluate_fn: EvaluateFn | None,
+        checkpoint: RunCheckpoint | None,
+        *,
+        kind: str,
+    ) -> tuple[int, ArrayRecord, Result, Any]:
+        """The first round, the model, the results and the checkpoint read (``None``: a fresh run): a resume
+        from ``checkpoint`` (refused when another ``kind`` of driver wrote it), else the initial evaluation."""
+        saved = checkpoint.load(strategy) if checkpoint is not None and checkpoint.resume else None
+        if saved is None:
+            result = Result()
+            if evaluate_fn:
+                res = evaluate_fn(0, initial_arrays)
+                log(INFO, "Initial global evaluation results: %s", res)
+                if res is not None:
+                    result.evaluate_metrics_serverapp[0] = res
+            return 1, initial_arrays, result, None
+        written_by = saved.driver_state.get("kind", "sync")  # a checkpoint of before drivers kept state: sync
+        if written_by != kind:
+            other = "asynchronous" if written_by == "async" else "synchronous"
+            raise SetupError(f"the checkpoint was written by the {other} driver; resume it with that driver")
+        log(INFO, "Resuming after round %d of %d from %s", saved.server_round, num_rounds, checkpoint.path)
+        if len(saved.result.arrays) == 0:
+            saved.result.arrays = saved.arrays
+        return saved.server_round + 1, saved.arrays, saved.result, saved
+
+    @staticmethod
+    def checkpointed(  # noqa: PLR0913
+        checkpoint: RunCheckpoint | None,
+        server_round: int,
+        num_rounds: int,
+        arrays: ArrayRecord,
+        strategy: Any,
+        result: Result,
+        driver_state: dict[str, Any] | None,
+    ) -> None:
+        """Write the round's checkpoint (if any); stop here when the checkpoint asks to (``RunInterrupted``)."""
+        if checkpoint is None:
+            return
+        checkpoint.save(server_round, arrays, strategy, result, driver_state)
+        if checkpoint.stop_after_round == server_round and server_round < num_rounds:
+            log(WARNING, "Stopping after round %d as asked (stop-after-round)", server_round)
+            raise RunInterrupted(server_round, result)
+
+    @staticmethod
+    def finished(result: Result, started: float) -> Result:
+        """Log the run's end and its results, as Flower's ``start`` does; ``result``."""
         log(INFO, "")
         log(INFO, "Strategy execution finished in %.2fs", time.time() - started)
         for line in io.StringIO(str(result)):
