@@ -11,6 +11,8 @@ transaction, the AMSGrad step, and the async driver's own work (its job book, th
 each job starts from, the per-step staleness record). A step's time is the interval between two calls of
 ``evaluate_fn`` (which does nothing); the median of steps 2.. is reported, with the ratio async/sync and
 both divided by one ``np.copyto`` of a d-vector timed in the same run (the memory-bandwidth yardstick).
+The reply records are built once per node and reused (both drivers alike): cheaper than fresh records
+from the network, so compare the two drivers' times with each other, not with other benchmarks.
 
 Run: ``python benchmarks/bench_async_step.py [--steps 6] [--replies 10]``
 """
