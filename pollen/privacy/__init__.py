@@ -1,0 +1,11 @@
+"""pollen's privacy parts: the differential-privacy accountant now (:mod:`pollen.privacy.accounting`), the
+clipping and noise mechanisms that sit between the decoded updates and the server optimiser later
+(``../shared/papers/privacy.md``).
+
+Importing this package needs no privacy library: ``dp-accounting`` (the optional extra ``pollen[dp]``) is
+imported when an accountant is built.
+"""
+
+from pollen.privacy.accounting import SAMPLINGS, PrivacyAccountant, PrivacySetting
+
+__all__ = ["SAMPLINGS", "PrivacyAccountant", "PrivacySetting"]
