@@ -1,4 +1,4 @@
-"""pollen's privacy parts: the differential-privacy accountant now (:mod:`pollen.privacy.accounting`), the
+"""pollen's privacy parts: the differential-privacy accountant now (:mod:`pollen.privacy.accountant`), the
 clipping and noise mechanisms that sit between the decoded updates and the server optimiser later
 (``../shared/papers/privacy.md``).
 
@@ -6,6 +6,6 @@ Importing this package needs no privacy library: ``dp-accounting`` (the optional
 imported when an accountant is built.
 """
 
-from pollen.privacy.accounting import SAMPLINGS, PrivacyAccountant, PrivacySetting
+from pollen.privacy.accountant import SAMPLINGS, PrivacyAccountant, PrivacySetting
 
 __all__ = ["SAMPLINGS", "PrivacyAccountant", "PrivacySetting"]

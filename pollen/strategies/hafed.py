@@ -296,9 +296,11 @@ class HAFed(AdaptiveStrategy):
     ) -> list[ClientUpdate]:
         """The outlier screen on one gossip step's moves, before they are mixed into anyone's model.
 
-        Each reply's move (its model minus the one the server sent it) is judged against the median
-        of the other *movers'* moves in the same step (with no other mover: the moves accepted in
-        this round's earlier steps, ``earlier_moves``, which grows by this step's). A client that
+        The screen's one round-level call (:meth:`UpdateScreen.filter`) with HA-Fed's candidates and
+        reference: each reply's move (its model minus the one the server sent it) is judged against the
+        larger of ``factor`` x the median of the other *movers'* moves in the same step and ``factor`` x
+        the median of the moves accepted in this round's earlier steps (``earlier_moves``, which grows by
+        this step's); with neither, it passes. A client that
         was idle for the whole segment (``active-prob`` < 1) returns the model it got: its move is
         float round-off, and it is left out of the reference, so a step where most clients idle does
         not make every active one "10x the median". A reply that says it took no steps but moved is
@@ -306,44 +308,35 @@ class HAFed(AdaptiveStrategy):
         than half of the step's replies exceed it) against the same buffer of the step's other replies.
         A rejected reply is absent from this step's mix. (``index``: the gossip step, as logged.)
         """
-        kept, movers = [], []
         params_norm = float(np.linalg.norm(self.params))
         self.screen.set_model_norm(params_norm)
-        where = f"round {server_round}, gossip step {index}"
-        record_bounds = self.screen.round_record_bounds([u.record_norms for u in updates], where)
-        for update, bounds in zip(updates, record_bounds):
+        moves: dict[int, float] = {}  # the movers' moves; an idle client (round-off only) is not judged
+        candidates = []
+        for update in updates:
             start = current.get(update.node_id)
-            why = self.screen.screen_records(update, bounds)
-            if why is None and start is None:
-                why = "a reply from a node that does not train this round"
-            if why is None:
-                move = float(np.linalg.norm(update.delta - start.delta))
-                if move <= self._round_off(start, params_norm):
-                    kept.append(update)  # idle: nothing moved, nothing to judge
-                    continue
+            if start is None:
+                self.replies.reject(server_round, update.node_id, "a reply from a node that does not train this round")
+                continue
+            move = float(np.linalg.norm(update.delta - start.delta))
+            if move > self._round_off(start, params_norm):
                 if _reported_steps(update.metrics) == 0:
                     why = f"reports no local steps but moved {move:.3g} (outlier screen)"
-                else:
-                    movers.append((update, move))
+                    self.replies.reject(server_round, update.node_id, why)
                     continue
-            self.replies.reject(server_round, update.node_id, why)
-        moves = [move for _, move in movers]
-        if len(moves) >= 2:
-            limits = self.screen.within_round_bounds(moves)
-        else:
-            earlier = [m for m in earlier_moves if m > 0]
-            limits = [
-                self.screen.factor * self.screen.reference(float(np.median(earlier))) if earlier else float("inf")
-            ] * len(moves)
-            limits = limits if self.screen.rule != "off" else [float("inf")] * len(moves)
-        for (update, move), limit in zip(movers, limits):
-            if self.screen.judge(move, limit)[0] == "accept":
-                kept.append(update)
-                earlier_moves.append(move)
-            else:
-                self.replies.reject(server_round, update.node_id, self.screen.reason(move, limit))
-        accepted = {id(u) for u in kept}
-        return [u for u in updates if id(u) in accepted]  # in the order they were read
+                moves[id(update)] = move
+            candidates.append(update)
+        earlier = [m for m in earlier_moves if m > 0]
+        reference = self.screen.factor * self.screen.reference(float(np.median(earlier))) if earlier else None
+        kept = self.screen.filter(
+            candidates,
+            lambda update, why: self.replies.reject(server_round, update.node_id, why),
+            f"round {server_round}, gossip step {index}",
+            reorder=False,
+            norm_of=lambda update: moves.get(id(update)),
+            reference=reference,
+        )
+        earlier_moves.extend(moves[id(u)] for u in kept if id(u) in moves)
+        return kept
 
     def _round_off(self, start: ClientUpdate, params_norm: float) -> float:
         """The largest move that is only float round-off of sending a client ``start`` and reading it back

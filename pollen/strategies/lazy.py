@@ -59,6 +59,7 @@ from pollen.strategies.engine.strategy import (
 )
 from pollen.strategies.fedams import FedAMS
 from pollen.strategies.lazy_book import ClientBook
+from pollen.strategies.lazy_uplink import LazyUplink
 from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, payload_to_records
 
@@ -224,7 +225,7 @@ class FedLazy(FedAMS):
             raise ValueError(
                 f"down_rule={down_rule!r} needs a compressed downlink (down_compressor); allowed without one: none"
             )
-        self.compressor, self.up_rule = compressor, up_rule  # what upload_codec() says to the base's checks
+        uplink = LazyUplink(compressor, topk_ratio, error_feedback, granularity, rule=up_rule, ef_mode=ef_mode)
         super().__init__(
             fraction_train=fraction_train,
             fraction_evaluate=fraction_evaluate,
@@ -244,11 +245,12 @@ class FedLazy(FedAMS):
             bias_correction=bias_correction,
             aggregation=aggregation,
             aggregator=aggregator,
+            uplink=uplink,
             parts=parts,
         )
         self.up_rule, self.up_tau = up_rule, check_tau("up_tau", up_tau)
-        self.compressor, self.topk_ratio, self.granularity = compressor, float(topk_ratio), granularity
-        self.error_feedback = bool(error_feedback) and compressor != "none"
+        self.compressor, self.topk_ratio, self.granularity = compressor, uplink.topk_ratio, granularity
+        self.error_feedback = uplink.error_feedback
         # the client owes its residual what was not applied; ref_mode="consecutive-only" asks who took part
         self.ledger.decide(self.error_feedback, must_keep=True)
         self.downlink = downlink
@@ -264,10 +266,6 @@ class FedLazy(FedAMS):
         self._down_codec = None
         self._pending: dict[str, dict[str, Any]] = {}  # this round: what each sampled client will hold
 
-    def upload_codec(self) -> str:
-        """The uplink codec; an accelerated (aa) reply adds the stored copy, so it is no plain decoding."""
-        return self.compressor if self.up_rule != "aa" else f"{self.compressor} added to the stored copy (aa)"
-
     def threshold_warnings(self, up_tau: float, down_tau: float) -> list[str]:
         """Why this round's effective thresholds cannot fire (:func:`pollen.lazy.rules.threshold_warnings`)."""
         down_rule = self.downlink.rule if self.downlink is not None else "none"
@@ -280,10 +278,7 @@ class FedLazy(FedAMS):
     def extra_summary(self) -> dict[str, Any]:
         summary = super().extra_summary()
         scaling = "" if self.tau_scaling == "effective" else f" / (alpha={self.tau_alpha:g} x sampled clients)"
-        summary["uplink"] = (
-            f"{self.up_rule} tau={self.up_tau:g}{scaling}, {self.compressor} (top-k {self.topk_ratio:g}), "
-            f"error feedback {'on (' + self.ef_mode + ')' if self.error_feedback else 'off'}, reference {self.ref_mode}"
-        )
+        summary["uplink threshold"] = f"tau={self.up_tau:g}{scaling}, reference {self.ref_mode}"
         summary["downlink"] = "dense (the full model)" if self.downlink is None else self.downlink.describe()
         summary["bookkeeping"] = "RAM" if self.bookkeeping_dir is None else self.bookkeeping_dir
         return summary
@@ -325,15 +320,8 @@ class FedLazy(FedAMS):
 
     def train_config(self, server_round: int) -> dict[str, Any]:
         self._taus = {r: taus for r, taus in self._taus.items() if r >= server_round - 1}
-        return {
-            protocol.CFG_LAZY_UP_RULE: self.up_rule,
-            protocol.CFG_LAZY_UP_TAU: self.round_taus(server_round)[0],
-            protocol.CFG_LAZY_UP_CODEC: self.compressor,
-            protocol.CFG_LAZY_UP_TOPK: self.topk_ratio,
-            protocol.CFG_LAZY_EF_MODE: self.ef_mode,
-            protocol.CFG_ERROR_FEEDBACK: self.error_feedback,
-            protocol.CFG_GRANULARITY: self.granularity,
-        }
+        # the rest of the uplink's entries are the LazyUplink part's (the base adds them)
+        return {protocol.CFG_LAZY_UP_TAU: self.round_taus(server_round)[0]}
 
     def node_content(self, server_round: int, node: int, shared: RecordDict) -> RecordDict:
         """The client's own config (its reference checksum) and model: dense, full, or a judged increment."""

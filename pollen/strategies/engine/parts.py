@@ -242,7 +242,7 @@ def assemble(  # noqa: PLR0913 - the base's arguments, checked and wired in one 
     strategy.aggregator = make_aggregator(aggregator)
     name = type(strategy).__name__
     check_fits(strategy.aggregator, name, aggregation=aggregation, refusal=strategy.robust_refusal)
-    check_codec(strategy.aggregator, name, strategy.upload_codec())
+    check_codec(strategy.aggregator, name, uplink.decodes if uplink is not None else "none")
     chosen = (parts or EngineParts()).filled(strategy.default_parts())
     claim(chosen, strategy)
     for item in fields(chosen):

@@ -219,9 +219,12 @@ class UpdateScreen:
         *,
         clip: bool = True,
         reorder: bool = True,
+        norm_of: Callable[[Any], float | None] | None = None,
+        reference: float | None | str = "history",
     ) -> list[Any]:
         """The updates that pass the screen, for a round that kept every update (``where``: the round, as logged):
-        the one round-level screening call of every strategy that keeps its replies (pollen's, Flower's baselines).
+        the one round-level screening call of every strategy that keeps its replies (pollen's, Flower's baselines,
+        HA-Fed's gossip steps).
 
         Each update's bound is the larger of the history's and the round's (:meth:`update_bounds`); each
         screened record (``record_norms``) likewise against its own kind (:meth:`round_record_bounds`).
@@ -231,6 +234,14 @@ class UpdateScreen:
         bound in place instead, unless ``clip=False`` (an aggregation that cannot take a scaled reply: it is
         rejected). Updates without a delta (a flag-only reply) pass the update screen. ``updates`` need
         ``delta``, ``norm`` (and whatever ``on_reject`` reads).
+
+        A caller that judges something other than the update's own norm names it: ``norm_of(update)`` is the
+        number judged (``None``: not judged, and not part of anyone's reference; HA-Fed's gossip step judges a
+        client's move since the model it was sent, and an idle client's move is ``None``), and ``reference`` the
+        bound that stands in for the history's (``None``: none; HA-Fed's: ``factor`` x the median of the moves
+        accepted earlier in the round). With a caller's reference the screen's own history is neither consulted
+        nor dropped, and a judged number that is not the update's norm cannot be scaled: beyond its bound the
+        update is rejected whatever the rule.
         """
         beyond = self._beyond_history(updates) if reorder else set()
         record_bounds = self.round_record_bounds([getattr(u, "record_norms", {}) for u in updates], where)
@@ -240,15 +251,18 @@ class UpdateScreen:
             if why is not None:
                 rejected.add(id(update))
                 on_reject(update, why)
-        with_delta = [u for u in updates if u.delta is not None]
-        bounds = self.update_bounds([u.norm for u in with_delta], where)
-        for update, limit in zip(with_delta, bounds):
+        judge_norm = norm_of is None
+        norm_of = norm_of or (lambda update: update.norm if update.delta is not None else None)
+        judged = [(u, norm) for u in updates if (norm := norm_of(u)) is not None]
+        norms = [norm for _, norm in judged]
+        bounds = self.update_bounds(norms, where) if reference == "history" else self.spared_bounds(reference, norms)
+        for (update, norm), limit in zip(judged, bounds):
             if id(update) in rejected:
                 continue
-            verdict, scale = self.judge(update.norm, limit)
-            if verdict == "reject" or (verdict == "clip" and not clip):
+            verdict, scale = self.judge(norm, limit)
+            if verdict == "reject" or (verdict == "clip" and not (clip and judge_norm)):
                 rejected.add(id(update))
-                on_reject(update, self.reason(update.norm, limit))
+                on_reject(update, self.reason(norm, limit))
             elif verdict == "clip":
                 update.delta = update.delta * np.float32(scale)
                 update.norm *= scale

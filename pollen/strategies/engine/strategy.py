@@ -210,10 +210,6 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         """What a final reply of ``server_round`` carries: the method's spec for that round."""
         return self.reply_spec.for_round(server_round)
 
-    def upload_codec(self) -> str:
-        """Hook: the codec every reply's update is a decoding of (a method with its own uplink says its own)."""
-        return self.uplink.codec if self.uplink is not None else "none"
-
     def aggregate_deltas(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
         """The round's delta from kept updates (the round aggregate's; a method may stage around it)."""
         return self.round_aggregate.delta(self, server_round, updates)

@@ -53,6 +53,11 @@ class Uplink:
             raise ValueError(f"granularity={self.granularity!r} is unknown; allowed: {', '.join(GRANULARITIES)}")
         object.__setattr__(self, "topk_ratio", float(self.topk_ratio))
 
+    @property
+    def decodes(self) -> str:
+        """What a reply's update is a decoding of: the codec (the aggregator's codec check reads it)."""
+        return self.codec
+
     def train_config(self) -> dict[str, Any]:
         """The train-config entries that ask a client for this upload."""
         return {

@@ -408,3 +408,63 @@ def test_fedlazy_keeps_a_ledger_always(compressor: str, ledger: AppliedLedger | 
 def test_fedlazy_keeps_an_explicit_tell() -> None:
     strategy = FedLazy(compressor="topk", up_tau=0.5, parts=EngineParts(ledger=AppliedLedger(tell=False)))
     assert strategy.ledger.tell is False
+
+
+# ---------------------------------------------------------------------- the lazy family's uplink part
+def test_the_lazy_familys_codec_is_its_uplink_part() -> None:
+    from pollen.strategies.lazy_uplink import LazyUplink
+
+    strategy = FedLazy(up_rule="aa", compressor="sign")
+    assert isinstance(strategy.uplink, LazyUplink)
+    assert strategy.uplink.decodes == "sign added to the stored copy (aa)"
+    config = strategy.round_config(1)
+    # lazy_mod's entries, never compression_mod's: a foreign ClientApp with both mods compresses once
+    assert config[protocol.CFG_LAZY_UP_CODEC] == "sign" and config[protocol.CFG_LAZY_UP_RULE] == "aa"
+    assert protocol.CFG_CODEC not in config and protocol.CFG_LAZY_UP_TAU in config
+    assert FedLazy(compressor="sign", up_rule="nla").uplink.decodes == "sign"
+
+
+def test_an_aggregator_is_checked_against_what_the_lazy_uplink_decodes_as() -> None:
+    FedLazy(compressor="sign", up_rule="nla", aggregator="majority-vote")  # plain scaled-sign decodings: fits
+    with pytest.raises(ValueError, match=r"needs scaled-sign uploads .*'sign added to the stored copy \(aa\)'"):
+        FedLazy(compressor="sign", up_rule="aa", aggregator="majority-vote")
+
+
+def test_a_lazy_uplink_refuses_an_unknown_rule_and_drops_feedback_without_a_codec() -> None:
+    from pollen.strategies.lazy_uplink import LazyUplink
+
+    with pytest.raises(ValueError, match=r"up_rule='lazy' is unknown; allowed: "):
+        LazyUplink(rule="lazy")
+    assert LazyUplink(codec="none", error_feedback=True).error_feedback is False
+
+
+# ---------------------------------------------------------------------- the screen's one call, a caller's quantity
+class _Judged:
+    def __init__(self, move: float | None) -> None:
+        self.delta, self.norm, self.move, self.record_norms, self.applied_scale = np.zeros(2), 1.0, move, {}, 1.0
+
+
+def test_filter_judges_the_callers_quantity_against_the_larger_of_its_round_and_its_reference() -> None:
+    from pollen.strategies.engine.screening import UpdateScreen
+
+    screen = UpdateScreen(factor=10.0)
+    updates = [_Judged(m) for m in (1.0, 1.2, 0.9, 30.0, None)]
+    refused: list[tuple[float | None, str]] = []
+    kept = screen.filter(
+        updates, lambda u, why: refused.append((u.move, why)), reorder=False, norm_of=lambda u: u.move, reference=None
+    )
+    assert [u.move for u in kept] == [1.0, 1.2, 0.9, None]  # 30 > 10 x the others' median; None is not judged
+    assert refused[0][0] == 30.0 and "exceeds 10 " in refused[0][1]
+    # a caller's reference stands in for the history: the larger of it and the round's bound
+    kept = screen.filter(updates, lambda u, why: None, reorder=False, norm_of=lambda u: u.move, reference=400.0)
+    assert len(kept) == 5
+    assert not screen.history  # the screen's own history was neither read nor written
+
+
+def test_filter_rejects_a_callers_quantity_beyond_its_bound_even_when_the_rule_clips() -> None:
+    from pollen.strategies.engine.screening import UpdateScreen
+
+    screen = UpdateScreen(rule="clip", factor=10.0)
+    updates = [_Judged(m) for m in (1.0, 1.1, 50.0)]
+    kept = screen.filter(updates, lambda u, why: None, norm_of=lambda u: u.move, reference=None, reorder=False)
+    assert [u.move for u in kept] == [1.0, 1.1] and updates[2].applied_scale == 1.0  # nothing scaled
