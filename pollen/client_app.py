@@ -188,6 +188,12 @@ def _reply_records(
                 raise ValueError("a compressed upload needs the global model or the step's reference vector")
             buffers = {key: local[key] for key in layout.buffer_keys}
             content.update(compress_update(delta, work.config, work.state, segments=layout.segments, buffers=buffers))
+    if outcome.extras and work.config.get(protocol.CFG_DP_MODE) == "local":
+        raise ValueError(
+            f"{protocol.SETUP_ERROR_PREFIX}local DP privatises the model update only, but this method's local step "
+            f"also uploads {sorted(outcome.extras)}, which would leave the node un-noised; allowed: local DP with "
+            "a method whose client sends only its update, or central DP"
+        )
     for name, vector in outcome.extras.items():
         content[protocol.extra_record(name)] = arrays_to_record(
             {protocol.EXTRA_ARRAY: np.asarray(vector, dtype=np.float32)}

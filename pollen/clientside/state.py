@@ -204,6 +204,11 @@ class ClientState:
 
     # -- reading and changing the vectors (in memory until commit)
     @property
+    def context(self) -> Context:
+        """The Flower context of the message this state is for (its ``node_config``: the node's own settings)."""
+        return self._context
+
+    @property
     def base_round(self) -> int:
         """The round after which the loaded state was written (0: fresh, nothing loaded)."""
         return self._base_round

@@ -56,6 +56,19 @@ CFG_APPLIED_SCALE = "pollen.applied-scale"
 #: an error-fed client drops that upload and its residual instead of owing them (it would send them again).
 CFG_REFUSED_ROUND = "pollen.refused-round"
 CFG_GRANULARITY = "pollen.granularity"
+# Differential privacy of the upload (privacy spec §4, §6; pollen.privacy.mechanisms, clientside.compression_mod).
+# "central": a trusted server; the client clips its upload, the server re-clips, sums and noises once per release.
+# "local": no trusted server; the client clips AND noises every upload. Absent: no client-side DP.
+CFG_DP_MODE = "pollen.dp.mode"
+# The L2 clip norm C (float > 0) of the whole upload: all trainable tensors jointly, in update units
+# (Delta = x_local - x_global; with error feedback, of Delta + e), clipped before compression.
+CFG_DP_CLIP = "pollen.dp.clip"
+# z (float > 0; local mode only): the client adds N(0, (z*C)^2) to every coordinate, fresh for every upload.
+CFG_DP_NOISE = "pollen.dp.noise-multiplier"
+# Optional, for reproducible SIMULATIONS only (int >= 0): the local noise comes from a Philox generator keyed from
+# (seed, client id, server round, message index), so anyone who knows the seed can remove it: never in deployment.
+# Absent: each upload's noise generator gets a fresh unpredictable 128-bit key from the OS (secrets).
+CFG_DP_SEED = "pollen.dp.seed"
 CFG_BUFFER_KEYS = "pollen.buffer-keys"
 CFG_PHASE = "pollen.phase"
 CFG_PHASE_INDEX = "pollen.phase-index"
