@@ -40,6 +40,7 @@ from pollen.app.spec import (
     beta,
     choice,
     defaults_of,
+    flag,
     node_path,
     non_neg_int,
     non_negative,
@@ -208,6 +209,19 @@ DRIVER = {
     "tau-c": non_negative(1.0),
     "da-form": choice(("code", "paper"), "code"),
 }
+#: Differential privacy (:mod:`pollen.strategies.engine.private`, :mod:`pollen.strategies.engine.local_privacy`).
+PRIVACY = {
+    "dp": choice(("none", "central", "local"), "none"),
+    "dp-clip": positive(1.0),
+    "dp-noise-multiplier": positive(1.0),
+    "dp-delta": Key(float, 1e-5, lambda v: 0 < v < 1, "a number in (0, 1)"),
+    "dp-target-epsilon": non_negative(0.0),
+    "dp-sampling": choice(("auto", "without-replacement", "none"), "auto"),
+    "dp-adaptive-clip": flag(False),
+    "dp-target-quantile": Key(float, 0.5, lambda v: 0 < v < 1, "a number in (0, 1)"),
+    "dp-clip-lr": positive(0.2),
+    "dp-noise-seed": Key(int, -1, lambda v: v >= -1, "an integer >= 0 (simulation only), or -1 (the OS's randomness)"),
+}
 #: Experiment trackers (:mod:`pollen.app.trackers`); they change what is tracked, never the run's numbers.
 TRACKING = {
     "tracker": Key(
@@ -228,6 +242,7 @@ SCHEMA: dict[str, Key] = assemble(
     RESUME,
     BAD_CLIENTS,
     DRIVER,
+    PRIVACY,
     TRACKING,
     *(family.KEYS for family in FAMILIES),
 )

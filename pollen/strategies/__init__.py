@@ -14,7 +14,9 @@ reply collector, sinks, server step, sampler, accounting) are imported from thei
 from pollen.strategies.baselines import MeteredFedAdagrad, MeteredFedAdam, MeteredFedAvg, MeteredFedYogi
 from pollen.strategies.engine.buffered import AsyncRule, BufferedAsync
 from pollen.strategies.engine.downlink import Downlink
+from pollen.strategies.engine.local_privacy import LocalPrivacy
 from pollen.strategies.engine.parts import EngineParts
+from pollen.strategies.engine.private import CentralPrivacy
 from pollen.strategies.engine.replies import ClientUpdate, Extra, ReplyRejected, ReplySpec
 from pollen.strategies.engine.resume import RunCheckpoint
 from pollen.strategies.engine.rounds import RunInterrupted, SyncRounds
@@ -29,6 +31,8 @@ from pollen.strategies.hafed import HAFed
 from pollen.strategies.lazy import FedLazy
 
 __all__ = [
+    "CentralPrivacy",
+    "LocalPrivacy",
     "AdaptiveStrategy",
     "AsyncRule",
     "BufferedAsync",

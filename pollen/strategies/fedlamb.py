@@ -184,6 +184,10 @@ class FedLAMB(AdaptiveStrategy):
         sampler asks each new node for its client id (each client's ``v_hat`` version is kept by its stable id).
     """
 
+    privacy_refusal = (
+        "its clients share their Adam/LAMB moments with the server each round, and those moments are no clipped, "
+        "noised mean of updates"
+    )
     async_refusal = (
         "its server moments are synchronised with every client in sync rounds, and its replies differ by round "
         "(moments only in a sync round), which a job applied steps later cannot keep"

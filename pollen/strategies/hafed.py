@@ -128,6 +128,10 @@ class HAFed(AdaptiveStrategy):
         "into its neighbours' before any aggregator sees it (and only m per cluster upload)"
     )
 
+    privacy_refusal = (
+        "its clusters gossip models from client to client inside each round, so the server's aggregate is not a "
+        "sum of clipped client updates it could noise (and peers see each other's models)"
+    )
     async_refusal = (
         "its clusters gossip with their neighbours in lock-step phases inside each round, so every member of a "
         "cluster must train from the same model at the same time"

@@ -150,6 +150,10 @@ class FedLazy(FedAMS):
         sampler asks each new node for its client id (each client's stored copies are kept by its stable id).
     """
 
+    privacy_refusal = (
+        "the server keeps each client's last upload and re-uses a skipped client's copy in later rounds, so a "
+        "client's update re-enters every later release (privacy.md section 7)"
+    )
     async_refusal = (
         "its lazy rules compare each upload with the client's reference of the previous round, and its downlink "
         "increments assume every client holds the same model replica, which clients training from different "

@@ -32,6 +32,12 @@ def _flower_kwargs(cfg: Mapping[str, Any], name: str) -> dict[str, Any]:
             f"run-config 'population' = {cfg['population']} does not fit Flower's own {name}: it samples the "
             "connected nodes itself, one client each; allowed: population = 0, or one of pollen's strategies"
         )
+    if cfg["dp"] != "none":
+        raise ValueError(
+            f"run-config 'dp' = {cfg['dp']!r} does not fit Flower's own {name}: Flower's aggregation weights replies "
+            "by their num-examples and steps its optimiser inside Flower, so pollen cannot put clipping and noise "
+            "before it; allowed: dp = 'none', or strategy = 'fedopt' (the same server optimisers, pollen's DP part)"
+        )
     from pollen.strategies.engine.parts import EngineParts
 
     return {**sampling_kwargs(cfg), "parts": EngineParts(screen=screen_of(cfg))}

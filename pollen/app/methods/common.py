@@ -35,11 +35,42 @@ def engine_parts(cfg: Mapping[str, Any]) -> Any:
     from pollen.strategies.engine.sampling import ClientSampler
     from pollen.strategies.engine.transaction import RoundTransaction
 
+    privacy = privacy_of(cfg)
     return EngineParts(
         sampler=ClientSampler(seed=cfg["seed"], identify_clients=True, population=cfg["population"]),
-        screen=screen_of(cfg),
+        screen=None if privacy is not None and privacy.mode == "central" else screen_of(cfg),
         transaction=RoundTransaction(min_replies=cfg["min-replies"]),
         driver=driver_of(cfg),
+        privacy=privacy,
+    )
+
+
+def privacy_of(cfg: Mapping[str, Any]) -> Any:
+    """The privacy part the run-config asks for (``dp`` and its keys), or ``None``. With central DP the outlier screen
+    is off whatever ``outlier-rule`` says (the clip bounds each client; the strategy's summary says so)."""
+    from pollen.strategies.engine.local_privacy import LocalPrivacy
+    from pollen.strategies.engine.private import CentralPrivacy
+
+    seed = None if cfg["dp-noise-seed"] < 0 else cfg["dp-noise-seed"]
+    if cfg["dp"] == "local":
+        return LocalPrivacy(
+            clip=cfg["dp-clip"], noise_multiplier=cfg["dp-noise-multiplier"], delta=cfg["dp-delta"], seed=seed
+        )
+    if cfg["dp"] != "central":
+        return None
+    sampling = cfg["dp-sampling"]
+    if sampling == "auto":
+        sampling = "none" if cfg["driver"] == "async" else "without-replacement"
+    return CentralPrivacy(
+        clip=cfg["dp-clip"],
+        noise_multiplier=cfg["dp-noise-multiplier"],
+        delta=cfg["dp-delta"],
+        sampling=sampling,
+        target_epsilon=cfg["dp-target-epsilon"] or None,
+        adaptive=cfg["dp-adaptive-clip"],
+        target_quantile=cfg["dp-target-quantile"],
+        clip_lr=cfg["dp-clip-lr"],
+        seed=seed,
     )
 
 

@@ -223,6 +223,8 @@ class BufferedAsync(SyncRounds):
         elif step <= num_rounds:
             self._fill(strategy, grid, flight, step, arrays, train_config)
         while step <= num_rounds:
+            if not self.may_release(strategy, step):
+                break
             if flight.in_flight() == 0:  # whatever the refill rule: nothing in flight would stall the run
                 self._fill(strategy, grid, flight, step, arrays, train_config)
             if flight.in_flight() == 0 and (flight.buffer or self._spent(strategy, grid, flight, step)):

@@ -130,6 +130,8 @@ def strategy_state(strategy: Any) -> dict[str, Any]:
     }
     if strategy.layout is not None:
         state["optimizer"] = strategy.server_step.state_dict()
+    if getattr(strategy, "privacy", None) is not None:
+        state["privacy"] = strategy.privacy.state_dict()
     for name, kind in strategy.state_fields.items():
         value = getattr(strategy, name)
         if value is not None:
@@ -162,8 +164,10 @@ def restore_strategy_state(strategy: Any, state: Any, *, server_round: int | Non
     if name != type(strategy).__name__:
         raise fields.StateError(fields.join(WHERE, "strategy"), f"is {name!r}; expected {type(strategy).__name__!r}")
     has_model = "params" in state
+    private = getattr(strategy, "privacy", None) is not None
     allowed = set(_ALWAYS) | (set(_WITH_MODEL) if has_model else set()) | set(strategy.state_fields)
-    for key in _ALWAYS + (_WITH_MODEL if has_model else ()):
+    allowed |= {"privacy"} if private else set()
+    for key in _ALWAYS + (_WITH_MODEL if has_model else ()) + (("privacy",) if private else ()):
         fields.at(state, key, WHERE)
     unknown = sorted(set(state) - allowed)
     if unknown:
@@ -200,6 +204,8 @@ def restore_strategy_state(strategy: Any, state: Any, *, server_round: int | Non
     commits.append(
         strategy.accounting.prepare_load(state["accounting"], last_round=server_round, where=at["accounting"])
     )
+    if private:  # the budget spent so far, under the same settings (a run without DP saved none: refused above)
+        commits.append(strategy.privacy.prepare_load(state["privacy"], fields.join(WHERE, "privacy"), server_round))
     commits.extend(_prepare_parts(strategy, state, layout, server_round))
     strategy.check_loaded(values, layout, server_round)
 

@@ -73,7 +73,8 @@ def refuse_dp_wrapper(strategy: object, optimiser: str) -> None:
     raise SetupError(
         f"{name} cannot run inside Flower's {type(wrapper).__name__}: the wrapper adds its noise to the model "
         f"{name} returns, after {optimiser} stepped on the noiseless mean, so the optimiser's state keeps every "
-        "client's exact update and no privacy guarantee holds; allowed: Flower's DP wrappers around FedAvg "
-        "(flwr's, or pollen.strategies.MeteredFedAvg), or local DP on the clients (flwr.clientapp.mod.LocalDpMod "
-        "on @app.train, see docs/guides/drop-in.md)"
+        "client's exact update and no privacy guarantee holds; allowed: pollen's own DP part, which clips and "
+        f"noises before the optimiser ({name}(parts=EngineParts(privacy=CentralPrivacy(clip=..., "
+        "noise_multiplier=...))), run-config dp='central', docs/guides/privacy.md), Flower's DP wrappers around "
+        "FedAvg (flwr's, or pollen.strategies.MeteredFedAvg), or local DP on the clients"
     )

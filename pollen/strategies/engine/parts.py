@@ -87,6 +87,11 @@ class EngineParts:
         Where every round is checkpointed (and what to resume from); ``start(checkpoint=...)`` overrides it.
     round_aggregate : MeanAggregate | None
         How a round's screened updates become one delta (default: their mean; FedAdaVR's: its table's).
+    privacy : CentralPrivacy | LocalPrivacy | None
+        Differential privacy. Central (:mod:`~pollen.strategies.engine.private`): each update clipped, the sum
+        noised, before the optimiser; the screen then defaults to ``UpdateScreen(rule="off")`` and the round
+        aggregate is its noised mean. Local (:mod:`~pollen.strategies.engine.local_privacy`): each client clips
+        and noises its own upload. ``None`` (default): none.
     """
 
     model: GlobalModel | None = None
@@ -98,6 +103,7 @@ class EngineParts:
     driver: SyncRounds | None = None
     checkpoint: RunCheckpoint | None = None
     round_aggregate: Any = None
+    privacy: Any = None
 
     def filled(self, defaults: EngineParts | None = None) -> EngineParts:
         """These parts, each ``None`` taken from ``defaults`` (a method's) or built with its defaults."""
@@ -116,6 +122,8 @@ class EngineParts:
             value = getattr(self, item.name)
             if value is None and defaults is not None:
                 value = getattr(defaults, item.name)
+            if value is None and item.name == "screen" and getattr(self.privacy, "mode", None) == "central":
+                value = UpdateScreen(rule="off")  # central DP: the clip bounds each client, not the others' norms
             if value is None and item.name in built:
                 value = built[item.name]()
             _check_part(item.name, value)
@@ -159,6 +167,10 @@ def _check_part(name: str, value: Any) -> None:
         raise ValueError(f"parts.{name}={value!r} is not a {kind.__name__}; allowed: a {kind.__name__}(...) or None")
     if name == "driver" and not callable(getattr(value, "run", None)):
         raise ValueError(f"parts.driver={value!r} has no run(strategy, grid, ...); allowed: a round driver or None")
+    if name == "privacy" and value is not None and getattr(value, "mode", None) not in ("central", "local"):
+        raise ValueError(
+            f"parts.privacy={value!r} is not a privacy part; allowed: CentralPrivacy(...), LocalPrivacy(...) or None"
+        )
     if name == "round_aggregate" and not (
         callable(getattr(value, "sink", None)) and callable(getattr(value, "delta", None))
     ):
@@ -244,6 +256,12 @@ def assemble(  # noqa: PLR0913 - the base's arguments, checked and wired in one 
     check_fits(strategy.aggregator, name, aggregation=aggregation, refusal=strategy.robust_refusal)
     check_codec(strategy.aggregator, name, uplink.decodes if uplink is not None else "none")
     chosen = (parts or EngineParts()).filled(strategy.default_parts())
+    if chosen.privacy is not None:  # before any part is claimed: a refusal claims none
+        from pollen.strategies.engine.private import PrivateMean
+
+        chosen.privacy.check_fits(strategy, chosen.round_aggregate, chosen.screen)
+        if chosen.privacy.mode == "central":
+            chosen.round_aggregate = PrivateMean(chosen.privacy)
     claim(chosen, strategy)
     for item in fields(chosen):
         setattr(strategy, item.name, getattr(chosen, item.name))

@@ -101,6 +101,8 @@ class SyncRounds:
         if first_round <= num_rounds:
             strategy.check_setup(grid)
         for server_round in range(first_round, num_rounds + 1):
+            if not self.may_release(strategy, server_round):
+                break
             log(INFO, "")
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
             arrays = self.train_round(strategy, server_round, grid, arrays, train_config, timeout, result, clock)
@@ -139,6 +141,13 @@ class SyncRounds:
         if len(saved.result.arrays) == 0:
             saved.result.arrays = saved.arrays
         return saved.server_round + 1, saved.arrays, saved.result, saved
+
+    @staticmethod
+    def may_release(strategy: Any, server_round: int) -> bool:
+        """Whether the run may take ``server_round``: central DP's budget allows one more release (else it logs
+        why and the run ends here, with the model of the last release)."""
+        privacy = getattr(strategy, "privacy", None)
+        return privacy is None or privacy.allows_release(server_round)
 
     @staticmethod
     def checkpointed(  # noqa: PLR0913

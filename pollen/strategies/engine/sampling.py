@@ -71,6 +71,10 @@ class ClientSampler:
         self.identify_clients = identify_clients
         self.population = population
         self.rng = np.random.default_rng(seed)
+        #: ``(population, sample size)`` of the last round's uniform train draw (what central DP's accountant
+        #: checks); ``None`` when a plan chose (HA-Fed's clusters).
+        self.last_draw: tuple[int, int] | None = None
+        self._drawn: tuple[int, int] | None = None
         #: A method's own rule for who trains (HA-Fed's clusters: ``train_nodes`` and ``check_setup``);
         #: ``None``: ``fraction_train`` of the clients, uniformly.
         self.plan: Any = None
@@ -176,9 +180,12 @@ class ClientSampler:
 
     def train_nodes(self, server_round: int, grid: Grid, fraction: float, minimum: int) -> list[int]:
         """The nodes that train in ``server_round``: the plan's, or ``fraction`` of them uniformly (:meth:`sample`)."""
+        self.last_draw = None
         if self.plan is not None:
             return self.plan.train_nodes(self, server_round, grid, fraction, minimum)
-        return self.sample(grid, fraction, minimum)
+        nodes = self.sample(grid, fraction, minimum)
+        self.last_draw = self._drawn
+        return nodes
 
     def check_setup(self, grid: Grid) -> None:
         """Check what the plan needs of the connected nodes before a run's first round (``SetupError``)."""
@@ -194,10 +201,12 @@ class ClientSampler:
         if self.population:
             size = self.sample_size(fraction, minimum)
             picks = self.rng.choice(self.population, size=size, replace=False)
+            self._drawn = (self.population, size)
             return self.bind(grid, [int(self._order()[i]) for i in sorted(picks)])
         ordered = self.connected(grid, minimum)
         size = min(max(int(len(ordered) * fraction), minimum), len(ordered))
         picks = self.rng.choice(len(ordered), size=size, replace=False)
+        self._drawn = (len(ordered), size)
         return [ordered[i] for i in sorted(picks)]
 
     def sample_size(self, fraction: float, minimum: int) -> int:

@@ -112,6 +112,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     robust_refusal: ClassVar[str | None] = None
     #: Why the buffered asynchronous driver does not fit this method (``None``: it does).
     async_refusal: ClassVar[str | None] = None
+    #: Why the method cannot take central DP (:mod:`~pollen.strategies.engine.private`); ``None``: it can.
+    privacy_refusal: ClassVar[str | None] = None
     #: The jobs behind the replies of the step being read, while an asynchronous driver sets them.
     jobs: StepJobs | None = None
 
@@ -192,8 +194,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def round_config(self, server_round: int) -> dict[str, Any]:
         """Everything a train message's config adds for this method: :meth:`train_config` and the uplink's."""
         config = dict(self.train_config(server_round))
-        if self.uplink is not None:
-            config.update(self.uplink.train_config())
+        for part in (self.uplink, self.privacy):  # what clients are asked to upload, and how privately
+            config.update(part.train_config() if part is not None else {})
         return config
 
     def node_content(self, server_round: int, node: int, shared: RecordDict) -> RecordDict:
@@ -221,6 +223,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def _adopt_global_model(self, arrays: ArrayRecord) -> None:
         """Take the global model Flower hands back; build the optimiser when the layout is new."""
         if self.model.adopt(arrays):
+            if self.privacy is not None:
+                self.privacy.check_layout(self.layout, type(self).__name__)
             self.server_step.start(self.build_optimizer(self.layout), self.layout.dim)
             self.on_layout(self.layout)
             layout, name = self.layout, type(self).__name__
@@ -241,6 +245,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         self._train_started[server_round] = time.perf_counter()
         nodes = self.sampler.train_nodes(server_round, grid, self.fraction_train, self.min_train_nodes)
         self.accounting.round(server_round).sampled = len(nodes)
+        if self.privacy is not None:
+            self.privacy.sent([self.sampler.key(node) for node in nodes], self.accounting.round(server_round))
         content_for = self._train_content(server_round, arrays, config)
         log(INFO, "configure_train: sampled %d nodes (out of %d)", len(nodes), len(self.sampler.known_clients))
         return self.transport.train_messages(server_round, nodes, content_for)
@@ -255,6 +261,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         counted = rnd if count_in is None else count_in
         self._train_started.setdefault(counted, time.perf_counter())
         self.accounting.round(counted).sampled += len(jobs)
+        if self.privacy is not None:
+            self.privacy.sent([self.sampler.key(node) for node, _ in jobs], self.accounting.round(counted))
         return self.transport.job_messages(counted, jobs, self._train_content(rnd, arrays, config))
 
     def _train_content(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord) -> Callable:
