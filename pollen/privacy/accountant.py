@@ -19,9 +19,10 @@ sampling it assumes must be the one the run does (§13.2):
 Accounting a run as Poisson-sampled when it samples a fixed number of clients, or as sampled at all when
 clients take part when they are free, reports an ``epsilon`` the run does not have.
 
-The accountant keeps no composed state: ``epsilon`` is recomputed from the release count, in one
-``compose(event, count)`` on a fresh ``RdpAccountant``. So a resumed run (:meth:`PrivacyAccountant.state_dict`
-holds the setting and the count) continues with the very same ``epsilon``, bit for bit.
+The accountant keeps no composed state: ``epsilon`` is recomputed from the release count, as one
+``compose(event, count)`` on a fresh ``RdpAccountant`` would (one release's RDP vector, scaled by the count).
+So a resumed run (:meth:`PrivacyAccountant.state_dict` holds the setting and the count) continues with the
+very same ``epsilon``, bit for bit.
 """
 
 from __future__ import annotations
@@ -249,6 +250,7 @@ class PrivacyAccountant:
             raise ValueError(f"dp-accounting's RDP accountant cannot account sampling={setting.sampling!r}")
         self._releases = 0
         self._epsilons: dict[int, float] = {}
+        self._per_release: Any = None  # one release's RDP vector (computed once), False: not available
 
     @property
     def releases(self) -> int:
@@ -328,14 +330,29 @@ class PrivacyAccountant:
     def _fresh(self) -> Any:
         return self._rdp.RdpAccountant(orders=self.orders, neighboring_relation=self._relation)
 
+    def _composed_epsilon(self, releases: int) -> float:
+        """``compose(event, releases)`` on a fresh accountant, then its epsilon. The RDP of ``releases`` identical
+        events is ``releases`` times one event's (the library computes ``0 + count * rdp(event)``), so the
+        vector of one release is computed once (the costly part: 0.2 s for a sampling without replacement)
+        and scaled, which gives the same bits; a library without that vector composes afresh."""
+        if self._per_release is None:
+            one = self._fresh()
+            one.compose(self._event, 1)
+            self._per_release = getattr(one, "_rdp", False)
+        compute = getattr(getattr(self._rdp, "rdp_privacy_accountant", None), "compute_epsilon", None)
+        if self._per_release is False or compute is None:
+            accountant = self._fresh()
+            accountant.compose(self._event, releases)
+            return float(accountant.get_epsilon(self.setting.delta))
+        orders = self._fresh()._orders  # the orders the library uses (its defaults when ours are None)
+        return float(compute(orders, 0 + releases * self._per_release, self.setting.delta)[0])
+
     def _epsilon_of(self, releases: int) -> float:
         if releases == 0:
             return 0.0  # dp-accounting refuses count=0; nothing released, nothing spent
         epsilon = self._epsilons.get(releases)
         if epsilon is None:
-            accountant = self._fresh()
-            accountant.compose(self._event, releases)
-            epsilon = float(accountant.get_epsilon(self.setting.delta))
+            epsilon = self._composed_epsilon(releases)
             if len(self._epsilons) >= _CACHED:
                 del self._epsilons[next(iter(self._epsilons))]
             self._epsilons[releases] = epsilon

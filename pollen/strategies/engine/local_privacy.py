@@ -59,6 +59,7 @@ class LocalPrivacy:
         #: Train messages sent to each client (by client key): its uploads, as far as privacy is concerned.
         self.uploads: dict[str, int] = {}
         self._epsilon_of: dict[int, float] = {}
+        self._accountant: PrivacyAccountant | None = None
 
     def check_fits(self, strategy: Any, round_aggregate: Any, screen: Any) -> None:
         """``ValueError`` when ``strategy``'s clients send something the local mechanism does not cover."""
@@ -93,9 +94,9 @@ class LocalPrivacy:
         if uploads == 0:
             return 0.0
         if uploads not in self._epsilon_of:
-            accountant = PrivacyAccountant(self.setting())
-            accountant.record(uploads)
-            self._epsilon_of[uploads] = accountant.epsilon()
+            if self._accountant is None:
+                self._accountant = PrivacyAccountant(self.setting())
+            self._epsilon_of[uploads] = self._accountant.epsilon_after(uploads)
         return self._epsilon_of[uploads]
 
     def report(self, stats: Any) -> None:

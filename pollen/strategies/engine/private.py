@@ -138,6 +138,7 @@ class CentralPrivacy:
         #: ``(population, sample size)`` pinned at the first release (``"without-replacement"``).
         self.draw: tuple[int, int] | None = None
         self.releases = 0
+        self._accountant: PrivacyAccountant | None = None
 
     # ------------------------------------------------------------------ checks
     def check_fits(self, strategy: Any, round_aggregate: Any, screen: UpdateScreen) -> None:
@@ -201,10 +202,12 @@ class CentralPrivacy:
         return PrivacySetting(self.noise_multiplier, self.delta, self.sampling, population=draw[0], sample_size=draw[1])
 
     def accountant(self) -> PrivacyAccountant:
-        """The run's accountant, holding its releases so far."""
-        accountant = PrivacyAccountant(self.setting(self.draw))
-        accountant.record(self.releases)
-        return accountant
+        """The run's accountant, holding its releases so far (one per setting, kept: its RDP is computed once)."""
+        setting = self.setting(self.draw)
+        if self._accountant is None or self._accountant.setting != setting:
+            self._accountant = PrivacyAccountant(setting)
+        self._accountant.record(self.releases - self._accountant.releases)
+        return self._accountant
 
     def epsilon(self) -> float:
         return self.accountant().epsilon() if self.releases else 0.0
