@@ -631,6 +631,43 @@ def async_stragglers() -> Path:
     return _save(fig, "async")
 
 
+@_styled
+def privacy() -> Path:
+    t = table("privacy", "method", "no DP", "eps 1")
+    columns = [c for c in t.header if c.startswith("eps ")]
+    epsilons = [value(c.split("(")[0]) for c in columns]
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.6))
+    for index, row in enumerate(t.rows):
+        style = plotstyle.series_style(index)
+        name = label(row[t.col("method")])
+        cells = [row[t.header.index(c)] for c in columns]
+        means = [value(c) for c in cells]
+        spans = [re.findall(r"\d+\.\d+", label(c))[1:3] for c in cells]
+        low = [m - float(lo) for m, (lo, _) in zip(means, spans)]
+        high = [float(hi) - m for m, (_, hi) in zip(means, spans)]
+        ax.errorbar(
+            epsilons,
+            means,
+            yerr=[low, high],
+            capsize=3,
+            label=f"{name}, central DP",
+            color=style["color"],
+            marker=style["marker"],
+        )
+        ax.axhline(
+            value(row[t.col("no DP")]), color=style["color"], linestyle="--", linewidth=1, label=f"{name}, no DP"
+        )
+    ax.set_xscale("log")
+    ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
+    ax.minorticks_off()
+    ax.set_xlabel("epsilon after 20 rounds (delta 1e-5)")
+    ax.set_ylabel("final test accuracy")
+    ax.set_ylim(0, 0.8)
+    fig.legend(loc="outside lower center", ncol=3, frameon=False, fontsize=8.5)
+    fig.suptitle("Central DP on Fashion-MNIST, 20 of 100 clients a round: accuracy against epsilon (3 seeds)")
+    return _save(fig, "privacy")
+
+
 #: Page name (``docs/results/<page>.md``) -> the function that draws its figure.
 FIGURES_OF: dict[str, Callable[[], Path]] = {
     "fedcams": fedcams,
@@ -648,6 +685,7 @@ FIGURES_OF: dict[str, Callable[[], Path]] = {
     "altered-files": altered_files,
     "dropin": dropin,
     "async": async_stragglers,
+    "privacy": privacy,
 }
 
 

@@ -220,6 +220,7 @@ PRIVACY = {
     "dp-adaptive-clip": flag(False),
     "dp-target-quantile": Key(float, 0.5, lambda v: 0 < v < 1, "a number in (0, 1)"),
     "dp-clip-lr": positive(0.2),
+    "dp-count-noise": non_negative(0.0),
     "dp-noise-seed": Key(int, -1, lambda v: v >= -1, "an integer >= 0 (simulation only), or -1 (the OS's randomness)"),
 }
 #: Experiment trackers (:mod:`pollen.app.trackers`); they change what is tracked, never the run's numbers.

@@ -65,9 +65,11 @@ class StateError(CheckpointError):
         return type(self)(self.field, self.why, source=source)
 
 
-def join(where: str, key: Any) -> str:
-    """The path of ``key`` inside the field at ``where``."""
-    return f"{where}/{key}" if where else str(key)
+def join(where: str, *keys: Any) -> str:
+    """The path of ``keys`` (a key, or a key inside a key ...) inside the field at ``where``."""
+    for key in keys:
+        where = f"{where}/{key}" if where else str(key)
+    return where
 
 
 def _show(value: Any) -> str:

@@ -45,15 +45,6 @@ D = 19
 NODES = 6
 DELTA = 1e-5
 
-#: ``LocalPrivacy.prepare_load`` calls ``state_fields.join(where, "uploads", client)`` / ``join(where, "settings",
-#: key)``, but ``join`` takes two arguments: a resume with any upload counted, or a changed setting, raises
-#: ``TypeError`` instead of continuing / refusing with the field named.
-JOIN_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="bug: LocalPrivacy.prepare_load calls fields.join with 3 arguments (join takes 2)",
-)
-
 
 def client_with(silent: Any = None) -> Any:
     """``x_start + Delta(node, round)`` (no noise: the server cannot tell, and does not check)."""
@@ -193,7 +184,6 @@ def test_a_state_without_uploads_round_trips() -> None:
     assert fresh.uploads == {}
 
 
-@JOIN_BUG
 def test_a_resumed_run_keeps_the_upload_counts() -> None:
     whole = build(local())
     play(whole, FakeGrid(range(1, NODES + 1), client_with()), 1, 4, model_record(tiny_model()))
@@ -210,7 +200,6 @@ def test_a_resumed_run_keeps_the_upload_counts() -> None:
     assert column(second, "dp_epsilon")[-1] == column(whole, "dp_epsilon")[-1]
 
 
-@JOIN_BUG
 @pytest.mark.parametrize(("field", "changed"), [("clip", 0.25), ("noise_multiplier", 2.0), ("delta", 1e-6)])
 def test_a_changed_local_setting_is_refused_on_resume_naming_it(field: str, changed: float) -> None:
     first = build(local())

@@ -70,6 +70,7 @@ def privacy_of(cfg: Mapping[str, Any]) -> Any:
         adaptive=cfg["dp-adaptive-clip"],
         target_quantile=cfg["dp-target-quantile"],
         clip_lr=cfg["dp-clip-lr"],
+        count_noise=cfg["dp-count-noise"] or None,
         seed=seed,
     )
 

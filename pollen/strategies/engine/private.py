@@ -54,8 +54,8 @@ from flwr.common import log
 
 from pollen.core import state_fields as fields
 from pollen.privacy import PrivacyAccountant, PrivacySetting
-from pollen.privacy.mechanisms import clip_l2, gaussian_noise, noise_generator
-from pollen.strategies.engine.replies import ClientUpdate
+from pollen.privacy.mechanisms import clip_factor, gaussian_noise, l2_norm, noise_generator
+from pollen.strategies.engine.replies import ClientUpdate, ReplyRejected
 from pollen.strategies.engine.round_aggregate import MeanAggregate
 from pollen.strategies.engine.screening import UpdateScreen
 from pollen.strategies.engine.sinks import ScreenedSink
@@ -139,6 +139,8 @@ class CentralPrivacy:
         self.draw: tuple[int, int] | None = None
         self.releases = 0
         self._accountant: PrivacyAccountant | None = None
+        #: A release was refused for the target epsilon: the run stops before its next round.
+        self.exhausted = False
 
     # ------------------------------------------------------------------ checks
     def check_fits(self, strategy: Any, round_aggregate: Any, screen: UpdateScreen) -> None:
@@ -193,7 +195,15 @@ class CentralPrivacy:
         return {protocol.CFG_DP_MODE: "central", protocol.CFG_DP_CLIP: self.clip_now}
 
     def sent(self, clients: Any, stats: Any) -> None:
-        """Nothing to count when messages go out: central DP accounts releases, not uploads."""
+        """Central DP accounts releases, not uploads; with adaptive clipping, the first round's sample size tells
+        whether the count's noise leaves the values any (``SetupError`` before anything is released)."""
+        if self.adaptive and self.releases == 0:
+            from pollen.strategies.engine.rounds import SetupError  # rounds imports the parts
+
+            try:
+                self.value_multiplier(max(len(clients), 1))
+            except ValueError as err:
+                raise SetupError(f"central DP with {len(clients)} clients a round: {err}") from None
 
     def setting(self, draw: tuple[int, int] | None) -> PrivacySetting:
         """What the accountant assumes for a release drawn as ``draw`` (population, sample size)."""
@@ -214,8 +224,8 @@ class CentralPrivacy:
 
     def allows_release(self, server_round: int) -> bool:
         """Whether one more release stays within ``target_epsilon`` (always without one); logs the stop."""
-        if self.target_epsilon is None or self.releases == 0:
-            return True
+        if self.target_epsilon is None or (self.releases == 0 and not self.exhausted):
+            return True  # the first release's draw is not known yet: release() checks it
         after = self.accountant().epsilon_after(1)
         if after <= self.target_epsilon:
             return True
@@ -244,8 +254,9 @@ class CentralPrivacy:
         if count_z <= self.noise_multiplier:
             raise ValueError(
                 f"adaptive clipping: the count's noise ({self.count_std(sample_size):g}) is too small for "
-                f"noise_multiplier={self.noise_multiplier:g}; allowed: count_noise > "
-                f"{self.noise_multiplier * (1.0 if self.sampling == 'without-replacement' else 0.5):g}"
+                f"noise_multiplier={self.noise_multiplier:g}; allowed: count_noise (run-config dp-count-noise) > "
+                f"{self.noise_multiplier * (1.0 if self.sampling == 'without-replacement' else 0.5):g}, or a smaller "
+                "noise multiplier"
             )
         return (self.noise_multiplier**-2 - count_z**-2) ** -0.5
 
@@ -268,6 +279,17 @@ class CentralPrivacy:
                 f"this round drew {draw[1]} of {draw[0]} clients but the accountant assumes {self.draw[1]} of "
                 f"{self.draw[0]} (pinned at the first release); the round is not released (model unchanged)"
             )
+        pinned = self.draw if self.draw is not None else draw
+        if self.target_epsilon is not None:
+            setting = self.setting(pinned)
+            accountant = self.accountant() if setting == self.setting(self.draw) else PrivacyAccountant(setting)
+            after = accountant.epsilon_after(1)
+            if after > self.target_epsilon:
+                self.exhausted = True  # the driver stops before the next round
+                raise ValueError(
+                    f"this round's release would spend epsilon {after:.4g} > dp-target-epsilon "
+                    f"{self.target_epsilon:g}; it is not released (model unchanged) and the run stops"
+                )
         # fixed denominators: the round's sample size, or an asynchronous step's number of buffered jobs
         sample_size = draw[1] if draw is not None else max(count, 1)
         if strategy.jobs is not None:
@@ -282,7 +304,7 @@ class CentralPrivacy:
             fraction = (unclipped - 0.5 * count + count_noise) / sample_size + 0.5
             new_clip = self.clip_now * math.exp(-self.clip_lr * (fraction - self.target_quantile))
         stats = strategy.accounting.round(server_round)
-        used_clip, pinned = self.clip_now, self.draw if self.draw is not None else draw
+        used_clip = self.clip_now
 
         def commit() -> None:
             self.draw = pinned if self.sampling != "none" else None
@@ -400,17 +422,27 @@ class PrivateSum(ScreenedSink):
         self.privacy: CentralPrivacy = strategy.privacy
         self.total = np.zeros(strategy.layout.dim, dtype=np.float32)
         self.count = self.unclipped = 0
+        self.scratch: np.ndarray | None = None
 
     def take(self, update: ClientUpdate) -> None:
-        clipped, norm = clip_l2(update.delta, self.privacy.clip_now)
-        self.total += clipped
+        """Add ``update`` clipped to ``C_t`` (:func:`~pollen.privacy.mechanisms.clip_l2`'s bits, scaled into one
+        scratch vector instead of a new one per update)."""
+        norm = l2_norm(update.delta)
+        if not np.isfinite(norm):
+            raise ReplyRejected("the update's norm is not finite; it cannot be clipped")
+        factor = clip_factor(norm, self.privacy.clip_now)
         self.count += 1
-        if norm <= self.privacy.clip_now:
+        if factor is None:
+            self.total += update.delta
             self.unclipped += 1
-        else:
-            scale = self.privacy.clip_now / norm
-            update.applied_scale *= scale
-            update.norm *= scale
+            return
+        if self.scratch is None:
+            self.scratch = np.empty_like(self.total)
+        np.multiply(update.delta, factor, out=self.scratch)
+        self.total += self.scratch
+        scale = self.privacy.clip_now / norm
+        update.applied_scale *= scale
+        update.norm *= scale
 
     def mean(self) -> np.ndarray:
         release, commit = self.privacy.release(self.strategy, self.server_round, self.total, self.count, self.unclipped)
