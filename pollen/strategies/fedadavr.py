@@ -239,6 +239,13 @@ class TableAggregate:
     the round commits). With a robust aggregator (``novr`` only: no table) the round's delta is that aggregator's.
     """
 
+    #: Why central DP does not fit this aggregate (:class:`~pollen.strategies.engine.private.CentralPrivacy`).
+    privacy_refusal = (
+        "its stored-update table puts each client's update back into every later round's aggregate, so one "
+        "client's privacy cost would compound with each release (privacy.md section 7); local DP (dp='local', "
+        "LocalPrivacy) works with it: the table then holds noised uploads"
+    )
+
     def sink(self, strategy: FedAdaVR, server_round: int, bound: float) -> ScreenedSink:
         """A streamed round: each screened update goes into the round's ``VRRound``."""
         return _VRSink(strategy.screen, bound, self, strategy, server_round, self.new_round(strategy, server_round))

@@ -521,7 +521,7 @@ def test_a_target_below_one_release_releases_nothing() -> None:
         (HAFed, {}, r"^HAFed does not take central differential privacy: its clusters gossip models"),
         (FedLAMB, {}, r"^FedLAMB does not take central differential privacy: its clients share their Adam/LAMB"),
         (FedLazy, {}, r"^FedLazy does not take central differential privacy: the server keeps each client's last"),
-        (FedAdaVR, {}, r"^FedAdaVR does not take central differential privacy: its round aggregate \(TableAggregate\)"),
+        (FedAdaVR, {}, r"^FedAdaVR does not take central differential privacy: its stored-update table puts each"),
         (
             FedAMS,
             {"aggregation": "weighted"},

@@ -149,6 +149,8 @@ class CentralPrivacy:
         name = type(strategy).__name__
         if (why := getattr(strategy, "privacy_refusal", None)) is not None:
             raise ValueError(f"{name} does not take central differential privacy: {why}")
+        if (why := getattr(round_aggregate, "privacy_refusal", None)) is not None:
+            raise ValueError(f"{name} does not take central differential privacy: {why}")
         if type(round_aggregate) is not MeanAggregate and not isinstance(round_aggregate, PrivateMean):
             kind = type(round_aggregate).__name__
             raise ValueError(
