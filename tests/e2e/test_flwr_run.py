@@ -223,6 +223,32 @@ def test_async_fedcams_through_flwr_run_is_bit_identical_to_the_in_process_run(
     _same_models(results_dir / "async-sim", tmp_path / "async-inprocess")
 
 
+def test_central_dp_through_flwr_run_is_bit_identical_to_the_in_process_run(
+    flower: LocalFlower, results_dir: Path, tmp_path: Path
+) -> None:
+    """``dp=central`` in a real simulation (issue 39): FedCAMS (each client clips ``Delta + e`` before its sign), the
+    server clips, noises (seeded for the comparison) and steps; epsilon is in every row, and the run is
+    bit-identical to the in-process runner's with the same settings."""
+    pytest.importorskip("dp_accounting")
+    from pollen.testing.inprocess import run_inprocess
+
+    config = {
+        "strategy": "fedcams",
+        "compressor": "sign",
+        "model": "mlp",
+        "num-server-rounds": 2,
+        "dp": "central",
+        "dp-clip": 0.5,
+        "dp-noise-multiplier": 1.0,
+        "dp-noise-seed": 3,
+    }
+    run = _run(flower, results_dir, "dp-sim", client_cpus=1, **config)
+    epsilons = [row["method.dp_epsilon"] for row in run["rows"][1:]]
+    assert len(epsilons) == 2 and 0 < epsilons[0] < epsilons[1]
+    run_inprocess({**TINY, **config, "results-dir": str(tmp_path), "run-name": "dp-inprocess"}, 4, threads=1)
+    _same_models(results_dir / "dp-sim", tmp_path / "dp-inprocess")
+
+
 def test_resume_in_simulation_equals_the_uninterrupted_run(
     flower: LocalFlower, results_dir: Path, tmp_path: Path
 ) -> None:
