@@ -21,11 +21,17 @@ def sampling_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def screen_of(cfg: Mapping[str, Any]) -> Any:
-    """The outlier screen the run-config asks for (every strategy, Flower's own included)."""
+#: The ranges of the evaluation metrics pollen's own ClientApp reports (a reply outside is skipped with the reason).
+OWN_METRIC_BOUNDS = {"accuracy": (0.0, 1.0), "loss": (0.0, float("inf"))}
+
+
+def screen_of(cfg: Mapping[str, Any], *, central_dp: bool = False) -> Any:
+    """The outlier screen the run-config asks for (every strategy, Flower's own included); with central DP the
+    norm screen is off whatever ``outlier-rule`` says (the clip bounds each client), the metric ranges stay."""
     from pollen.strategies.engine.screening import UpdateScreen
 
-    return UpdateScreen(rule=cfg["outlier-rule"], factor=cfg["outlier-factor"])
+    rule = "off" if central_dp else cfg["outlier-rule"]
+    return UpdateScreen(rule=rule, factor=cfg["outlier-factor"], metric_bounds=OWN_METRIC_BOUNDS)
 
 
 def engine_parts(cfg: Mapping[str, Any]) -> Any:
@@ -38,7 +44,7 @@ def engine_parts(cfg: Mapping[str, Any]) -> Any:
     privacy = privacy_of(cfg)
     return EngineParts(
         sampler=ClientSampler(seed=cfg["seed"], identify_clients=True, population=cfg["population"]),
-        screen=None if privacy is not None and privacy.mode == "central" else screen_of(cfg),
+        screen=screen_of(cfg, central_dp=privacy is not None and privacy.mode == "central"),
         transaction=RoundTransaction(min_replies=cfg["min-replies"]),
         driver=driver_of(cfg),
         privacy=privacy,
@@ -46,8 +52,8 @@ def engine_parts(cfg: Mapping[str, Any]) -> Any:
 
 
 def privacy_of(cfg: Mapping[str, Any]) -> Any:
-    """The privacy part the run-config asks for (``dp`` and its keys), or ``None``. With central DP the outlier screen
-    is off whatever ``outlier-rule`` says (the clip bounds each client; the strategy's summary says so)."""
+    """The privacy part the run-config asks for (``dp`` and its keys), or ``None`` (with central DP the outlier screen
+    is off: :func:`screen_of`)."""
     from pollen.strategies.engine.local_privacy import LocalPrivacy
     from pollen.strategies.engine.private import CentralPrivacy
 

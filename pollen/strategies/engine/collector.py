@@ -75,11 +75,14 @@ def reason_of(err: BaseException) -> str:
 MAX_METRIC = 1e12
 
 
-def evaluation_reading(content: RecordDict, weighted_by_key: str) -> tuple[MetricRecord, float]:
+def evaluation_reading(
+    content: RecordDict, weighted_by_key: str, bounds: Mapping[str, tuple[float, float]] | None = None
+) -> tuple[MetricRecord, float]:
     """An evaluation reply's metrics and weight, the one rule for every strategy (pollen's and Flower's
     baselines): the ``metrics`` MetricRecord (or the only one), a positive ``weighted_by_key`` as Flower's
-    strategies require, and finite numbers at most :data:`MAX_METRIC` in magnitude (one client's accuracy of
-    1e300 would otherwise make the round's average 1e299); ``ReplyRejected`` with the reason otherwise."""
+    strategies require, finite numbers at most :data:`MAX_METRIC` in magnitude (one client's accuracy of
+    1e300 would otherwise make the round's average 1e299), and each metric with a declared range (``bounds``,
+    the screen's ``metric_bounds``) within it; ``ReplyRejected`` with the reason otherwise."""
     metrics = content.metric_records.get(protocol.METRICS_RECORD)
     if metrics is None:
         metrics = next(iter(content.metric_records.values()), None)
@@ -99,6 +102,12 @@ def evaluation_reading(content: RecordDict, weighted_by_key: str) -> tuple[Metri
         if any(not (isinstance(v, (int, float)) and math.isfinite(v) and abs(v) <= MAX_METRIC) for v in values):
             shown = name if len(name) <= 64 else name[:64] + "..."
             raise ReplyRejected(f"evaluation metric '{shown}' is not a finite number within +-{MAX_METRIC:g}")
+    for name, (low, high) in (bounds or {}).items():
+        value = metrics.get(name)
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        if any(not low <= v <= high for v in values):
+            shown = f"= {value!r}" if not isinstance(value, list) else "holds a value"  # a log line of bounded length
+            raise ReplyRejected(f"evaluation metric '{name}' {shown} is outside its declared range [{low:g}, {high:g}]")
     return metrics, weight
 
 
@@ -347,9 +356,14 @@ class ReplyCollector:
         return updates
 
     def evaluation_metrics(
-        self, server_round: int, replies: Iterable[Message], weighted_by_key: str
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+        weighted_by_key: str,
+        bounds: Mapping[str, tuple[float, float]] | None = None,
     ) -> list[tuple[RecordDict, MetricRecord, float]]:
-        """The content, metrics and weight of each usable evaluation reply of ``server_round``.
+        """The content, metrics and weight of each usable evaluation reply of ``server_round`` (``bounds``: the
+        declared ranges of metrics, :func:`evaluation_reading`).
 
         A failed or malformed evaluation reply is skipped with a logged reason (evaluation never
         fails a round); bytes are counted.
@@ -362,7 +376,7 @@ class ReplyCollector:
                 if reply.has_error():
                     raise ClientErrorReply(f"client error: {client_error_text(reply.error.reason)}")
                 stats.eval_uplink_bytes += sum(count_records(reply).values())
-                metrics, weight = evaluation_reading(reply.content, weighted_by_key)
+                metrics, weight = evaluation_reading(reply.content, weighted_by_key, bounds)
                 usable.append((reply.content, metrics, weight))
             except Exception as err:  # noqa: BLE001 - evaluation never crashes the server either
                 log(

@@ -82,6 +82,22 @@ MIN_TO_OUTVOTE = 2
 _log = logging.getLogger("flwr")  # Flower's logger, which the strategies log through
 
 
+def _checked_bounds(bounds: Mapping[str, tuple[float, float]] | None) -> dict[str, tuple[float, float]]:
+    """``metric_bounds`` as a dict of ``name -> (low, high)``; ``ValueError`` naming what is wrong."""
+    out: dict[str, tuple[float, float]] = {}
+    for name, pair in (bounds or {}).items():
+        ok = isinstance(name, str) and isinstance(pair, (tuple, list)) and len(pair) == 2
+        low, high = (pair[0], pair[1]) if ok else (None, None)
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and not np.isnan(v) for v in (low, high))
+        if not (ok and numbers and low <= high):
+            raise ValueError(
+                f"metric_bounds[{name!r}] = {pair!r} is invalid; allowed: a (low, high) pair of numbers with low <= "
+                "high (inf for no bound), by metric name"
+            )
+        out[name] = (float(low), float(high))
+    return out
+
+
 def history_is_stale(exceeding: int, judged: int) -> bool:
     """Whether a round's norms outvote the history they were judged against: at least
     :data:`MIN_TO_OUTVOTE` judged and more than half of them exceeding its bound (the one rule)."""
@@ -101,10 +117,21 @@ class UpdateScreen:
         Rounds of accepted norms that make the reference, >= 1.
     max_abs : float (default: 1e15)
         Largest absolute value of any coordinate, > 0.
+    metric_bounds : Mapping[str, tuple[float, float]] | None (default: None)
+        The range of each evaluation metric that has one, by name (``{"accuracy": (0.0, 1.0)}``): a reply whose
+        metric lies outside is skipped with the reason before anything is averaged. A metric's range is the
+        project's to know (an accuracy may be a fraction or a percentage); without a declared range a metric is
+        only held to be finite and within 1e12 in magnitude.
     """
 
     def __init__(
-        self, *, rule: str = "reject", factor: float = 10.0, window: int = 5, max_abs: float = DEFAULT_MAX_ABS
+        self,
+        *,
+        rule: str = "reject",
+        factor: float = 10.0,
+        window: int = 5,
+        max_abs: float = DEFAULT_MAX_ABS,
+        metric_bounds: Mapping[str, tuple[float, float]] | None = None,
     ) -> None:
         if rule not in RULES:
             raise ValueError(f"outlier rule {rule!r} is unknown; allowed: {', '.join(RULES)}")
@@ -114,6 +141,7 @@ class UpdateScreen:
             raise ValueError(f"outlier window={window!r} is out of range; allowed: an integer >= 1")
         if not (isinstance(max_abs, (int, float)) and max_abs > 0):
             raise ValueError(f"max_abs={max_abs!r} is out of range; allowed: a number > 0")
+        self.metric_bounds = _checked_bounds(metric_bounds)
         self.rule = rule
         self.factor = float(factor)
         self.window = window

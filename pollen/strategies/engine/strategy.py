@@ -407,7 +407,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """The round's evaluation metrics from the usable replies (:mod:`~pollen.strategies.engine.metrics`);
         failed or malformed replies are skipped with a reason."""
-        usable = self.replies.evaluation_metrics(server_round, replies, self.weighted_by_key)
+        usable = self.replies.evaluation_metrics(server_round, replies, self.weighted_by_key, self.screen.metric_bounds)
         aggregated = round_metrics.evaluate_metrics(usable, self.evaluate_metrics_aggr_fn, self.weighted_by_key)
         self.accounting.round(server_round).evaluate_metrics = dict(aggregated or {})
         return aggregated

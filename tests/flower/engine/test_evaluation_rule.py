@@ -177,3 +177,39 @@ def test_the_metrics_both_report_are_the_same_bits() -> None:
     replies = {1: {WEIGHT: 10, "accuracy": 0.7}, 2: {WEIGHT: 30, "accuracy": 0.3}, 3: {WEIGHT: 7, "accuracy": 0.9}}
     (_, pollen, _), (_, flower, _) = (evaluated(make, replies) for make in STRATEGIES.values())
     assert pollen["accuracy"] == flower["accuracy"]
+
+
+# ---------------------------------------------------------------------------- declared ranges (issue 43)
+def test_a_metric_outside_its_declared_range_skips_the_reply_before_anything_is_averaged() -> None:
+    from pollen.strategies.engine.parts import EngineParts
+    from pollen.strategies.engine.screening import UpdateScreen
+
+    def bounded(**kwargs):  # noqa: ANN003, ANN202
+        screen = UpdateScreen(metric_bounds={"accuracy": (0.0, 1.0), "loss": (0.0, float("inf"))})
+        return FedAMS(min_available_nodes=2, parts=EngineParts(screen=screen), **kwargs)
+
+    for bad, shown in (({"accuracy": 3.5}, "'accuracy' = 3.5"), ({"loss": -0.25}, "'loss' = -0.25")):
+        strategy, metrics, logged = evaluated(
+            bounded, {**HONEST, 3: {WEIGHT: 1000, "loss": 1.0, "accuracy": 0.5, **bad}}
+        )
+        assert reported(metrics) == MEAN  # the heavy reply out of range moved nothing
+        assert f"skipped: evaluation metric {shown} is outside its declared range" in logged
+    # without a declared range an accuracy of 3.5 is the project's business (a percentage, say): it counts
+    _, metrics, _ = evaluated(STRATEGIES["fedams"], {**HONEST, 3: {WEIGHT: 40, "loss": 1.0, "accuracy": 3.5}})
+    assert reported(metrics)["accuracy"] != MEAN["accuracy"]
+
+
+def test_declared_ranges_are_checked_when_the_screen_is_built() -> None:
+    from pollen.strategies.engine.screening import UpdateScreen
+
+    for bad in ({"accuracy": (1.0, 0.0)}, {"accuracy": (0.0,)}, {"accuracy": (0.0, float("nan"))}, {3: (0, 1)}):
+        with pytest.raises(ValueError, match=r"metric_bounds\[.*\] = .* is invalid; allowed: a \(low, high\) pair"):
+            UpdateScreen(metric_bounds=bad)
+
+
+def test_the_apps_screen_declares_the_ranges_of_pollens_own_client_metrics() -> None:
+    from pollen.app.methods.common import OWN_METRIC_BOUNDS, screen_of
+
+    cfg = {"outlier-rule": "reject", "outlier-factor": 10.0}
+    assert screen_of(cfg).metric_bounds == OWN_METRIC_BOUNDS == {"accuracy": (0.0, 1.0), "loss": (0.0, float("inf"))}
+    assert screen_of(cfg, central_dp=True).rule == "off"
