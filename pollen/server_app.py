@@ -15,6 +15,7 @@ Relative paths resolve against the pollen home (``$POLLEN_HOME``, else ``~/.poll
 from __future__ import annotations
 
 import random
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -246,6 +247,7 @@ def serve(grid: Grid, context: Context, methods: Table | None = None) -> None:
         trackers.start(cfg.as_dict(), earlier_rows=list(recorder.rows))
         train_config = client_train_config(cfg)
         train_config[protocol.CFG_RUN_KEY] = out_dir.name
+        train_config[protocol.CFG_SESSION] = secrets.token_hex(8)  # this process: the run, or this resume of it
         evaluate_config = {}
         if given and (cfg["preset"] or clients_need_given_keys(context.run_config, given, methods)):
             # the ClientApps resolve the preset and the method's recommended values as the server did

@@ -331,6 +331,7 @@ def client_state_for(context: Context, config: ConfigRecord, *, first_message: b
         state_dir=state_dir or None,
         client_id=client_id,
         run_key=str(config.get(protocol.CFG_RUN_KEY, "")),
+        session=str(config.get(protocol.CFG_SESSION, ""))[:64],
         in_memory=in_memory is not False,
     )
 

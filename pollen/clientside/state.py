@@ -61,10 +61,11 @@ and that piece of state starts fresh (the client still answers the message).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from logging import WARNING
 from pathlib import Path
@@ -97,6 +98,8 @@ CURRENT = "current"
 PREVIOUS = "previous"
 _SLOTS = (CURRENT, PREVIOUS)
 _ROUND_SUFFIX = ".__round__"
+_SESSION_SUFFIX = ".__session__"
+_MAX_SESSION_CHARS = 64
 _NUMERIC_KINDS = "biuf"  # bool, signed and unsigned integers, real floats (as pollen.wire.records accepts)
 
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
@@ -122,6 +125,8 @@ class StateSnapshot:
 
     round: int
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    #: The server session (one ServerApp process: a run, or one resume of it) that wrote it; "" unknown.
+    session: str = ""
 
 
 _FRESH = StateSnapshot(0)
@@ -187,7 +192,11 @@ class ClientState:
         client_id: str = "",
         run_key: str = "",
         in_memory: bool = True,
+        session: str = "",
     ) -> None:
+        if not isinstance(session, str) or len(session) > _MAX_SESSION_CHARS or not session.isascii():
+            raise ValueError(f"session must be an ASCII string of at most {_MAX_SESSION_CHARS} characters")
+        self._session = session
         if isinstance(server_round, bool) or not isinstance(server_round, (int, np.integer)) or server_round < 0:
             raise ValueError(f"server_round must be a non-negative integer, got {server_round!r}")
         self._context = context
@@ -287,10 +296,13 @@ class ClientState:
         this round (the old ``current``, or the old ``previous`` when the old
         ``current`` is from this round, i.e. a re-commit or a re-run of the round).
         """
-        snapshot = StateSnapshot(self._round, dict(self._arrays))
+        snapshot = StateSnapshot(self._round, dict(self._arrays), self._session)
         if self._path is not None:
-            old = _load_file(self._path)
-            _write_file(self._path, _roll(old, snapshot, self._path))
+            with _locked(self._path):  # read, roll and write as one step: another process may commit this client
+                rolled = _roll(_load_file(self._path), snapshot, self._path)
+                if rolled is None:
+                    return  # a late commit: this server session already wrote a later round
+                _write_file(self._path, rolled)
         if self._in_memory:
             _write_context(self._context, snapshot)
         else:
@@ -373,9 +385,21 @@ def _newest(snapshots: Mapping[str, StateSnapshot], server_round: int, *, inclus
     return max(usable, key=lambda s: s.round, default=None)
 
 
-def _roll(old: Mapping[str, StateSnapshot], new: StateSnapshot, path: Path) -> dict[str, StateSnapshot]:
-    """The file's snapshots after committing ``new``: ``new`` and the newest older one."""
+def _roll(old: Mapping[str, StateSnapshot], new: StateSnapshot, path: Path) -> dict[str, StateSnapshot] | None:
+    """The file's snapshots after committing ``new``: ``new`` and the newest older one; ``None`` when ``new``
+    is a late commit (the same server session already wrote a later round: a message that timed out on one
+    node while the next round bound the client to another, population mode) and must not overwrite it."""
     later = sorted(s.round for s in old.values() if s.round > new.round)
+    if later and new.session and any(s.session == new.session for s in old.values() if s.round > new.round):
+        log(
+            WARNING,
+            "pollen client state: %s already holds round %d of this server session; the late commit of round %d "
+            "is not written (it timed out and the client went on elsewhere)",
+            path,
+            later[-1],
+            new.round,
+        )
+        return None
     if later:
         log(
             WARNING,
@@ -403,6 +427,7 @@ def read_state_file(path: str | os.PathLike[str]) -> dict[str, StateSnapshot]:
     path = Path(path)
     entries = _read_npz(path)
     rounds: dict[str, int] = {}
+    sessions: dict[str, str] = {}
     arrays: dict[str, dict[str, np.ndarray]] = {slot: {} for slot in _SLOTS}
     for key, value in entries.items():
         slot, sep, name = key.partition("/")
@@ -416,6 +441,8 @@ def read_state_file(path: str | os.PathLike[str]) -> dict[str, StateSnapshot]:
             arrays[slot][name] = value
         elif key in (CURRENT + _ROUND_SUFFIX, PREVIOUS + _ROUND_SUFFIX):
             rounds[key[: -len(_ROUND_SUFFIX)]] = _parse_round(path, key, value)
+        elif key in (CURRENT + _SESSION_SUFFIX, PREVIOUS + _SESSION_SUFFIX):
+            sessions[key[: -len(_SESSION_SUFFIX)]] = _parse_session(path, key, value)
         else:
             raise ClientStateError(f"{path}: unknown entry '{key}'")
     for slot in _SLOTS:
@@ -427,7 +454,9 @@ def read_state_file(path: str | os.PathLike[str]) -> dict[str, StateSnapshot]:
         raise ClientStateError(
             f"{path}: 'previous' round {rounds[PREVIOUS]} is not before 'current' round {rounds[CURRENT]}"
         )
-    return {slot: StateSnapshot(rounds[slot], arrays[slot]) for slot in _SLOTS if slot in rounds}
+    return {
+        slot: StateSnapshot(rounds[slot], arrays[slot], sessions.get(slot, "")) for slot in _SLOTS if slot in rounds
+    }
 
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
@@ -450,6 +479,35 @@ def _parse_round(path: Path, key: str, value: np.ndarray) -> int:
             + (f" value {value!r}" if value.size == 1 else "")
         )
     return int(value)
+
+
+def _parse_session(path: Path, key: str, value: np.ndarray) -> str:
+    if value.ndim != 1 or value.dtype != np.uint8 or value.size > _MAX_SESSION_CHARS:
+        raise ClientStateError(
+            f"{path}: entry '{key}' must be at most {_MAX_SESSION_CHARS} ASCII bytes (uint8), got dtype "
+            f"{value.dtype} shape {value.shape}"
+        )
+    text = bytes(value).decode("ascii", errors="replace")
+    if not text.isascii() or "\ufffd" in text:
+        raise ClientStateError(f"{path}: entry '{key}' is not ASCII")
+    return text
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``<path>.lock`` (POSIX ``flock``; nothing where it is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no lock, one writer per client as documented
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def _reason(err: BaseException) -> str:
@@ -493,6 +551,8 @@ def _write_file(path: Path, snapshots: Mapping[str, StateSnapshot]) -> None:
     entries: dict[str, np.ndarray] = {}
     for slot, snapshot in snapshots.items():
         entries[slot + _ROUND_SUFFIX] = np.array(snapshot.round, dtype=np.int64)
+        if snapshot.session:
+            entries[slot + _SESSION_SUFFIX] = np.frombuffer(snapshot.session.encode("ascii"), dtype=np.uint8)
         for name, array in snapshot.arrays.items():
             entries[f"{slot}/{name}"] = array
     write_npz_atomic(path, entries)

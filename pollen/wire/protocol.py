@@ -74,6 +74,11 @@ CFG_PHASE = "pollen.phase"
 CFG_PHASE_INDEX = "pollen.phase-index"
 CFG_LOCAL_STEP = "pollen.local-step"
 CFG_RUN_KEY = "pollen.run-key"
+# The server session: a token of the ServerApp process (a run, or one resume of it). A client's state file records
+# it with each snapshot, so a late commit (a message that timed out while the client went on) never overwrites a
+# later round of the same session, while a resumed run's commits replace what the crashed run wrote after its
+# checkpoint.
+CFG_SESSION = "pollen.session"
 CFG_PARTITION = "pollen.partition"  # population mode: the partition (client) the receiving node plays for this message
 CFG_GIVEN_KEYS = "pollen.given-keys"  # run-config keys the user set over a preset (the ClientApp resolves it alike)
 # The Fed-LAMB family's train config (pollen.strategies.fedlamb <-> pollen.clientside.steps.fedlamb).

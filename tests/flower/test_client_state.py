@@ -52,7 +52,8 @@ def load(server_round: int, state_dir, *, first_message: bool = True, client_id:
 
 
 def dir_listing(path) -> list[str]:
-    return sorted(os.listdir(path))
+    """The directory's files, less the lock files commits take (``<file>.lock``, empty, kept)."""
+    return sorted(name for name in os.listdir(path) if not name.endswith(".lock"))
 
 
 # ----------------------------------------------------------------------------------------- context.state only
@@ -527,3 +528,60 @@ def test_run_config_refuses_file_only_state_without_state_dir():
         AppConfig.from_run_config({**defaults, "client-state-in-memory": False})
     cfg = AppConfig.from_run_config({**defaults, "client-state-in-memory": False, "state-dir": "/tmp/x"})
     assert cfg["client-state-in-memory"] is False
+
+
+# ----------------------------------------------------------------------------------------- late commits (issue 43)
+def test_a_late_commit_of_the_same_session_never_overwrites_a_later_round(tmp_path) -> None:  # noqa: ANN001
+    """Population mode: round 3's message timed out on one node while the client trained round 4 on another;
+    round 4 committed first. The late round-3 commit must not replace it (the same server session wrote both)."""
+    from pollen.clientside.state import ClientState, read_state_file
+    from pollen.testing.fakes import make_context
+
+    def state(rnd: int, session: str) -> ClientState:
+        return ClientState(
+            make_context(1), server_round=rnd, state_dir=tmp_path, client_id="c1", in_memory=False, session=session
+        )
+
+    first = state(2, "s1")
+    first.set("e", np.full(3, 2.0, np.float32))
+    first.commit()
+    late, on_time = state(3, "s1"), state(4, "s1")  # both loaded round 2's state
+    on_time.set("e", np.full(3, 4.0, np.float32))
+    on_time.commit()
+    late.set("e", np.full(3, 3.0, np.float32))
+    late.commit()  # arrives after round 4's commit
+    snapshots = read_state_file(on_time.path)
+    assert snapshots["current"].round == 4 and snapshots["current"].session == "s1"
+    np.testing.assert_array_equal(snapshots["current"].arrays["e"], np.full(3, 4.0, np.float32))
+    assert snapshots["previous"].round == 2
+
+
+def test_a_resumed_session_replaces_what_the_crashed_one_wrote_after_its_checkpoint(tmp_path) -> None:  # noqa: ANN001
+    """A resume is a new server session: its round-3 commit drops the round-5 state the crashed session wrote."""
+    from pollen.clientside.state import ClientState, read_state_file
+    from pollen.testing.fakes import make_context
+
+    def state(rnd: int, session: str) -> ClientState:
+        return ClientState(make_context(1), server_round=rnd, state_dir=tmp_path, client_id="c1", session=session)
+
+    crashed = state(5, "crashed")
+    crashed.set("e", np.full(3, 5.0, np.float32))
+    crashed.commit()
+    resumed = state(3, "resumed")
+    resumed.set("e", np.full(3, 3.0, np.float32))
+    resumed.commit()
+    snapshots = read_state_file(resumed.path)
+    assert snapshots["current"].round == 3 and snapshots["current"].session == "resumed"
+    assert "previous" not in snapshots
+
+
+def test_a_bad_session_entry_is_an_unusable_file(tmp_path) -> None:  # noqa: ANN001
+    from pollen.clientside.state import ClientStateError, read_state_file
+    from pollen.core.files import write_npz_atomic
+
+    path = tmp_path / "c1.npz"
+    write_npz_atomic(
+        path, {"current.__round__": np.array(1, np.int64), "current.__session__": np.zeros((2, 2), np.uint8)}
+    )
+    with pytest.raises(ClientStateError, match=r"entry 'current.__session__' must be at most 64 ASCII bytes"):
+        read_state_file(path)
