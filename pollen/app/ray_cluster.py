@@ -29,7 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
-from pollen.core.processes import free_port, stop_marked
+from pollen.core.processes import free_port, is_slow_start, stop_marked
 
 #: The environment variable whose value marks the processes of one cluster.
 MARKER = "POLLEN_RAY_CLUSTER"
@@ -40,7 +40,12 @@ class LocalRayCluster:
     GPUs each (``None``: what Ray detects on the machine)."""
 
     def __init__(
-        self, nodes: int = 2, cpus_per_node: int = 1, gpus_per_node: int | None = 0, start_timeout: float = 90.0
+        self,
+        nodes: int = 2,
+        cpus_per_node: int = 1,
+        gpus_per_node: int | None = 0,
+        start_timeout: float = 90.0,
+        start_attempts: int = 3,
     ) -> None:
         if nodes < 1 or cpus_per_node < 1 or (gpus_per_node is not None and gpus_per_node < 0):
             raise ValueError(
@@ -48,6 +53,9 @@ class LocalRayCluster:
                 "allowed: nodes and CPUs >= 1, GPUs >= 0 or None"
             )
         self.nodes, self.cpus_per_node, self.start_timeout = nodes, cpus_per_node, start_timeout
+        #: Attempts at a start that fails for want of time (:func:`pollen.core.processes.is_slow_start`): on a
+        #: loaded two-core machine a raylet sometimes does not register with the GCS in time.
+        self.start_attempts = max(1, int(start_attempts))
         self.gpus_per_node = gpus_per_node
         self.token = uuid.uuid4().hex[:12]
         # Short: Ray puts unix sockets under it (at most 107 characters a path).
@@ -72,7 +80,28 @@ class LocalRayCluster:
         return {"RAY_ADDRESS": self.address, "RAY_TMPDIR": str(self.tmp)}
 
     def start(self) -> LocalRayCluster:
-        """Start the head, then the workers; wait until every node is alive. Stops what it started on failure."""
+        """Start the head, then the workers; wait until every node is alive. Stops what it started on failure;
+        a start that failed for want of time (a raylet late to register, an overloaded GCS) is tried again from
+        scratch, on a fresh port and folder, up to ``start_attempts`` times (logged on stderr)."""
+        for attempt in range(1, self.start_attempts + 1):
+            try:
+                return self._start_once()
+            except RuntimeError as err:
+                if attempt == self.start_attempts or not is_slow_start(str(err)):
+                    raise
+                print(
+                    f"LocalRayCluster: start attempt {attempt} of {self.start_attempts} failed for want of time "
+                    f"({str(err)[:200]}); starting again",
+                    file=sys.stderr,
+                )
+                time.sleep(5.0 * attempt)
+                self.tmp = Path(tempfile.mkdtemp(prefix="pray-", dir="/tmp"))
+                self._start_env["RAY_TMPDIR"] = str(self.tmp)
+                self.port = free_port()
+                self.address = f"127.0.0.1:{self.port}"
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _start_once(self) -> LocalRayCluster:
         loopback = ["--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus_per_node}"]
         if self.gpus_per_node is not None:
             loopback.append(f"--num-gpus={self.gpus_per_node}")
@@ -90,7 +119,12 @@ class LocalRayCluster:
         return self
 
     def _run(self, command: list[str]) -> None:
-        proc = subprocess.run(command, env=self._start_env, capture_output=True, text=True, timeout=self.start_timeout)
+        try:
+            proc = subprocess.run(
+                command, env=self._start_env, capture_output=True, text=True, timeout=self.start_timeout
+            )
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"'{' '.join(command[1:3])}' did not finish within {self.start_timeout:.0f} s") from None
         if proc.returncode != 0:
             raise RuntimeError(f"'{' '.join(command[1:3])}' failed ({proc.returncode}): {proc.stderr[-2000:]}")
 

@@ -47,3 +47,22 @@ def stop_marked(marker: bytes, term_wait: float = 15.0, kill_wait: float = 5.0) 
         deadline = time.monotonic() + wait
         while pids_with_environ(marker) and time.monotonic() < deadline:
             time.sleep(0.3)
+
+
+#: What Ray or Flower print when a process did not come up in time on a loaded machine (the raylet's registration
+#: with the GCS, the GCS itself, a SuperLink's port): a start a later attempt can make, unlike a wrong setting.
+SLOW_START_MARKERS = (
+    "raylet failed to start",
+    "GCS has become overloaded",
+    "Failed to connect to GCS",
+    "Timed out while waiting for GCS",
+    "Failed to get the system config from raylet",
+    "came up within",
+    "did not finish within",
+)
+
+
+def is_slow_start(text: str) -> bool:
+    """Whether ``text`` (an error, a process's output) says a start failed for want of time, not for a reason a
+    second attempt cannot fix."""
+    return any(marker in text for marker in SLOW_START_MARKERS)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 from pollen.app.local_superlink import LocalSuperLink
-from pollen.core.processes import free_port
+from pollen.core.processes import free_port, is_slow_start
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,7 +81,27 @@ class LocalFlower(LocalSuperLink):
             "--run-config",
             overrides,
         ]
-        return subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        for attempt in range(1, START_ATTEMPTS + 1):
+            proc = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+            if proc.returncode == 0 or attempt == START_ATTEMPTS or not is_slow_start(proc.stdout + proc.stderr):
+                return proc
+            # the simulation's Ray did not come up in time (a loaded machine): the run did nothing; again, afresh
+            print(f"LocalFlower: run attempt {attempt} failed for want of time; running it again", file=sys.stderr)
+            _set_aside(run_config, attempt)
+            time.sleep(5.0 * attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+#: Attempts at a ``flwr run`` whose simulation failed to start for want of time (:func:`is_slow_start`).
+START_ATTEMPTS = 3
+
+
+def _set_aside(run_config: dict, attempt: int) -> None:
+    """Move what a failed attempt wrote under ``results-dir/run-name`` aside (``<run-name>.failed-<n>``), so the
+    next attempt is a fresh run."""
+    results, name = run_config.get("results-dir"), run_config.get("run-name")
+    if results and name and (Path(results) / name).exists():
+        (Path(results) / name).rename(Path(results) / f"{name}.failed-{attempt}")
 
 
 __all__ = ["VARIANTS", "LocalFlower", "free_port"]
