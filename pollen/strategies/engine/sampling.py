@@ -52,6 +52,10 @@ class ClientSampler:
     population : int
         0: one client per connected node. N > 0: N logical clients played by the connected nodes, bound
         anew each time clients are sampled (module docstring); no identity round.
+    identify_batch : int (default: 8)
+        New nodes asked for their identity at once: each query starts a ClientApp on its SuperNode, and on a
+        small machine forty of them starting together (each importing torch) outlast Flower's start-up
+        timeout; in batches, at most this many start at a time.
     """
 
     def __init__(
@@ -61,11 +65,15 @@ class ClientSampler:
         min_available_nodes: int | None = None,
         identify_clients: bool = False,
         population: int = 0,
+        identify_batch: int = 8,
     ) -> None:
         if isinstance(population, bool) or not isinstance(population, int) or population < 0:
             raise ValueError(
                 f"population={population!r} is invalid; allowed: 0 (one client per node) or an integer > 0"
             )
+        if isinstance(identify_batch, bool) or not isinstance(identify_batch, int) or identify_batch < 1:
+            raise ValueError(f"identify_batch={identify_batch!r} is invalid; allowed: an integer >= 1")
+        self.identify_batch = identify_batch
         self.seed = seed
         self.min_available_nodes = min_available_nodes
         self.identify_clients = identify_clients
@@ -119,14 +127,16 @@ class ClientSampler:
             return
         self._ordered = None  # keys change below
         if self.identify_clients:
-            queries = [
-                Message(content=RecordDict(), message_type=protocol.QUERY_IDENTIFY, dst_node_id=node)
-                for node in unknown
-            ]
-            replies = {
-                reply.metadata.src_node_id: reply
-                for reply in grid.send_and_receive(queries, timeout=IDENTIFY_TIMEOUT_S)
-            }
+            replies = {}
+            for start in range(0, len(unknown), self.identify_batch):  # a few ClientApps starting at a time
+                queries = [
+                    Message(content=RecordDict(), message_type=protocol.QUERY_IDENTIFY, dst_node_id=node)
+                    for node in unknown[start : start + self.identify_batch]
+                ]
+                replies.update(
+                    (reply.metadata.src_node_id, reply)
+                    for reply in grid.send_and_receive(queries, timeout=IDENTIFY_TIMEOUT_S)
+                )
             holders: dict[str, list[int]] = {}  # client id -> nodes keyed by it (one pass, not one per node)
             for other, key in self.node_keys.items():
                 holders.setdefault(key, []).append(other)

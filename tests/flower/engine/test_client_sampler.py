@@ -65,6 +65,21 @@ def test_connected_nodes_are_identified_once_and_ordered_by_client_id() -> None:
     assert sampler.known_clients == set(CLIENTS.values())
 
 
+def test_new_nodes_are_asked_in_batches_so_a_few_clientapps_start_at_a_time() -> None:
+    """Issue 43: forty new SuperNodes asked at once start forty ClientApps at once; in batches of
+    ``identify_batch`` (8), each waited for, the same identities come back."""
+    clients = {100 + i: f"client-{i:02d}" for i in range(20)}
+    batched, grid = ClientSampler(seed=3, identify_clients=True), grid_of(clients)
+    order = batched.connected(grid)
+    calls = [c for c in grid.calls if c and c[0].metadata.message_type == protocol.QUERY_IDENTIFY]
+    assert [len(c) for c in calls] == [8, 8, 4]
+    at_once, other = ClientSampler(seed=3, identify_clients=True, identify_batch=20), grid_of(clients)
+    assert at_once.connected(other) == order and [len(c) for c in other.calls] == [20]
+    assert [batched.key(n) for n in order] == sorted(clients.values())
+    with pytest.raises(ValueError, match=r"identify_batch=0 is invalid; allowed: an integer >= 1"):
+        ClientSampler(identify_batch=0)
+
+
 def test_without_identification_a_node_is_keyed_by_its_node_id() -> None:
     sampler, grid = ClientSampler(seed=3), grid_of(CLIENTS)
     assert sampler.connected(grid) == [10, 11, 12, 13, 14]
