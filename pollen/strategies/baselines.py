@@ -348,8 +348,10 @@ class Metered(RoundLoop):
 
         Every field is checked first (a refusal is a ``ValueError`` naming the field and what was
         expected): the global ``random`` state well-formed, the model's names, shapes and dtypes (no
-        array allocated from them), Flower's current model and moments finite and shaped like the model,
-        the second moment ``v_t`` in ``[0, max_abs]``, the accounting's rounds up to ``server_round``.
+        array allocated from them), Flower's current model and moments as :func:`check_flower_array` holds
+        them (each names the model's arrays, in the model's shapes and dtypes or float64, finite; the model
+        within the hard limit ``max_abs``, the first moment ``m_t`` in ``[-max_abs, max_abs]``, the second
+        ``v_t`` in ``[0, max_abs]``), the accounting's rounds up to ``server_round``.
         """
         where = "strategy"
         fields.mapping(state, where)
@@ -380,26 +382,96 @@ class Metered(RoundLoop):
         if layout is not None:
             self._layout = layout
 
+    def check_saved_arrays(self, named: dict[str, np.ndarray], state: dict[str, Any]) -> None:
+        """The model a checkpoint saved with this strategy's ``state`` (its ``arrays``), held like everyone's:
+        the arrays of the model ``state`` declares (``strategy/model``), each as :func:`check_flower_array`
+        holds a model (its shape, its dtype or float64, finite, within the hard limit); a
+        :class:`~pollen.core.state_fields.StateError` naming ``arrays/<name>`` if not. Called by
+        :meth:`pollen.strategies.engine.resume.RunCheckpoint.load` before :meth:`load_state_dict`."""
+        if "model" not in state:
+            if named:
+                raise fields.StateError("arrays", "is saved but the strategy's 'strategy/model' is missing")
+            return
+        layout = _saved_layout(state["model"], "strategy/model")
+        _check_named(
+            named,
+            layout,
+            "arrays",
+            "model",
+            self.screen.max_abs,
+            what="the model the strategy saved ('strategy/model')",
+        )
+
     def _check_moments(self, values: dict[str, Any], layout: ModelLayout | None, where: str) -> None:
-        """Flower's model and moments name arrays of the model, with its shapes; ``v_t`` is a second moment."""
+        """Flower's current model and moments: each names the model's arrays, as :func:`check_flower_array`
+        holds a model (``current_arrays``), a first moment (``m_t``) or a second moment (``v_t``)."""
         if values and layout is None:
             raise fields.StateError(fields.join(where, next(iter(values))), "is saved but 'model' is missing")
         if layout is None:
             return
-        specs = {spec.name: spec for spec in layout.trainable + layout.buffers}
-        current = values.get("current_arrays")
-        if current is not None and set(current) != set(specs):
-            raise fields.StateError(fields.join(where, "current_arrays"), "does not name the model's arrays")
+        kinds = {"current_arrays": "model", "m_t": "first moment", "v_t": "second moment"}
         for key, named in values.items():
-            for array_name, array in named.items():
-                at = fields.join(fields.join(where, key), array_name)
-                if array_name not in specs or array.shape != specs[array_name].shape:
-                    raise fields.StateError(at, f"has shape {array.shape}; expected an array of the model")
-                if key == "v_t":
-                    fields.numeric_array(array, at, low=0.0, high=self.screen.max_abs, what="(a second moment)")
-                if key == "m_t":  # an average of updates, each within the hard limit
-                    bound = self.screen.max_abs
-                    fields.numeric_array(array, at, low=-bound, high=bound, what="(a first moment)")
+            if named:  # Flower starts a moment from zeros when it is empty
+                _check_named(named, layout, fields.join(where, key), kinds[key], self.screen.max_abs)
+
+
+#: The dtype Flower's arithmetic gives a model's array: its mean of an integer buffer (``int * float``) and
+#: FedOpt's step (``np.float64`` scalars times ``float32`` arrays) are float64.
+FLOWER_DTYPE = np.dtype(np.float64)
+
+
+def check_flower_array(array: np.ndarray, spec: TensorSpec, where: str, max_abs: float, kind: str = "model") -> None:
+    """One array of the model as Flower holds it (a :class:`~pollen.core.state_fields.StateError` naming
+    ``where`` if not): the model's shape; the model's dtype or float64 (a moment: floating only); finite; a
+    ``"model"`` value within the hard limit ``max_abs`` and the range of the model's dtype (finite once cast
+    back to it, as the clients receive it), a ``"first moment"`` in ``[-max_abs, max_abs]``, a
+    ``"second moment"`` in ``[0, max_abs]``."""
+    model = kind == "model"
+    allowed = {spec.dtype: "(the model's)"} if model or spec.dtype.kind == "f" else {}
+    allowed.setdefault(FLOWER_DTYPE, "(Flower's arithmetic)")
+    if not isinstance(array, np.ndarray) or array.dtype not in allowed:
+        shown = f"dtype {array.dtype}" if isinstance(array, np.ndarray) else type(array).__name__
+        expected = " or ".join(f"{dtype} {why}" for dtype, why in allowed.items())
+        raise fields.StateError(where, f"has {shown}; expected {expected}")
+    low, high, what = -max_abs, max_abs, "(the hard limit max_abs)"
+    if kind == "second moment":
+        low, what = 0.0, "(a second moment)"
+    elif kind == "first moment":
+        what = "(a first moment)"
+    else:
+        least, most = _dtype_span(spec.dtype)
+        if least > low or most < high:
+            low, high, what = max(low, least), min(high, most), f"(the range of the model's {spec.dtype})"
+    fields.numeric_array(array, where, shape=spec.shape, low=low, high=high, what=what)
+
+
+def _dtype_span(dtype: np.dtype) -> tuple[float, float]:
+    """The values a model's numeric dtype holds (a float's finite range)."""
+    if dtype.kind == "b":
+        return 0.0, 1.0
+    info = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
+    return float(info.min), float(info.max)
+
+
+def _check_named(
+    named: dict[str, np.ndarray],
+    layout: ModelLayout,
+    where: str,
+    kind: str,
+    max_abs: float,
+    what: str = "the model ('strategy/model')",
+) -> None:
+    """Arrays named exactly as ``layout``'s, each as :func:`check_flower_array` holds ``kind``."""
+    specs = {spec.name: spec for spec in layout.trainable + layout.buffers}
+    if set(named) != set(specs):
+        odd = sorted(set(named) ^ set(specs))[0]
+        raise fields.StateError(where, f"does not name the arrays of {what} ({odd[:64]!r} is in one of them only)")
+    for name, array in named.items():
+        if isinstance(array, np.ndarray) and array.shape != specs[name].shape:  # the saved model says which
+            raise fields.StateError(
+                fields.join(where, name), f"has shape {array.shape}; expected {specs[name].shape}, as in {what}"
+            )
+        check_flower_array(array, specs[name], fields.join(where, name), max_abs, kind)
 
 
 def _random_state(value: Any, where: str) -> tuple:

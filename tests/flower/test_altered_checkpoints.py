@@ -103,8 +103,30 @@ def test_a_member_declaring_a_huge_shape_is_refused_before_any_allocation(bases,
         ("fedams", ("round",), 10**12, "expected an integer in [1, 3]"),
         ("fedams", ("strategy", "screen", "history", 0, 0), 1e-30, "expected 0 (no move) or a norm >= 1e-12"),
         ("fedadam", ("strategy", "v_t", 0, 1), "-1", "expected values >= 0 (a second moment)"),
+        # Flower's baselines' saved model and moments, held like everyone's (issue 43): the model's dtype (or the
+        # float64 Flower's arithmetic gives it), finite, within the screen's hard limit
+        ("fedadam", ("arrays", 1, 1), "1e30", "expected values <= 1e+15"),
+        ("fedadam", ("arrays", 1, 1), np.int64, "has dtype int64; expected float32 (the model's) or float64"),
+        ("fedadam", ("strategy", "current_arrays", 1, 1), "1e30", "expected values <= 1e+15"),
+        ("fedadam", ("strategy", "current_arrays", 1, 1), np.int64, "has dtype int64; expected float32"),
+        ("fedadam", ("strategy", "m_t", 1, 1), np.int64, "has dtype int64; expected float32"),
+        ("fedadam", ("strategy", "v_t", 1, 1), np.float16, "has dtype float16; expected float32"),
+        ("fedadam", ("strategy", "v_t", 1, 1), "1e30", "expected values <= 1e+15 (a second moment)"),
     ],
-    ids=["v_hat-1e30", "adam-v-negative", "round-1e12", "screen-history-1e-30", "flower-v_t-negative"],
+    ids=[
+        "v_hat-1e30",
+        "adam-v-negative",
+        "round-1e12",
+        "screen-history-1e-30",
+        "flower-v_t-negative",
+        "flower-model-1e30",
+        "flower-model-int64",
+        "flower-current-1e30",
+        "flower-current-int64",
+        "flower-m_t-int64",
+        "flower-v_t-float16",
+        "flower-v_t-1e30",
+    ],
 )
 def test_well_formed_but_wrong_edits_are_refused(bases, name, path, value, words, tmp_path):
     base = bases[name]
@@ -112,6 +134,8 @@ def test_well_formed_but_wrong_edits_are_refused(bases, name, path, value, words
     if isinstance(value, str):  # one coordinate of an array
         new = np.array(old, copy=True)
         new.reshape(-1)[0] = float(value)
+    elif isinstance(value, type):  # the array in another dtype
+        new = old.astype(value)
     else:
         new = value
     run_dir = corpus.write_altered(base, corpus._set(base.tree, path, new), tmp_path / "edit")

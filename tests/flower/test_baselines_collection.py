@@ -2,16 +2,21 @@
 
 A duplicate reply, a reply from a node that was not sampled, or a late reply from an earlier round is
 a failure with a reason and never reaches Flower's aggregation; a reply left out for its metric names
-leaves nothing in the outlier screen's history.
+leaves nothing in the outlier screen's history. A checkpoint's saved model (and Flower's current model and
+moments) is checked on resume like everyone's: dtypes, finite values, the hard limit (issue 43).
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, MetricRecord
 
-from pollen.strategies import MeteredFedAdam, MeteredFedAvg
+from pollen.core.checkpoint import load_checkpoint, save_checkpoint
+from pollen.core.state_fields import StateError
+from pollen.strategies import MeteredFedAdam, MeteredFedAvg, RunCheckpoint, RunInterrupted
 from pollen.strategies.engine.parts import EngineParts, UpdateScreen
 from pollen.testing.fakes import FakeGrid, full_model_reply, model_record, named_arrays, tiny_model
 from pollen.wire import protocol
@@ -247,3 +252,101 @@ def test_flowers_moments_are_put_back_when_its_step_leaves_inf() -> None:
     for name, values in before.items():
         for key, value in values.items():
             np.testing.assert_array_equal(getattr(strategy, name)[key], value, err_msg=f"{name}[{key}]")
+
+
+# ---------------------------------------------------------------------------- the saved model on resume
+LIMIT = r"expected values <= 1e\+15"
+
+
+@pytest.mark.parametrize(
+    ("make", "edit", "words"),
+    [
+        pytest.param(
+            MeteredFedAvg, ("arrays", "conv.bias", 1e30), rf"'arrays/conv.bias' holds .*{LIMIT}", id="avg-1e30"
+        ),
+        pytest.param(
+            MeteredFedAvg,
+            ("arrays", "conv.bias", np.int64),
+            r"'arrays/conv.bias' has dtype int64; expected float32",
+            id="avg-int64",
+        ),
+        pytest.param(
+            MeteredFedAvg,
+            ("arrays", "conv.bias", np.float16),
+            r"'arrays/conv.bias' has dtype float16; expected float32",
+            id="avg-float16",
+        ),
+        pytest.param(
+            MeteredFedAvg,
+            ("arrays", "bn.num_batches_tracked", np.float32),
+            r"tracked' has dtype float32; expected int64",
+            id="avg-buffer-float32",
+        ),
+        pytest.param(
+            MeteredFedAvg,
+            ("arrays", "bn.num_batches_tracked", -1e16),
+            r"tracked' holds .* expected values >= -1e\+15",
+            id="avg-buffer-huge",
+        ),
+        pytest.param(
+            MeteredFedAdam, ("arrays", "conv.weight", 1e30), rf"'arrays/conv.weight' holds .*{LIMIT}", id="adam-1e30"
+        ),
+        pytest.param(
+            MeteredFedAdam,
+            ("current_arrays", "conv.bias", 1e30),
+            rf"'strategy/current_arrays/conv.bias' holds .*{LIMIT}",
+            id="adam-current-1e30",
+        ),
+        pytest.param(
+            MeteredFedAdam,
+            ("m_t", "bn.weight", np.int64),
+            r"'strategy/m_t/bn.weight' has dtype int64; expected float32",
+            id="adam-m_t-int64",
+        ),
+        pytest.param(
+            MeteredFedAdam,
+            ("v_t", "bn.weight", np.inf),
+            r"'strategy/v_t/bn.weight' holds .* expected finite values",
+            id="adam-v_t-inf",
+        ),
+    ],
+)
+def test_a_saved_model_of_flowers_baselines_is_checked_like_everyones(make, edit, words, tmp_path) -> None:  # noqa: ANN001
+    """Flower's baselines' checkpointed model (and FedAdam's current model and moments): the model's dtype or the
+    float64 Flower's arithmetic gives it (its mean of an int64 buffer, FedAdam's step), finite, within the
+    screen's hard limit; a checkpoint a run wrote loads (FedAvg keeps the float32 model, the buffer's mean in
+    float64)."""
+
+    def build():  # noqa: ANN202
+        return make(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=2)
+
+    def start(checkpoint):  # noqa: ANN001, ANN202
+        return build().start(
+            grid=FakeGrid(NODES, moving_client),
+            initial_arrays=model_record(tiny_model()),
+            num_rounds=3,
+            checkpoint=checkpoint,
+        )
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(RunInterrupted):
+        start(RunCheckpoint(run_dir, stop_after_round=2))
+    tree = load_checkpoint(run_dir / "checkpoint.npz")
+    saved = dict(tree["arrays"])
+    assert saved["conv.bias"].dtype == (np.float32 if make is MeteredFedAvg else np.float64)  # FedAdam's step: f8
+    assert saved["bn.num_batches_tracked"].dtype == np.float64  # Flower's mean of an int64 buffer
+    start(RunCheckpoint(run_dir, resume=True))  # the checkpoint the run wrote resumes
+
+    part, name, change = edit
+    pairs = tree["arrays"] if part == "arrays" else tree["strategy"][part]
+    for pair in pairs:
+        if pair[0] == name:
+            if isinstance(change, type):
+                pair[1] = pair[1].astype(change)
+            else:
+                pair[1] = np.array(pair[1], copy=True)
+                pair[1].reshape(-1)[0] = change
+    save_checkpoint(run_dir / "checkpoint.npz", tree)
+    with pytest.raises(StateError) as caught:
+        start(RunCheckpoint(run_dir, resume=True, trust_file=True))
+    assert re.search(words, str(caught.value)) and "\n" not in str(caught.value), str(caught.value)

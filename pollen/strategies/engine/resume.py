@@ -17,11 +17,16 @@ A checkpoint file can be handed to a run by anyone (run-config ``resume`` names 
   trusts the file (``trust_file=True``, run-config ``resume-trust-file=true``: a file you edited or
   copied from elsewhere on purpose).
 - **every field is checked before anything changes** (:mod:`pollen.core.state_fields`): the round
-  within the run (``1 <= round <= num-server-rounds``), the saved model equal to the strategy's, the
+  within the run (a whole number in ``[1, num_rounds]``: the ``num_rounds`` the round driver resumes for,
+  and the fingerprint's ``num-server-rounds`` when it has one; a trusted file too), the saved model equal to
+  the strategy's (Flower's baselines, which hold it as Flower does, check it themselves), the
   results and the app's rows well-formed, and the strategy's own state through its ``load_state_dict``
   (names, dtypes, shapes against the model and the run-config, ranges and invariants). A refusal is a
   :class:`~pollen.core.state_fields.StateError` (a ``ValueError``) naming the file and the field; the
   strategy is then untouched.
+- **a finished run is not resumed**: a checkpoint of round ``num_rounds`` (the run's last) is refused
+  saying that the run already finished and that a larger ``num_rounds`` trains further, rather than
+  loaded to run no round (the app refuses it the same way, naming run-config ``resume``).
 """
 
 from __future__ import annotations
@@ -169,16 +174,24 @@ class RunCheckpoint:
         """The app's own state kept with the checkpoint (after the same checks as :meth:`load`)."""
         return dict(self._read(strategy_class)["app"])
 
-    def load(self, strategy: Any) -> SavedRound:
+    def load(self, strategy: Any, *, num_rounds: int | None = None) -> SavedRound:
         """Restore ``strategy`` from the checkpoint and return the round, model and results it holds.
 
         All or nothing: the file and every field are checked before the strategy changes, and a refusal
         (:class:`~pollen.core.state_fields.StateError`, one line naming the file and the field) leaves it
-        as it was.
+        as it was. ``num_rounds``: the rounds of the run that resumes (what the round driver was given);
+        the saved round must be in ``[1, num_rounds - 1]`` (``num_rounds`` itself: the run already finished).
         """
-        tree = self._read(type(strategy).__name__)
+        tree = self._read(type(strategy).__name__, num_rounds)
         server_round = int(tree["round"])
-        named = self._checked_arrays(tree)
+        if num_rounds is not None and server_round == num_rounds:
+            raise fields.StateError(
+                "round",
+                f"is {server_round}: the run already finished its last round (num_rounds={num_rounds}); "
+                f"resume it with num_rounds > {server_round} to train further",
+                source=str(self.path),
+            )
+        named = self._checked_arrays(tree, strategy)
         try:
             strategy.load_state_dict(tree["strategy"], server_round=server_round)
         except fields.StateError as err:
@@ -189,7 +202,7 @@ class RunCheckpoint:
             setattr(result, name, _metrics_from_tree(tree["result"][name]))
         return SavedRound(server_round, arrays, result, dict(tree["app"]), dict(tree["driver"]))
 
-    def _read(self, strategy_class: str) -> dict[str, Any]:
+    def _read(self, strategy_class: str, num_rounds: int | None = None) -> dict[str, Any]:
         if not self.path.is_file():
             raise CheckpointError(f"nothing to resume: {self.path} does not exist")
         self._check_digest()
@@ -197,7 +210,7 @@ class RunCheckpoint:
         if isinstance(tree, dict):
             tree.setdefault("driver", {})  # written before drivers kept state: lock-step rounds
         try:
-            self._check_tree(tree)
+            self._check_tree(tree, num_rounds)
         except fields.StateError as err:
             raise err.in_file(str(self.path)) from None
         if tree["strategy_class"] != strategy_class:
@@ -228,12 +241,10 @@ class RunCheckpoint:
                 f"in {self.digest_path.name} when it was written (changed since); {override}"
             )
 
-    def _check_tree(self, tree: dict[str, Any]) -> None:
+    def _check_tree(self, tree: dict[str, Any], num_rounds: int | None = None) -> None:
         """The checkpoint's own fields (the strategy checks its state itself)."""
         fields.mapping(tree, "", keys=_TREE_FIELDS)
-        rounds = self.fingerprint.get("num-server-rounds")
-        high = rounds if isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1 else fields.MAX_COUNT
-        server_round = fields.whole(tree["round"], "round", low=1, high=high)
+        server_round = self._checked_round(tree["round"], num_rounds)
         fields.text(tree["strategy_class"], "strategy_class", most=200)
         for key, value in fields.mapping(tree["fingerprint"], "fingerprint").items():
             _scalar(value, fields.join("fingerprint", key))
@@ -246,8 +257,27 @@ class RunCheckpoint:
         fields.mapping(tree["strategy"], "strategy")
         fields.mapping(tree["driver"], "driver")
 
-    def _checked_arrays(self, tree: dict[str, Any]) -> dict[str, np.ndarray]:
-        """The saved model, which must be the strategy's own (same names, shapes and dtypes; same values)."""
+    def _checked_round(self, value: Any, num_rounds: int | None) -> int:
+        """The saved round: a whole number from 1 to the run's rounds (the smaller of ``num_rounds`` and the
+        fingerprint's ``num-server-rounds``, each where given), the bound named in a refusal."""
+        bounds = [
+            (rounds, f"{name}={rounds}{what}")
+            for rounds, name, what in (
+                (num_rounds, "num_rounds", ", the rounds of this run"),
+                (self.fingerprint.get("num-server-rounds"), "num-server-rounds", " in the run-config"),
+            )
+            if isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1
+        ]
+        high, bound = min(bounds, key=lambda item: item[0]) if bounds else (fields.MAX_COUNT, "")
+        try:
+            return fields.whole(value, "round", low=1, high=high)
+        except fields.StateError as err:
+            raise fields.StateError(err.field, f"{err.why} ({bound})" if bound else err.why) from None
+
+    def _checked_arrays(self, tree: dict[str, Any], strategy: Any) -> dict[str, np.ndarray]:
+        """The saved model, which must be the strategy's own: for pollen's strategies the same names, shapes,
+        dtypes and values as their flat model; a strategy that holds its model otherwise (Flower's baselines,
+        in Flower's dtypes) checks it with its ``check_saved_arrays(named, state)``."""
         named = {name: np.asarray(value) for name, value in tree["arrays"]}
         state = tree["strategy"]
         try:
@@ -258,13 +288,8 @@ class RunCheckpoint:
                 flat = layout.flatten(named)
                 if not np.array_equal(flat.view(np.uint32), np.asarray(state["params"]).view(np.uint32)):
                     raise fields.StateError("arrays", "differs from the strategy's model 'strategy/params'")
-            elif isinstance(state.get("model"), list):  # Flower's baselines: names and shapes (Flower's mean
-                shapes = {}  # of float32 models is float64, so the dtypes may differ from the model's)
-                for i, item in enumerate(state["model"]):
-                    name, shape, _ = fields.sequence(item, fields.join("strategy/model", i), length=3)
-                    shapes[str(name)] = tuple(shape) if isinstance(shape, list) else shape
-                if set(named) != set(shapes) or any(named[n].shape != shapes[n] for n in named):
-                    raise fields.StateError("arrays", "does not match the model the strategy saved ('strategy/model')")
+            elif callable(getattr(strategy, "check_saved_arrays", None)):
+                strategy.check_saved_arrays(named, state)
         except fields.StateError as err:
             raise err.in_file(str(self.path)) from None
         return named
