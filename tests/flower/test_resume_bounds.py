@@ -31,13 +31,6 @@ pytestmark = pytest.mark.flower_compat
 
 NODES = [11, 12, 13, 14]
 IDS = {node: f"client-{i}" for i, node in enumerate(NODES)}
-#: The round driver must hand ``RunCheckpoint.load`` the run's ``num_rounds``: one line of
-#: ``pollen/strategies/engine/rounds.py`` (``SyncRounds.opening``, which the asynchronous driver shares too:
-#: ``checkpoint.load(strategy, num_rounds=num_rounds)``),
-#: outside this change's files. Strict: once that line is in, these pass and the marker must go.
-NEEDS_DRIVER = pytest.mark.xfail(
-    strict=True, reason="issue 43: SyncRounds.opening does not pass num_rounds to RunCheckpoint.load yet"
-)
 STRATEGIES = {
     "fedams": lambda: FedAMS(fraction_evaluate=0.0),
     "fadas-async": lambda: FedAMS(
@@ -95,7 +88,6 @@ def resume(name: str, run_dir: Path, num_rounds: int, *, trust_file: bool) -> tu
     return strategy, client
 
 
-@NEEDS_DRIVER
 @pytest.mark.parametrize("trust_file", [True, False], ids=["trusted", "digest-listed"])
 @pytest.mark.parametrize(
     ("value", "words"),
@@ -123,7 +115,6 @@ def test_a_round_outside_the_run_is_refused_through_start_with_a_bare_checkpoint
     assert "\n" not in message and str(run_dir / CHECKPOINT_FILE) in message
 
 
-@NEEDS_DRIVER
 @pytest.mark.parametrize("trust_file", [True, False], ids=["trusted", "digest-listed"])
 def test_a_finished_run_says_so_instead_of_running_nothing(trust_file, tmp_path):  # noqa: ANN001
     run_dir = tmp_path / "run"
@@ -136,7 +127,6 @@ def test_a_finished_run_says_so_instead_of_running_nothing(trust_file, tmp_path)
     assert client.calls == len(NODES)
 
 
-@NEEDS_DRIVER
 def test_a_refused_round_runs_nothing_and_leaves_the_strategy_as_it_was(tmp_path):  # noqa: ANN001
     run_dir = tmp_path / "run"
     run_two_rounds("fedams", run_dir)

@@ -124,7 +124,8 @@ class SyncRounds:
     ) -> tuple[int, ArrayRecord, Result, Any]:
         """The first round, the model, the results and the checkpoint read (``None``: a fresh run): a resume
         from ``checkpoint`` (refused when another ``kind`` of driver wrote it), else the initial evaluation."""
-        saved = checkpoint.load(strategy) if checkpoint is not None and checkpoint.resume else None
+        resume = checkpoint is not None and checkpoint.resume
+        saved = checkpoint.load(strategy, num_rounds=num_rounds) if resume else None  # the round bounded by the run
         if saved is None:
             result = Result()
             if evaluate_fn:
