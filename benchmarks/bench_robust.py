@@ -9,7 +9,8 @@ Two parts:
    train honestly, then upload their update sign-flipped (``x -1``) or scaled by ``-3`` (both within 3x
    of an honest norm, so the 10x outlier screen lets them through). Dense uploads
    (the identity codec) compare the mean, the coordinate-wise median and the trimmed mean (beta 0.2);
-   scaled-sign uploads (FedCAMS, error feedback on) compare the mean with the majority vote. The attack
+   scaled-sign uploads compare the mean (FedCAMS, error feedback on) with the majority vote (signSGD's, error
+   feedback off: a vote has no per-client share to tell an error-fed client, issue 43). The attack
    is a wrapper around the ClientApp's upload (``compress_update``), so every reply is read by the real
    server as any other.
 2. **Cost** (``--part cost``): the server's whole ``aggregate_train`` (read 10 replies, aggregate, AMSGrad
@@ -62,7 +63,13 @@ AGGREGATORS = {
         "trim-fraction": 0.2,
     },
     "sign, mean": {"strategy": "fedcams", "compressor": "sign", "aggregator": "mean"},
-    "sign, majority vote": {"strategy": "fedcams", "compressor": "sign", "aggregator": "majority-vote"},
+    # signSGD's vote without error feedback: a vote has no per-client share to tell an error-fed client (issue 43)
+    "sign, majority vote": {
+        "strategy": "fedcams",
+        "compressor": "sign",
+        "aggregator": "majority-vote",
+        "error-feedback": False,
+    },
 }
 #: name -> (number of attackers out of CLIENTS, the factor they multiply their update by).
 ATTACKS = {

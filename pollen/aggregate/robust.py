@@ -17,6 +17,15 @@ of 10x the median and still pulls every coordinate. The aggregators here bound w
 Every robust aggregator treats each client as one vote (no ``num-examples`` weights: a client's own
 count is itself a lever for an attacker).
 
+**No per-client share, so no error feedback.** An error-fed client keeps what the server did not apply of
+its upload (:mod:`pollen.strategies.engine.ledger`); under the mean each upload is applied in full, with
+weight ``1/M``. A robust aggregate has no such share (:meth:`Aggregator.feedback_refusal` says why for
+each), so the strategies refuse it with error-fed uploads: the median's coordinate is one or two clients'
+values and the rest count for nothing; the trimmed mean's share differs per coordinate (0 where a value
+is cut, ``1/(M - 2 floor(beta M))`` where it is kept); the vote applies the median scale times the majority
+sign, a function of every upload together. Owing back what was not applied would not help either: it
+would go out again inside the client's next upload, further from the others'.
+
 **Deterministic.** Each works on the values of a coordinate sorted (or counted), so the result is
 bit-identical whatever order the updates come in (``-0.0`` and ``0.0`` sort as equal, and the result is
 normalised to ``+0.0``).
@@ -96,6 +105,14 @@ class Aggregator(ABC):
         """One float32 vector from M float32 vectors of the same length (``segments``: the scale groups
         of scaled-sign uploads; only :class:`MajorityVote` uses them)."""
 
+    def feedback_refusal(self) -> str | None:
+        """Why no client can be told what its upload contributed to this aggregate, so error-fed uploads
+        do not fit; ``None`` when every upload is applied in full, with weight ``1/M`` (the mean). An
+        aggregator that does not say is taken to have no per-client share unless it streams the mean."""
+        if self.streams:
+            return None
+        return f"aggregator {self.name!r} does not say what one client's upload contributes to it"
+
     def describe(self) -> str:
         """One line for a strategy's ``summary()``."""
         return self.name
@@ -146,6 +163,12 @@ class Median(Aggregator):
         out += np.float32(0.0)  # -0.0 -> +0.0: the same bits whichever zero sorted first
         return out
 
+    def feedback_refusal(self) -> str | None:
+        return (
+            "a coordinate-wise median has no per-client share (each coordinate is one client's value, or the "
+            "mean of two, and the other uploads count for nothing there)"
+        )
+
     def describe(self) -> str:
         return "coordinate-wise median (one vote per client)"
 
@@ -183,6 +206,14 @@ class TrimmedMean(Aggregator):
         out += np.float32(0.0)
         return out
 
+    def feedback_refusal(self) -> str | None:
+        if self.beta == 0.0:
+            return None  # the mean
+        return (
+            "a trimmed mean's per-client share differs per coordinate (0 where a value is cut, "
+            "1/(M - 2 floor(beta M)) where it is kept), which one applied fraction per client cannot tell"
+        )
+
     def describe(self) -> str:
         return f"coordinate-wise trimmed mean (beta={self.beta:g} cut from each side, one vote per client)"
 
@@ -218,6 +249,12 @@ class MajorityVote(Aggregator):
             out[lo:hi] *= np.float32(scale)
         out += np.float32(0.0)
         return out
+
+    def feedback_refusal(self) -> str | None:
+        return (
+            "a majority vote applies the median scale times the majority sign, of which no client's upload is a "
+            "share (signSGD's majority vote, Bernstein et al. 2019, is designed without error feedback)"
+        )
 
     def describe(self) -> str:
         return "majority vote of signs x median scale (signSGD, one vote per client)"

@@ -82,3 +82,14 @@ def test_dataset_with_no_reachable_source(tmp_path, monkeypatch):
 def test_more_test_examples_than_the_test_split(tmp_path):
     message = run_main(tmp_path, **{"test-examples": 10**6})
     assert "test-examples=1000000" in message and "allowed: 0 (the whole split) or 1 to" in message
+
+
+@pytest.mark.parametrize("aggregator", ["median", "trimmed-mean", "majority-vote"])
+def test_a_robust_aggregator_with_error_fed_uploads(tmp_path, aggregator):
+    """Issue 43: a robust aggregate has no per-client share to tell an error-fed client; FedCAMS's own uplink
+    (scaled sign, error feedback on) with a robust aggregator stops before round 1 with what is allowed."""
+    message = run_main(tmp_path, strategy="fedcams", aggregator=aggregator)
+    assert f"aggregator={aggregator!r} cannot take error-fed 'sign' uploads" in message
+    assert message.endswith(
+        "allowed: error_feedback=False (run-config 'error-feedback' = false) with it, or aggregator='mean'"
+    )

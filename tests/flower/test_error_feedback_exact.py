@@ -11,6 +11,12 @@ every registered strategy that, with an error-fed compressed uplink, keeps the l
 invariant: the server's mirror of each client is bit for bit the model the client holds (or, after a
 round the server did not commit, the copy it kept of a round back), so ``theta - mirror`` is exactly
 what the downlink still owes.
+
+The server's side of the same account (issue 43): in every committed round, the clients' applied parts
+average to the delta the server stepped with, for every method whose aggregate is a mean of the round's
+updates. A robust aggregator (median, trimmed mean, majority vote) has no per-client share, so the ledger
+could only tell its clients something the server did not do: with error-fed uploads it is refused before
+round 1 with the reason and what is allowed, and without error feedback it runs.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from pollen.lazy import checksum
 from pollen.strategies.engine import strategy as base_module
 from pollen.strategies.engine.ledger import AppliedLedger
 from pollen.strategies.engine.sinks import RunningMean
+from pollen.strategies.engine.step import ServerStep
 from pollen.strategies.fedadavr import _VRSink
 from pollen.strategies.lazy import FedLazy
 from pollen.testing.fakes import (
@@ -104,6 +111,9 @@ class Harness:
         self.dropped: dict[str, list[np.ndarray]] = {f"c{n}": [] for n in NODES}
         self.lose: set[int] = set()
         self.inflate: set[int] = set()
+        #: Each committed round: (what each client's upload was applied as, the delta the server stepped with).
+        self.rounds: list[tuple[list[np.ndarray], np.ndarray]] = []
+        self.stepped: list[np.ndarray] = []
         self.grid = FakeGrid(NODES, self.client, client_ids={n: f"c{n}" for n in NODES})
         for sink in (RunningMean, _VRSink):
             monkeypatch.setattr(sink, "take", self._spy_take(sink.take))
@@ -114,6 +124,13 @@ class Harness:
             return original(strategy, server_round, updates, running)
 
         monkeypatch.setattr(base_module.AdaptiveStrategy, "apply_updates", apply_updates)
+        step = ServerStep.apply
+
+        def apply(server_step, params, delta):  # noqa: ANN001, ANN202
+            self.stepped.append(np.array(delta, dtype=np.float64))  # before the step: it may write in place
+            return step(server_step, params, delta)
+
+        monkeypatch.setattr(ServerStep, "apply", apply)
 
     def _spy_take(self, take):  # noqa: ANN001, ANN202
         def spied(sink, update):  # noqa: ANN001, ANN202
@@ -153,12 +170,13 @@ class Harness:
         return None if node in self.lose else reply
 
     def round(self, strategy, r: int, arrays):  # noqa: ANN001, ANN201
-        self.taken = []
+        self.taken, self.stepped = [], []
         messages = strategy.configure_train(r, arrays, ConfigRecord(), self.grid)
         new, _ = strategy.aggregate_train(r, list(self.grid.send_and_receive(messages, timeout=5.0)))
         if new is not None:  # the step committed: what was taken was applied
             for key, delta in self.taken:
                 self.applied[key].append(delta)
+            self.rounds.append(([delta for _, delta in self.taken], self.stepped[-1]))
         return arrays if new is None else new
 
     def owed_now(self, strategy, node: int, next_round: int) -> np.ndarray:  # noqa: ANN001
@@ -213,6 +231,27 @@ def _run_scenario(name: str, monkeypatch: pytest.MonkeyPatch, **settings: Any) -
     return strategy, harness
 
 
+def _check_balance(strategy: Any, harness: Harness) -> None:
+    """Per client: applied + dropped + residual + owed = the sum of its true updates."""
+    for node in NODES:
+        key = f"c{node}"
+        applied = np.sum(harness.applied[key], axis=0) if harness.applied[key] else np.zeros(D)
+        dropped = np.sum(harness.dropped[key], axis=0) if harness.dropped[key] else np.zeros(D)
+        balance = applied + dropped + harness.residual(node) + harness.owed_now(strategy, node, ROUNDS + 1)
+        np.testing.assert_allclose(balance, np.sum(harness.true[key], axis=0), atol=2e-5, err_msg=key)
+
+
+def _check_server_account(strategy: Any, harness: Harness) -> None:
+    """Per committed round, for a method whose aggregate is a mean of the round's updates: what the clients are
+    told was applied of their uploads averages to the delta the server stepped with (a stored-update table's
+    aggregate, FedAdaVR's, also re-uses earlier rounds' rows: its clients' side is checked by the balance)."""
+    if strategy.robust_refusal is not None:
+        return
+    assert len(harness.rounds) >= ROUNDS - 2, len(harness.rounds)  # the skipped and the rolled-back round
+    for i, (parts, stepped) in enumerate(harness.rounds):
+        np.testing.assert_allclose(np.mean(parts, axis=0), stepped, atol=1e-6, err_msg=f"committed round {i + 1}")
+
+
 @pytest.mark.parametrize("outlier_rule", ["clip", "reject"])
 @pytest.mark.parametrize("name", ERROR_FED)
 def test_applied_plus_residual_plus_owed_equals_the_true_updates(name: str, outlier_rule: str, monkeypatch) -> None:  # noqa: ANN001
@@ -225,12 +264,62 @@ def test_applied_plus_residual_plus_owed_equals_the_true_updates(name: str, outl
     else:  # refused: the client was told and dropped that upload with its residual (not owed: it would come back)
         assert strategy.ledger.refused.get("c4") in (7, 8), strategy.ledger.refused  # 8: a lazy client sent it late
         assert harness.dropped["c4"] or strategy.ledger.refused["c4"] == ROUNDS
-    for node in NODES:
-        key = f"c{node}"
-        applied = np.sum(harness.applied[key], axis=0) if harness.applied[key] else np.zeros(D)
-        dropped = np.sum(harness.dropped[key], axis=0) if harness.dropped[key] else np.zeros(D)
-        balance = applied + dropped + harness.residual(node) + harness.owed_now(strategy, node, ROUNDS + 1)
-        np.testing.assert_allclose(balance, np.sum(harness.true[key], axis=0), atol=2e-5, err_msg=key)
+    _check_balance(strategy, harness)
+    _check_server_account(strategy, harness)
+
+
+def _robust_cases() -> list[tuple[str, str]]:
+    """(error-fed method, robust aggregator) wherever the aggregator fits the method without error feedback."""
+    cases = []
+    for name in ERROR_FED:
+        for aggregator in ROBUST:
+            try:
+                _build(name, **ROBUST[aggregator], **{"error-feedback": False})
+            except ValueError:  # the method aggregates its own way, or the vote and the uploads differ
+                continue
+            cases.append((name, aggregator))
+    return cases
+
+
+#: Each robust aggregator's run-config (the vote takes scaled-sign uploads; 0.25 cuts one of 4 replies per side).
+ROBUST = {
+    "median": {"aggregator": "median"},
+    "trimmed-mean": {"aggregator": "trimmed-mean", "trim-fraction": 0.25},
+    "majority-vote": {"aggregator": "majority-vote", "compressor": "sign"},
+}
+ROBUST_CASES = _robust_cases()
+
+
+def test_every_robust_aggregator_is_covered_with_every_family_it_fits() -> None:
+    names = {name for name, _ in ROBUST_CASES}
+    assert {"fedcams", "fedopt", "fedadavr-novr", "fednlaca", "fedbaca"} <= names, ROBUST_CASES
+    assert {aggregator for _, aggregator in ROBUST_CASES} == set(ROBUST)
+
+
+@pytest.mark.parametrize(("name", "aggregator"), ROBUST_CASES)
+def test_error_fed_uploads_under_a_robust_aggregator_are_refused_or_exact(
+    name: str,
+    aggregator: str,
+    monkeypatch,  # noqa: ANN001
+) -> None:
+    """The invariant over the same seams with a robust aggregator: either the ledger's account is exact on both
+    sides, or the combination is refused before round 1 with one line that names the aggregator, the uploads
+    and what is allowed (and what is allowed builds)."""
+    settings = {**ROBUST[aggregator], "outlier-rule": "clip"}
+    try:
+        strategy, harness = _run_scenario(name, monkeypatch, **settings)
+    except ValueError as refusal:
+        line = str(refusal)
+        assert "\n" not in line
+        assert f"aggregator={aggregator!r} cannot take error-fed {settings.get('compressor', 'topk')!r} uploads" in line
+        assert (
+            "allowed: error_feedback=False (run-config 'error-feedback' = false) with it, or aggregator='mean'" in line
+        )
+        without = _build(name, **settings, **{"error-feedback": False})
+        assert without.aggregator.name == aggregator and not without.ledger.tell
+        return
+    _check_balance(strategy, harness)
+    _check_server_account(strategy, harness)
 
 
 def test_without_the_ledger_a_skipped_round_loses_mass(monkeypatch) -> None:  # noqa: ANN001

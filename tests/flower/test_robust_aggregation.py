@@ -208,17 +208,72 @@ def test_methods_it_does_not_fit_refuse_with_a_reason() -> None:
         FedCAMS(compressor="topk", aggregator="majority-vote")
     with pytest.raises(ValueError, match="uploads are 'sign added to the stored copy \\(aa\\)'"):
         FedLazy(up_rule="aa", compressor="sign", aggregator="majority-vote")
-    assert FedLazy(up_rule="nla", compressor="sign", aggregator="majority-vote").aggregator == MajorityVote()
-    assert FedCAMS(aggregator="majority-vote").aggregator == MajorityVote()
+    lazy = FedLazy(up_rule="nla", compressor="sign", error_feedback=False, aggregator="majority-vote")
+    assert lazy.aggregator == MajorityVote()
+    assert FedCAMS(aggregator="majority-vote", error_feedback=False).aggregator == MajorityVote()
     with pytest.raises(ValueError, match="aggregator='krum' is unknown"):
         FedAMS(aggregator="krum")
+
+
+@pytest.mark.parametrize("aggregator", ["median", "trimmed-mean", "majority-vote"])
+def test_error_fed_uploads_are_refused_with_a_robust_aggregator_and_fit_without_error_feedback(aggregator: str) -> None:
+    """A robust aggregate has no per-client share, so the ledger could not tell an error-fed client what of its
+    upload was applied (issue 43): refused at construction, one line naming the aggregator, the uploads and
+    what is allowed; the same aggregator without error feedback, or with dense uploads, fits."""
+    reason = {"median": "no per-client share", "trimmed-mean": "differs per coordinate", "majority-vote": "Bernstein"}
+    allowed = "allowed: error_feedback=False (run-config 'error-feedback' = false) with it, or aggregator='mean'"
+    with pytest.raises(ValueError, match=f"^FedCAMS: aggregator='{aggregator}' cannot take error-fed 'sign' uploads"):
+        FedCAMS(aggregator=aggregator)
+    codec = "sign" if aggregator == "majority-vote" else "topk"
+    for build in (
+        lambda: FedCAMS(compressor=codec, aggregator=aggregator),
+        lambda: FedOpt(uplink=Uplink(codec), aggregator=aggregator),
+        lambda: FedAdaVR(variant="novr", uplink=Uplink(codec), aggregator=aggregator),
+        lambda: FedLAMB(variant="fed-sgd", uplink=Uplink(codec), aggregator=aggregator),
+        lambda: FedLazy(up_rule="nla", compressor=codec, aggregator=aggregator),
+    ):
+        with pytest.raises(ValueError) as refusal:
+            build()
+        line = str(refusal.value)
+        assert "\n" not in line and reason[aggregator] in line and line.endswith(allowed), line
+        assert f"aggregator={aggregator!r} cannot take error-fed {codec!r} uploads" in line, line
+    assert FedCAMS(compressor=codec, error_feedback=False, aggregator=aggregator).ledger.tell is False
+    assert FedOpt(uplink=Uplink(codec, error_feedback=False), aggregator=aggregator).aggregator.name == aggregator
+    if aggregator != "majority-vote":  # dense uploads have no residual, so nothing to tell
+        assert FedCAMS(compressor="none", aggregator=aggregator).ledger.tell is False
+
+
+def test_a_ledger_told_to_tell_refuses_a_robust_aggregator_and_the_trimmed_mean_without_trim_fits() -> None:
+    from pollen.strategies.engine.ledger import AppliedLedger
+
+    with pytest.raises(ValueError, match=r"^FedOpt: aggregator='median' cannot take a ledger set to tell clients "):
+        FedOpt(aggregator="median", parts=EngineParts(ledger=AppliedLedger(tell=True)))
+    assert FedOpt(aggregator="median", parts=EngineParts(ledger=AppliedLedger(tell=False))).ledger.tell is False
+    strategy = FedCAMS(aggregator=TrimmedMean(0.0))  # beta 0 is the mean: each upload applied in full
+    assert strategy.ledger.tell is True
+    assert Mean().feedback_refusal() is None and TrimmedMean(0.0).feedback_refusal() is None
+    assert all(a.feedback_refusal() for a in (Median(), TrimmedMean(0.1), MajorityVote()))
+
+
+def test_the_run_config_refuses_error_fed_uploads_with_a_robust_aggregator_in_one_line() -> None:
+    def build(**keys):  # noqa: ANN003, ANN202
+        return build_strategy(AppConfig.from_run_config({**schema_defaults(), **keys}, given=set(keys)))
+
+    for strategy in ("fedcams", "fedopt", "fednlaca", "fedbaca", "fedadavr-novr"):
+        with pytest.raises(ValueError, match=r"cannot take error-fed 'topk' .*run-config 'error-feedback' = false"):
+            build(strategy=strategy, compressor="topk", aggregator="median")
+        fits = build(strategy=strategy, compressor="topk", aggregator="median", **{"error-feedback": False})
+        assert fits.aggregator == Median()
+    with pytest.raises(ValueError, match="^FedCAMS: aggregator='majority-vote' cannot take error-fed 'sign' uploads"):
+        build(strategy="fedcams", aggregator="majority-vote")
 
 
 def test_the_run_config_builds_the_aggregator_and_refuses_it_for_flowers_strategies() -> None:
     def build(**keys):  # noqa: ANN003, ANN202
         return build_strategy(AppConfig.from_run_config({**schema_defaults(), **keys}, given=set(keys)))
 
-    assert build(strategy="fedcams", aggregator="majority-vote").aggregator == MajorityVote()
+    signs = build(strategy="fedcams", aggregator="majority-vote", **{"error-feedback": False})
+    assert signs.aggregator == MajorityVote()
     assert build(strategy="fedams", aggregator="trimmed-mean", **{"trim-fraction": 0.3}).aggregator == TrimmedMean(0.3)
     assert build(strategy="fednlaa", aggregator="median").aggregator == Median()
     assert build(strategy="fedadavr-novr", aggregator="median").aggregator == Median()

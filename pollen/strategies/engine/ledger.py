@@ -16,6 +16,12 @@ the same norm of 3.3e7 refused in 7 of 13 rounds). The ledger records such a ref
 next train message says so (``pollen.refused-round``), and the client drops that upload and its residual
 and starts again from ``e = 0``; the invariant then reads "applied + residual = the true updates, less
 what the server refused".
+
+A robust aggregator (median, trimmed mean, majority vote) has no per-client share to report: the
+aggregate is not a sum of parts of the uploads. A ledger that tells clients refuses to serve a strategy
+with one, before round 1 (:meth:`decide`,
+:func:`~pollen.strategies.engine.aggregation.check_feedback`): error feedback stays exact by not being
+combined with what cannot be told.
 """
 
 from __future__ import annotations
@@ -54,10 +60,29 @@ class AppliedLedger:
         """Settle what the caller left open: tell clients when their uploads are error-fed (the client puts
         whatever was not applied back into its residual, so error feedback loses nothing); keep a record
         whenever they are told, or always when the method needs it (``must_keep``). A strategy may decide
-        again (a method that knows more than the base); the caller's own settings always stand."""
-        tell, keep = self._asked
-        self.tell = error_fed if tell is None else bool(tell)
-        self.keep = must_keep or (self.tell if keep is None else bool(keep))
+        again (a method that knows more than the base); the caller's own settings always stand.
+
+        A ledger that would tell the clients of a strategy whose aggregator has no per-client share (a robust
+        one) refuses it with the reason (``ValueError``), and nothing changes."""
+        asked_tell, asked_keep = self._asked
+        tell = error_fed if asked_tell is None else bool(asked_tell)
+        if tell:
+            self._check_aggregator(forced=asked_tell is not None)
+        self.tell = tell
+        self.keep = must_keep or (tell if asked_keep is None else bool(asked_keep))
+
+    def _check_aggregator(self, *, forced: bool) -> None:
+        """The refusal of :func:`~pollen.strategies.engine.aggregation.check_feedback` for the aggregator of the
+        strategy this ledger serves (known once that strategy claims it, :func:`~pollen.strategies.engine.parts.claim`,
+        which is before it decides)."""
+        from pollen.strategies.engine.aggregation import check_feedback
+
+        holder = getattr(self, "_serves", None)
+        owner = holder() if holder is not None else None
+        aggregator = getattr(owner, "aggregator", None)
+        if aggregator is not None:
+            uploads = getattr(getattr(owner, "uplink", None), "codec", "none")
+            check_feedback(aggregator, type(owner).__name__, uploads, forced=forced)
 
     def told(self, content: RecordDict, shared: RecordDict, configrecord_key: str, client: str) -> RecordDict:
         """``content`` (a node's train message) with the ledger's word on ``client``'s last upload when clients
