@@ -256,7 +256,7 @@ class FedLazy(FedAMS):
         self.compressor, self.topk_ratio, self.granularity = compressor, uplink.topk_ratio, granularity
         self.error_feedback = uplink.error_feedback
         # the client owes its residual what was not applied; ref_mode="consecutive-only" asks who took part
-        self.ledger.decide(self.error_feedback, must_keep=True)
+        self.ledger.decide(self.error_feedback, must_keep=True, owner=self)
         self.downlink = downlink
         self.ef_mode, self.ref_mode = ef_mode, ref_mode
         self.bookkeeping_dir = bookkeeping_dir

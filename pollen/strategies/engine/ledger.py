@@ -56,33 +56,23 @@ class AppliedLedger:
         #: Client id -> the round of its last upload refused for its content.
         self.refused: dict[str, int] = {}
 
-    def decide(self, error_fed: bool, *, must_keep: bool = False) -> None:
+    def decide(self, error_fed: bool, *, must_keep: bool = False, owner: Any = None) -> None:
         """Settle what the caller left open: tell clients when their uploads are error-fed (the client puts
         whatever was not applied back into its residual, so error feedback loses nothing); keep a record
         whenever they are told, or always when the method needs it (``must_keep``). A strategy may decide
         again (a method that knows more than the base); the caller's own settings always stand.
 
-        A ledger that would tell the clients of a strategy whose aggregator has no per-client share (a robust
-        one) refuses it with the reason (``ValueError``), and nothing changes."""
+        A ledger that would tell the clients of ``owner`` (the strategy deciding) when its aggregator has no
+        per-client share (a robust one) refuses it with the reason (``ValueError``), and nothing changes."""
         asked_tell, asked_keep = self._asked
         tell = error_fed if asked_tell is None else bool(asked_tell)
-        if tell:
-            self._check_aggregator(forced=asked_tell is not None)
+        if tell and owner is not None and getattr(owner, "aggregator", None) is not None:
+            from pollen.strategies.engine.aggregation import check_feedback
+
+            uploads = getattr(getattr(owner, "uplink", None), "codec", "none")
+            check_feedback(owner.aggregator, type(owner).__name__, uploads, forced=asked_tell is not None)
         self.tell = tell
         self.keep = must_keep or (tell if asked_keep is None else bool(asked_keep))
-
-    def _check_aggregator(self, *, forced: bool) -> None:
-        """The refusal of :func:`~pollen.strategies.engine.aggregation.check_feedback` for the aggregator of the
-        strategy this ledger serves (known once that strategy claims it, :func:`~pollen.strategies.engine.parts.claim`,
-        which is before it decides)."""
-        from pollen.strategies.engine.aggregation import check_feedback
-
-        holder = getattr(self, "_serves", None)
-        owner = holder() if holder is not None else None
-        aggregator = getattr(owner, "aggregator", None)
-        if aggregator is not None:
-            uploads = getattr(getattr(owner, "uplink", None), "codec", "none")
-            check_feedback(aggregator, type(owner).__name__, uploads, forced=forced)
 
     def told(self, content: RecordDict, shared: RecordDict, configrecord_key: str, client: str) -> RecordDict:
         """``content`` (a node's train message) with the ledger's word on ``client``'s last upload when clients

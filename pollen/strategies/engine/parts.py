@@ -265,7 +265,7 @@ def assemble(  # noqa: PLR0913 - the base's arguments, checked and wired in one 
     claim(chosen, strategy)
     for item in fields(chosen):
         setattr(strategy, item.name, getattr(chosen, item.name))
-    strategy.ledger.decide(uplink is not None and uplink.error_feedback and uplink.codec != "none")
+    strategy.ledger.decide(uplink is not None and uplink.error_feedback and uplink.codec != "none", owner=strategy)
     if strategy.sampler.min_available_nodes is None:
         strategy.sampler.min_available_nodes = flower["min_available_nodes"]
     strategy.server_step = ServerStep(optimizer)
