@@ -3,7 +3,9 @@
 :class:`StoredUpdates` builds the :class:`~pollen.vr.table.UpdateTable` when the model's layout is
 known, writes a round's staged rows after the server step (through the journal when the table lives
 in a file, so a crash between the table write and the checkpoint can be undone), and saves and
-restores itself as one part of the strategy's state.
+restores itself as one part of the strategy's state. A table in a file is not copied into the
+checkpoint: the checkpoint records its id and each row's CRC-32, and resume reads every row of the
+file against them before it attaches the file, so a changed byte is refused, not loaded.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from pollen.compression import quant
 from pollen.core import state_fields as fields
 from pollen.core.layout import ModelLayout
+from pollen.vr import table_state as saved_tables
 from pollen.vr.aggregate import VRRound
 from pollen.vr.journal import TableFileError, TableJournal
+from pollen.vr.row_codec import RowCodec
 from pollen.vr.table import UpdateTable
 
 
@@ -66,7 +69,7 @@ class StoredUpdates:
         self.generation = server_round
 
     def state_dict(self) -> dict[str, Any]:
-        """The table (its data only when it lives in RAM), its generation and the file's journal id."""
+        """The table (its rows when it lives in RAM, else their CRC-32s), its generation and the file's id."""
         if self.table is None:
             return {}
         state: dict[str, Any] = {
@@ -93,11 +96,13 @@ class StoredUpdates:
     ) -> Callable[[], None]:
         """Check a saved store against the model's ``layout`` and return what makes it this store's.
 
-        Every table field is checked (:meth:`UpdateTable.check_state`), the running sum against the rows
-        of a table kept in the checkpoint, the generation within the run (``last_round``), and a table
+        Every table field is checked (:meth:`UpdateTable.check_state`; the running sum against the rows
+        of a table kept in the checkpoint), the generation within the run (``last_round``), and a table
         that lives in a file against its journal (same table id, this round or one ahead with its undo
-        log: :meth:`TableJournal.verify`). The file is only attached, and an undo log applied, by the
-        returned commit.
+        log: :meth:`TableJournal.verify`) and every row of the file, the undo log's rows in place of
+        those it restores, against the checkpoint's CRC-32 of that row
+        (:func:`pollen.vr.table_state.check_rows_file`). The file is only attached, and an undo log
+        applied, by the returned commit.
         """
         fields.mapping(state, where)
         if not state and layout is None:
@@ -109,18 +114,18 @@ class StoredUpdates:
         high = fields.MAX_COUNT if last_round is None else last_round
         generation = fields.whole(state["generation"], fields.join(where, "generation"), high=high)
         sizes = [stop - start for start, stop in layout.segments]
+        table_where = fields.join(where, "table")
         table_state = UpdateTable.check_state(
-            state["table"], fields.join(where, "table"), dim=layout.dim, segments=sizes, precision=self.precision
+            state["table"], table_where, dim=layout.dim, segments=sizes, precision=self.precision
         )
         count = len(table_state["keys"])
         if not on_disk:
-            table = UpdateTable.from_state_dict(table_state)  # in RAM, sized by the rows the file holds
-            table.check_running_sum(fields.join(where, "table"))
+            table = UpdateTable.from_state_dict(table_state, _checked=True)  # in RAM, sized by the rows held
             journal = None
             if self.path is not None:  # the checkpoint's rows go into this run's file, with a new journal
 
                 def commit() -> None:
-                    self.table = UpdateTable.from_state_dict(table_state, path=self.path)
+                    self.table = UpdateTable.from_state_dict(table_state, path=self.path, _checked=True)
                     self.journal = TableJournal(self.path)
                     self.journal.commit(self.table, generation)
                     self.generation = generation
@@ -133,27 +138,31 @@ class StoredUpdates:
             return commit_ram
         if self.path is None:
             raise fields.StateError(
-                fields.join(where, "table"),
-                "lives in a file; pass table_path= (run-config table-path) to resume it",
+                table_where, "lives in a file; pass table_path= (run-config table-path) to resume it"
             )
         table_id = fields.text(state["table_id"], fields.join(where, "table_id"), most=64)
         journal = TableJournal(self.path, table_id=table_id)
-        row_width = sum(quant.encoded_length(n, self.precision) for n in sizes)
-        dtype = quant.storage_dtype(self.precision)
-        need = count * row_width * dtype.itemsize
+        codec = RowCodec(layout.dim, sizes, self.precision)
+        need = count * codec.width * codec.dtype.itemsize
         held = os.path.getsize(self.path) if os.path.isfile(self.path) else -1
         if held < need:
             raise fields.StateError(
-                fields.join(where, "table"), f"needs {need} bytes of rows in {self.path}, which holds {max(held, 0)}"
+                table_where, f"needs {need} bytes of rows in {self.path}, which holds {max(held, 0)}"
             )
         try:
-            journal.verify(generation, row_width, dtype, count)
+            undo = journal.verify(generation, codec.width, codec.dtype, count)
         except TableFileError as err:
             raise TableFileRefused(fields.join(where, "table_id"), str(err)) from None
+        try:
+            saved_tables.check_rows_file(
+                self.path, codec, table_state, table_where, overlay=undo, overlay_name=str(journal.undo_path)
+            )
+        except fields.StateError as err:
+            raise TableFileRefused(err.field, err.why) from None
 
         def commit_file() -> None:
             self.journal = journal
-            self.table = UpdateTable.from_state_dict(table_state, path=self.path)
+            self.table = UpdateTable.from_state_dict(table_state, path=self.path, _checked=True)
             journal.recover(self.table, generation)
             self.generation = generation
 

@@ -6,6 +6,10 @@ row. Rows are given out in order of first sight; capacity doubles when full, for
 ``path`` the data array is a memory-mapped file, so N x d larger than RAM still runs (only the touched rows
 are paged in); the file grows sparsely and stays when the store is closed.
 
+The store also keeps each row's CRC-32 (of its encoded bytes, as they lie in the file), computed when
+asked (:meth:`RowStore.checksums`) for the rows written since: a checkpoint that re-attaches the file
+records them, and resume reads every row of the file against them (:mod:`pollen.vr.table_state`).
+
 This is a part of its own because allocation, growth, the memmap backend and measuring the bytes held are
 bookkeeping that does not change a number: the arithmetic of the table (its running sum) stays in
 :class:`pollen.vr.table.UpdateTable`, which owns one store.
@@ -14,6 +18,8 @@ bookkeeping that does not change a number: the arithmetic of the table (its runn
 from __future__ import annotations
 
 import os
+import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -37,7 +43,8 @@ class RowStore:
         then at least the rows the file holds.
 
     Attributes: ``data``, ``absmax`` (``capacity x n_scales`` float32), ``weights`` (``capacity`` float64),
-    ``keys`` (row order) and ``index`` (key -> row). Rows past ``len(keys)`` are zeros.
+    ``keys`` (row order) and ``index`` (key -> row). Rows past ``len(keys)`` are zeros (in a re-attached
+    file: whatever the file holds there, overwritten whole when a client takes the row).
     """
 
     def __init__(self, codec: RowCodec, path: str | None, capacity: int, *, attach: bool = False) -> None:
@@ -52,6 +59,8 @@ class RowStore:
         self.weights = np.zeros(cap, dtype=np.float64)
         self.index: dict[str, int] = {}
         self.keys: list[str] = []
+        self._crc = np.zeros(cap, dtype=np.uint32)
+        self._stale: set[int] = set()  # rows written since their CRC-32 was last computed
 
     @property
     def backend(self) -> str:
@@ -80,12 +89,31 @@ class RowStore:
         self.data[slot] = row.data
         self.absmax[slot] = row.absmax
         self.weights[slot] = weight
+        self._stale.add(slot)
 
-    def restore(self, weights: np.ndarray, absmax: np.ndarray, data: np.ndarray | None) -> None:
+    def write(self, rows: Sequence[int], data: np.ndarray) -> None:
+        """Put encoded ``data`` back into ``rows`` (an undo); shapes are the caller's to check."""
+        if rows:
+            self.data[list(rows)] = data
+            self._stale.update(int(r) for r in rows)
+
+    def checksums(self) -> np.ndarray:
+        """CRC-32 of each held row's encoded bytes (``len(keys)`` uint32, a copy); rows written since the
+        last call are computed now."""
+        n = len(self.keys)
+        for row in sorted(r for r in self._stale if r < n):
+            self._crc[row] = row_crc32(self.data[row])
+        self._stale.clear()
+        return self._crc[:n].copy()
+
+    def restore(
+        self, weights: np.ndarray, absmax: np.ndarray, data: np.ndarray | None, checksums: np.ndarray | None = None
+    ) -> None:
         """Make the first ``len(weights)`` rows these (rows past them zero), growing by doubling as needed.
 
-        ``data`` None keeps the encoded rows already in the memory-mapped file. The keys are set apart,
-        by :meth:`set_keys`.
+        ``data`` None keeps the encoded rows already in the memory-mapped file; ``checksums`` are then
+        their CRC-32s, already checked against the file (else they are computed when next asked). The
+        keys are set apart, by :meth:`set_keys`.
         """
         n = len(weights)
         cap = self.capacity
@@ -102,6 +130,12 @@ class RowStore:
         self.absmax[:n] = absmax
         self.weights[:] = 0
         self.weights[:n] = weights
+        self._crc[:] = 0
+        if data is None and checksums is not None:
+            self._crc[:n] = checksums
+            self._stale = set()
+        else:
+            self._stale = set(range(n))
 
     def set_keys(self, keys: list[str]) -> None:
         """Rows ``0..len(keys)-1`` belong to ``keys``, in order; ``ValueError`` if a key is listed twice."""
@@ -127,6 +161,9 @@ class RowStore:
         weights = np.zeros(cap, dtype=np.float64)
         weights[:old] = self.weights
         self.weights = weights
+        crc = np.zeros(cap, dtype=np.uint32)
+        crc[:old] = self._crc
+        self._crc = crc
 
     def memory_report(self, running_sum_bytes: int) -> dict[str, Any]:
         """Bytes held right now, measured from the arrays and (memmap) the file on disk, plus ``running_sum_bytes``.
@@ -185,4 +222,9 @@ class RowStore:
         return np.memmap(self.path, dtype=dtype, mode="r+", shape=(cap, width))
 
 
-__all__ = ["RowStore"]
+def row_crc32(row: np.ndarray) -> int:
+    """CRC-32 (``zlib.crc32``) of one encoded row's bytes, as they lie in the table's file."""
+    return zlib.crc32(np.ascontiguousarray(row).view(np.uint8))
+
+
+__all__ = ["RowStore", "row_crc32"]

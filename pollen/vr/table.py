@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from pollen.core import state_fields as fields
 from pollen.vr import table_state
 from pollen.vr.row_codec import BlockVisitor, EncodedRow, RowCodec, RowReader, add_scaled, as_update, segment_sizes
 from pollen.vr.row_store import RowStore
@@ -322,8 +323,7 @@ class UpdateTable:
         width, dtype = self.row_width, self.storage_dtype
         if data.shape != (len(rows), width) or data.dtype != dtype:
             raise ValueError(f"rows of shape {data.shape} / {data.dtype} do not fit ({len(rows)}, {width}) / {dtype}")
-        if rows:
-            self._rows.data[list(rows)] = data
+        self._rows.write(rows, data)
 
     def recompute_running_sum(self) -> np.ndarray:
         """The O(N d) recomputation of ``sum_j w_j D(y_j)`` from the stored rows (float64; table unchanged)."""
@@ -366,15 +366,25 @@ class UpdateTable:
         """
         return table_state.state_dict(self._codec, self._rows, self._sum, include_data=include_data)
 
-    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
-        """Replace this table's contents by ``state`` (from :meth:`state_dict` or :meth:`save`).
+    def load_state_dict(self, state: Mapping[str, np.ndarray], *, where: str = "table") -> None:
+        """Replace this table's contents by ``state`` (from :meth:`state_dict` or :meth:`save`); all or nothing.
 
-        ``dim``, ``segments`` and ``precision`` must match. Without a ``data`` entry the rows are taken from the
-        memory-mapped file this table already uses (see :meth:`state_dict`).
+        Every field is checked first, as a resume checks it (:meth:`check_state` for this table's ``dim``,
+        ``segments`` and ``precision``: finite running sum equal to the weighted sum of the rows, weights and
+        scales finite and >= 0, shapes and dtypes, one row per key), and a refusal is a
+        :class:`~pollen.core.state_fields.StateError` (a ``ValueError``) naming the field under ``where``,
+        the table unchanged. Without a ``data`` entry the rows are taken from the memory-mapped file this
+        table already uses, each read back against the state's ``row_crc32`` first (see :meth:`state_dict`).
         """
-        contents = table_state.contents(self._codec, self._rows, state)
-        self._rows.restore(contents.weights, contents.absmax, contents.data)
-        self._sum = contents.running_sum.copy()
+        checked = self.check_state(state, where, dim=self.dim, segments=self.segments, precision=self.precision)
+        contents = table_state.contents(self._codec, self._rows, checked)
+        if contents.data is None:
+            table_state.check_rows_file(self.path, self._codec, checked, where)
+        self._restore(contents)
+
+    def _restore(self, contents: table_state.TableContents) -> None:
+        self._rows.restore(contents.weights, contents.absmax, contents.data, contents.checksums)
+        self._sum = np.array(contents.running_sum, dtype=np.float64)
         self._total_weight = float(contents.weights.sum())
         self._rows.set_keys(contents.keys)
 
@@ -393,31 +403,47 @@ class UpdateTable:
 
     def check_running_sum(self, where: str) -> None:
         """``StateError`` unless the running sum equals a recomputation from the rows (up to float64 drift)."""
-        exact = self.recompute_running_sum()
-        table_state.check_running_sum(self._codec, self._rows, self._sum, exact, where)
+        n = len(self._rows.keys)
+        rows = self._rows
+        table_state.check_running_sum(self._codec, rows.data, rows.absmax[:n], rows.weights[:n], self._sum, where)
 
     @classmethod
     def from_state_dict(
-        cls, state: Mapping[str, np.ndarray], *, path: str | os.PathLike[str] | None = None, initial_capacity: int = 16
+        cls,
+        state: Mapping[str, np.ndarray],
+        *,
+        path: str | os.PathLike[str] | None = None,
+        initial_capacity: int = 16,
+        where: str = "table",
+        _checked: bool = False,
     ) -> UpdateTable:
-        """Build a new table (RAM, or memmap at ``path``) holding ``state``.
+        """Build a new table (RAM, or memmap at ``path``) holding ``state``; every field checked first.
 
-        If ``state`` has no ``data`` (``state_dict(include_data=False)`` of a memmap table), ``path`` must be
-        that table's file: it is reopened as is, not overwritten, and its rows are used (resume after a
-        crash with a table bigger than RAM). Otherwise a file at ``path`` is overwritten.
+        The state is checked for the format it declares, as :meth:`load_state_dict` checks it (a refusal
+        names the field under ``where``; nothing is built and no file is touched). If ``state`` has no
+        ``data`` (``state_dict(include_data=False)`` of a memmap table), ``path`` must be that table's
+        file: its rows are read back against the state's ``row_crc32``, then it is reopened as is, not
+        overwritten, and its rows are used (resume after a crash with a table bigger than RAM).
+        Otherwise a file at ``path`` is overwritten.
         """
+        # _checked: ``state`` is what check_state returned for its format and, without data, its rows
+        # were checked against the file (the strategy's resume does both before it commits)
+        if not _checked:
+            dim, segments, precision = table_state.declared_format(state, where)
+            state = table_state.check_state(state, where, dim=dim, segments=segments, precision=precision)
         has_data = "data" in state
-        if not has_data:
-            table_state.check_rows_file(state, path)
+        codec = RowCodec(int(state["dim"]), [int(s) for s in state["segments"]], str(state["precision"]))
+        if not has_data and not _checked:
+            table_state.check_rows_file(path, codec, state, where)
         table = cls(
-            int(state["dim"]),
-            [int(s) for s in state["segments"]],
-            str(state["precision"]),
+            codec.dim,
+            codec.sizes,
+            codec.precision,
             path=path,
-            initial_capacity=max(int(initial_capacity), len(np.asarray(state["keys"]).reshape(-1)), 1),
+            initial_capacity=max(int(initial_capacity), len(state["keys"]), 1),
             _attach=not has_data,
         )
-        table.load_state_dict(state)
+        table._restore(table_state.contents(table._codec, table._rows, state))
         return table
 
     def save(self, file: str | os.PathLike[str]) -> None:
@@ -425,16 +451,20 @@ class UpdateTable:
 
         The file is replaced atomically (:func:`pollen.core.files.write_npz_atomic`), at exactly ``file``.
         """
-        table_state.save(file, self.state_dict(include_data=False), self._rows)
+        table_state.save(file, self._codec, self._rows, self._sum)
 
     @classmethod
     def load(cls, file: str | os.PathLike[str], *, path: str | os.PathLike[str] | None = None) -> UpdateTable:
         """Read a table written by :meth:`save` into RAM, or into a memmap at ``path``.
 
-        The file is checked before a table of its size is built (:func:`pollen.vr.table_state.read`); a file
-        that is not such a table raises ``ValueError``.
+        The file is checked before a table of its size is built (:func:`pollen.vr.table_state.read`), then
+        every field as :meth:`from_state_dict` checks it (a :class:`~pollen.core.state_fields.StateError`
+        naming the file and the field); a file that is not such a table raises ``ValueError``.
         """
-        return cls.from_state_dict(table_state.read(file), path=path)
+        try:
+            return cls.from_state_dict(table_state.read(file), path=path)
+        except fields.StateError as err:
+            raise err.in_file(os.fspath(file)) from None
 
     def flush(self) -> None:
         """Write dirty pages of a memory-mapped table to its file (no-op in RAM)."""

@@ -1,6 +1,7 @@
 """The stored-update table: storage, running sum, capacity, memmap backend, persistence."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -212,7 +213,7 @@ def test_load_state_dict_rejects_mismatch():
     t.replace("a", np.ones(DIM, np.float32))
     with pytest.raises(ValueError, match="precision"):
         UpdateTable(DIM, SEGMENTS, "int4").load_state_dict(t.state_dict())
-    with pytest.raises(ValueError, match="dim / segments"):
+    with pytest.raises(ValueError, match="segments"):
         UpdateTable(DIM, [DIM], "int8").load_state_dict(t.state_dict())
 
 
@@ -322,4 +323,188 @@ def test_journal_refuses_a_hostile_undo_log(tmp_path, undo, why):
     journal.begin(t, 4, t.keys()[:2])  # "crash" in round 4: the file is one round ahead with its undo log
     _rewrite(journal.undo_path, **undo)
     with pytest.raises(TableFileError, match=why):
+        journal.recover(t, 3)
+
+
+# ------------------------------------------------------------------- the public loads check like a resume
+
+
+def _altered(state, field, value):
+    state = dict(state)
+    array = np.array(state[field], copy=True)
+    array.reshape(-1)[0] = value
+    state[field] = array
+    return state
+
+
+_BAD_FIELDS = [
+    ("running_sum", np.nan, "at index 0; expected finite values"),
+    ("running_sum", 1e6, "expected the weighted sum of the rows"),
+    ("weights", -1.0, "at index 0; expected values >= 0 (a weight)"),
+    ("weights", np.inf, "expected finite values"),
+    ("absmax", -1.0, "expected values >= 0 (a scale)"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "words"), _BAD_FIELDS, ids=lambda v: str(v)[:12])
+def test_load_state_dict_checks_every_field_and_changes_nothing_when_it_refuses(field, value, words):
+    from pollen.core.state_fields import StateError
+
+    source = UpdateTable(DIM, SEGMENTS, "int8")
+    _random_rounds(source, rounds=3, n_clients=5, m=3, seed=11)
+    target = UpdateTable(DIM, SEGMENTS, "int8")
+    _random_rounds(target, rounds=2, n_clients=4, m=2, seed=12)
+    before = target.state_dict()
+    with pytest.raises(StateError, match=re.escape(words)) as refused:
+        target.load_state_dict(_altered(source.state_dict(), field, value))
+    assert refused.value.field == f"table/{field}" and "\n" not in str(refused.value)
+    after = target.state_dict()
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+    with pytest.raises(StateError, match=re.escape(words)):
+        UpdateTable.from_state_dict(_altered(source.state_dict(), field, value))
+
+
+@pytest.mark.parametrize(("field", "value", "words"), _BAD_FIELDS, ids=lambda v: str(v)[:12])
+def test_load_of_a_saved_file_checks_every_field(tmp_path, field, value, words):
+    from pollen.core.files import write_npz_atomic
+    from pollen.core.state_fields import StateError
+
+    t = UpdateTable(DIM, SEGMENTS, "int8")
+    _random_rounds(t, rounds=3, n_clients=5, m=3, seed=13)
+    write_npz_atomic(tmp_path / "snap.npz", _altered(t.state_dict(), field, value))
+    for path in (None, tmp_path / "rows.bin"):
+        with pytest.raises(StateError, match=re.escape(words)) as refused:
+            UpdateTable.load(tmp_path / "snap.npz", path=path)
+        assert str(refused.value).startswith(f"{tmp_path / 'snap.npz'}: state field 'table/{field}'")
+    assert not (tmp_path / "rows.bin").exists()  # refused before a rows file is made
+
+
+def test_public_loads_refuse_a_state_that_does_not_hold_one_row_per_key():
+    from pollen.core.state_fields import StateError
+
+    t = UpdateTable(DIM, SEGMENTS, "fp16")
+    _random_rounds(t, rounds=3, n_clients=5, m=3, seed=14)
+    state = t.state_dict()
+    short = {**state, "weights": state["weights"][:-1]}
+    with pytest.raises(StateError, match=r"'table/weights' has shape \(\d+,\); expected"):
+        UpdateTable.from_state_dict(short)
+    wrong = {**state, "data": state["data"].astype(np.float32)}
+    with pytest.raises(StateError, match="'table/data' has dtype float32; expected float16"):
+        UpdateTable(DIM, SEGMENTS, "fp16").load_state_dict(wrong)
+    huge = {**state, "dim": np.array(10**12, dtype=np.int64)}
+    with pytest.raises(StateError, match="segments"):  # no table is sized from a declared dim
+        UpdateTable.from_state_dict(huge)
+
+
+# ---------------------------------------------------------------------------- a rows file checked by byte
+
+
+def _file_table(tmp_path, precision="int4"):
+    path = tmp_path / "live.bin"
+    t = UpdateTable(DIM, SEGMENTS, precision, path=path, initial_capacity=2)
+    _random_rounds(t, rounds=6, n_clients=5, m=3, seed=15)
+    light = t.state_dict(include_data=False)
+    t.close()
+    return path, light
+
+
+def test_a_state_without_rows_records_each_rows_crc32(tmp_path):
+    import zlib
+
+    path, light = _file_table(tmp_path)
+    width = UpdateTable(DIM, SEGMENTS, "int4").row_width
+    raw = path.read_bytes()
+    assert light["row_crc32"].dtype == np.uint32 and len(light["row_crc32"]) == len(light["keys"])
+    for row, crc in enumerate(light["row_crc32"]):
+        assert zlib.crc32(raw[row * width : (row + 1) * width]) == crc
+
+
+@pytest.mark.parametrize(("precision", "stride"), [("int4", 1), ("fp32", 7)])
+def test_every_byte_of_the_rows_of_a_file_is_checked_when_it_is_attached(tmp_path, precision, stride):
+    from pollen.core.state_fields import StateError
+
+    path, light = _file_table(tmp_path, precision)
+    table = UpdateTable(DIM, SEGMENTS, precision)
+    width = table.row_width * table.storage_dtype.itemsize
+    original = path.read_bytes()
+    keys = [str(k) for k in light["keys"]]
+    ends = {row * width + end for row in range(len(keys)) for end in (0, width - 1)}
+    for at in sorted(set(range(0, len(keys) * width, stride)) | ends):  # int4: every byte
+        flipped = bytearray(original)
+        flipped[at] ^= 1 << (at % 8)
+        path.write_bytes(bytes(flipped))
+        row = at // width
+        with pytest.raises(StateError) as refused:
+            UpdateTable.from_state_dict(light, path=path)
+        message = str(refused.value)
+        assert refused.value.field == "table/row_crc32" and "\n" not in message
+        assert f"table file {path}: its row {row} (client {keys[row]!r})" in message
+        assert f"expected {int(light['row_crc32'][row]):#010x}" in message
+        assert path.read_bytes() == bytes(flipped)  # refused before the file is attached
+    path.write_bytes(original)
+    UpdateTable.from_state_dict(light, path=path)
+
+
+def test_load_state_dict_of_a_file_table_reads_its_rows_back_first(tmp_path):
+    from pollen.core.state_fields import StateError
+
+    path, light = _file_table(tmp_path)
+    live = UpdateTable.from_state_dict(light, path=path)
+    before = live.state_dict()
+    data = np.memmap(path, dtype=np.uint8, mode="r+")
+    data[3] ^= 0x40  # a byte of row 0 changes under the table
+    data.flush()
+    with pytest.raises(StateError, match=r"its row 0 \(client .*\) has CRC-32 0x[0-9a-f]{8}; expected"):
+        live.load_state_dict(light)
+    assert live.keys() == list(before["keys"]) and np.array_equal(live.running_sum, before["running_sum"])
+
+
+def test_a_state_with_rows_in_a_file_needs_their_checksums(tmp_path):
+    from pollen.core.state_fields import StateError
+
+    path, light = _file_table(tmp_path)
+    bare = {k: v for k, v in light.items() if k != "row_crc32"}
+    with pytest.raises(StateError, match="'table/row_crc32' is missing"):
+        UpdateTable.from_state_dict(bare, path=path)
+    with pytest.raises(StateError, match="'table/row_crc32' has dtype int64; expected uint32"):
+        UpdateTable.from_state_dict({**light, "row_crc32": light["row_crc32"].astype(np.int64)}, path=path)
+
+
+# ------------------------------------------------------------------------------------ the journal by byte
+
+
+def test_every_byte_of_the_journal_is_checked(tmp_path):
+    from pollen.vr.journal import TableFileError, TableJournal
+
+    path = tmp_path / "live.bin"
+    t = UpdateTable(DIM, SEGMENTS, "int8", path=path)
+    _random_rounds(t, rounds=3, n_clients=6, m=3, seed=4)
+    journal = TableJournal(path)
+    journal.commit(t, 3)
+    original = journal.journal_path.read_bytes()
+    assert journal.verify(3, t.row_width, t.storage_dtype, t.known_clients) is None
+    for at in range(len(original)):
+        for bit in (0, 5):
+            flipped = bytearray(original)
+            flipped[at] ^= 1 << bit
+            journal.journal_path.write_bytes(bytes(flipped))
+            with pytest.raises(TableFileError, match="no usable journal|belongs to table|holds round") as refused:
+                journal.verify(3, t.row_width, t.storage_dtype, t.known_clients)
+            assert "\n" not in str(refused.value)
+    journal.journal_path.write_bytes(original.replace(b'"dirty":false', b'"dirty":false '))
+    with pytest.raises(TableFileError, match="not the journal written for its fields"):
+        journal.verify(3, t.row_width, t.storage_dtype, t.known_clients)
+
+
+def test_an_undo_log_listing_a_row_twice_is_refused(tmp_path):
+    from pollen.vr.journal import TableFileError, TableJournal
+
+    path = tmp_path / "live.bin"
+    t = UpdateTable(DIM, SEGMENTS, "int8", path=path)
+    _random_rounds(t, rounds=3, n_clients=6, m=3, seed=4)
+    journal = TableJournal(path)
+    journal.commit(t, 3)
+    journal.begin(t, 4, t.keys()[:2])
+    _rewrite(journal.undo_path, rows=_npy(np.array([0, 0], dtype=np.int64)))
+    with pytest.raises(TableFileError, match="lists a row twice"):
         journal.recover(t, 3)

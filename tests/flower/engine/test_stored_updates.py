@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pollen.core.files import read_npz, write_npz_atomic
 from pollen.core.layout import ModelLayout
 from pollen.core.state_fields import StateError
 from pollen.strategies.fedadavr_store import StoredUpdates, TableFileRefused
@@ -177,3 +178,86 @@ def test_a_file_shorter_than_its_rows_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StateError, match=r"needs \d+ bytes of rows in .*, which holds 0") as refused:
         StoredUpdates("fp32", str(path)).load_state_dict(state, LAYOUT)
     assert refused.value.field == "store/table"
+
+
+# ---------------------------------------------------------------------------- the file's bytes (issue 43)
+def files_of(path: Path) -> dict[Path, bytes]:
+    return {file: file.read_bytes() for file in path.parent.iterdir()}
+
+
+def one_round_ahead(tmp_path: Path) -> tuple[Path, dict]:
+    """A table file written for round 4 (a's row replaced) whose checkpoint is round 3's (a crash between)."""
+    path = tmp_path / "table.bin"
+    store = written(str(path))
+    state = store.state_dict()
+    store.write(4, stage(store, {"a": (B, 1.0), "c": (A, 1.0)}))
+    store.table.close()
+    return path, state
+
+
+def test_a_table_in_a_file_is_refused_when_a_byte_of_a_row_changed(tmp_path: Path) -> None:
+    path = tmp_path / "table.bin"
+    state = written(str(path)).state_dict()
+    row_bytes = LAYOUT.dim * 4
+    for at in range(2 * row_bytes):
+        original = path.read_bytes()
+        flipped = bytearray(original)
+        flipped[at] ^= 0x80
+        path.write_bytes(bytes(flipped))
+        store = StoredUpdates("fp32", str(path))
+        with pytest.raises(TableFileRefused, match="table file .*table.bin: its row") as refused:
+            store.load_state_dict(state, LAYOUT, last_round=3)
+        row = at // row_bytes
+        assert refused.value.field == "store/table/row_crc32" and f"row {row} (client {'ab'[row]!r})" in str(
+            refused.value
+        )
+        assert store.table is None and store.generation == 0 and path.read_bytes() == bytes(flipped)
+        path.write_bytes(original)
+    StoredUpdates("fp32", str(path)).load_state_dict(state, LAYOUT, last_round=3)
+
+
+def test_a_file_one_round_ahead_is_rolled_back_and_checked_against_the_checkpoint(tmp_path: Path) -> None:
+    path, state = one_round_ahead(tmp_path)
+    store = StoredUpdates("fp32", str(path))
+    store.load_state_dict(state, LAYOUT, last_round=3)
+    np.testing.assert_array_equal(store.table.get("a"), A)  # round 4's row of a was rolled back
+    np.testing.assert_array_equal(store.table.get("b"), B)
+    assert store.known_clients == 2 and store.generation == 3
+
+
+def test_every_byte_of_the_undo_log_is_checked_or_harmless(tmp_path: Path) -> None:
+    """A changed byte of the undo log is refused, or (zip timestamps, padding) rolls back to the same rows."""
+    path, state = one_round_ahead(tmp_path)
+    undo = Path(f"{path}.undo.npz")
+    originals = files_of(path)
+    refused = same = 0
+    for at in range(0, len(originals[undo]), 3):
+        for file, data in originals.items():
+            file.write_bytes(data)
+        flipped = bytearray(originals[undo])
+        flipped[at] ^= 0x04
+        undo.write_bytes(bytes(flipped))
+        store = StoredUpdates("fp32", str(path))
+        try:
+            store.load_state_dict(state, LAYOUT, last_round=3)
+        except StateError as err:
+            assert "\n" not in str(err)
+            assert store.table is None and files_of(path) == {**originals, undo: bytes(flipped)}
+            refused += 1
+            continue
+        np.testing.assert_array_equal(store.table.get("a"), A)
+        np.testing.assert_array_equal(store.table.get("b"), B)
+        np.testing.assert_array_equal(store.table.running_sum, 2.0 * A + B)
+        same += 1
+    assert refused > same > 0  # the data, rows, generation and headers are refused; zip timestamps are not read
+
+
+def test_a_changed_row_of_the_undo_log_is_refused_naming_the_undo_log(tmp_path: Path) -> None:
+    path, state = one_round_ahead(tmp_path)
+    undo = Path(f"{path}.undo.npz")
+    saved = read_npz(undo)
+    np.testing.assert_array_equal(saved["data"][0], A)  # the round-3 row of a, kept to roll round 4 back
+    saved["data"][0, 0] += 1.0  # a well-formed undo log (its zip checksums too) holding another row
+    write_npz_atomic(undo, saved)
+    with pytest.raises(TableFileRefused, match=rf"the undo log {undo}: its row 0 \(client 'a'\) has CRC-32"):
+        StoredUpdates("fp32", str(path)).load_state_dict(state, LAYOUT, last_round=3)
