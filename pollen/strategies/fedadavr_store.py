@@ -115,7 +115,7 @@ class StoredUpdates:
         generation = fields.whole(state["generation"], fields.join(where, "generation"), high=high)
         sizes = [stop - start for start, stop in layout.segments]
         table_where = fields.join(where, "table")
-        table_state = UpdateTable.check_state(
+        table_state = saved_tables.check_state(
             state["table"], table_where, dim=layout.dim, segments=sizes, precision=self.precision
         )
         count = len(table_state["keys"])

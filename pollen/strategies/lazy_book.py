@@ -23,6 +23,7 @@ import numpy as np
 
 from pollen.core import state_fields as fields
 from pollen.vr.table import UpdateTable
+from pollen.vr.table_state import check_state as check_table_state
 
 #: The vectors the server may keep per client (one table each).
 TABLES = ("up-ref", "x", "c-prev", "error")
@@ -98,7 +99,7 @@ class ClientBook:
         tables_where, present_where = fields.join(where, "tables"), fields.join(where, "present")
         saved = fields.mapping(state["tables"], tables_where, keys=tuple(self.tables))
         checked = {
-            kind: UpdateTable.check_state(
+            kind: check_table_state(
                 saved[kind],
                 fields.join(tables_where, kind),
                 dim=self.dim,

@@ -369,14 +369,14 @@ class UpdateTable:
     def load_state_dict(self, state: Mapping[str, np.ndarray], *, where: str = "table") -> None:
         """Replace this table's contents by ``state`` (from :meth:`state_dict` or :meth:`save`); all or nothing.
 
-        Every field is checked first, as a resume checks it (:meth:`check_state` for this table's ``dim``,
-        ``segments`` and ``precision``: finite running sum equal to the weighted sum of the rows, weights and
-        scales finite and >= 0, shapes and dtypes, one row per key), and a refusal is a
+        Every field is checked first, as a resume checks it (:func:`pollen.vr.table_state.check_state` for this
+        table's ``dim``, ``segments`` and ``precision``: finite running sum equal to the weighted sum of the rows,
+        weights and scales finite and >= 0, shapes and dtypes, one row per key), and a refusal is a
         :class:`~pollen.core.state_fields.StateError` (a ``ValueError``) naming the field under ``where``,
         the table unchanged. Without a ``data`` entry the rows are taken from the memory-mapped file this
         table already uses, each read back against the state's ``row_crc32`` first (see :meth:`state_dict`).
         """
-        checked = self.check_state(state, where, dim=self.dim, segments=self.segments, precision=self.precision)
+        checked = table_state.check_state(state, where, dim=self.dim, segments=self.segments, precision=self.precision)
         contents = table_state.contents(self._codec, self._rows, checked)
         if contents.data is None:
             table_state.check_rows_file(self.path, self._codec, checked, where)
@@ -387,25 +387,6 @@ class UpdateTable:
         self._sum = np.array(contents.running_sum, dtype=np.float64)
         self._total_weight = float(contents.weights.sum())
         self._rows.set_keys(contents.keys)
-
-    @classmethod
-    def check_state(
-        cls, state: Any, where: str, *, dim: int, segments: Sequence[int], precision: str, need_data: bool | None = None
-    ) -> dict[str, np.ndarray]:
-        """``state`` (from :meth:`state_dict`) checked for a table of ``dim``, ``segments`` and ``precision``.
-
-        Raises :class:`~pollen.core.state_fields.StateError` naming the field; see
-        :func:`pollen.vr.table_state.check_state` for every check.
-        """
-        return table_state.check_state(
-            state, where, dim=dim, segments=segments, precision=precision, need_data=need_data
-        )
-
-    def check_running_sum(self, where: str) -> None:
-        """``StateError`` unless the running sum equals a recomputation from the rows (up to float64 drift)."""
-        n = len(self._rows.keys)
-        rows = self._rows
-        table_state.check_running_sum(self._codec, rows.data, rows.absmax[:n], rows.weights[:n], self._sum, where)
 
     @classmethod
     def from_state_dict(
