@@ -585,3 +585,26 @@ def test_a_bad_session_entry_is_an_unusable_file(tmp_path) -> None:  # noqa: ANN
     )
     with pytest.raises(ClientStateError, match=r"entry 'current.__session__' must be at most 64 ASCII bytes"):
         read_state_file(path)
+
+
+def test_one_changed_byte_in_a_stored_vector_is_refused_and_the_state_starts_fresh(tmp_path) -> None:  # noqa: ANN001
+    """Issue 43: every file a resume reads is covered. A client-state file is a zip archive whose members carry
+    CRC-32s, which the reader checks: one flipped byte inside a residual's values (still a finite float) is
+    refused, the file moved aside, and the client starts that state fresh rather than feeding a changed residual
+    into its next upload."""
+    from pollen.clientside.state import ClientState, ClientStateError, read_state_file
+    from pollen.testing.fakes import make_context
+
+    first = ClientState(make_context(1), server_round=1, state_dir=tmp_path, client_id="c1")
+    first.set("e", np.arange(4096, dtype=np.float32))
+    first.commit()
+    raw = bytearray(first.path.read_bytes())
+    values = np.arange(4096, dtype=np.float32).tobytes()
+    offset = bytes(raw).index(values[4096:4160]) + 1  # a byte inside the stored vector, not the zip's headers
+    raw[offset] ^= 0x01
+    first.path.write_bytes(bytes(raw))
+    with pytest.raises(ClientStateError, match="Bad CRC-32"):
+        read_state_file(first.path)
+    again = ClientState(make_context(1), server_round=2, state_dir=tmp_path, client_id="c1")
+    assert again.get("e") is None and again.base_round == 0
+    assert first.path.with_name(first.path.name + ".corrupt").is_file()
