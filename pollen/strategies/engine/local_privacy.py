@@ -119,22 +119,17 @@ class LocalPrivacy:
         return {
             "kind": STATE_KIND,
             "version": STATE_VERSION,
-            "settings": {"clip": self.clip, "noise_multiplier": self.noise_multiplier, "delta": self.delta},
+            "settings": self._settings(),
             "uploads": dict(sorted(self.uploads.items())),
         }
 
+    def _settings(self) -> dict[str, Any]:
+        return {"clip": self.clip, "noise_multiplier": self.noise_multiplier, "delta": self.delta}
+
     def prepare_load(self, state: Any, where: str = "privacy", last_round: int | None = None) -> Callable[[], None]:
-        fields.mapping(state, where, keys=("kind", "version", "settings", "uploads"))
-        if state["kind"] != STATE_KIND or state["version"] != STATE_VERSION:
-            raise fields.StateError(where, f"is a {state['kind']!r} v{state['version']!r}; expected {STATE_KIND} v1")
-        saved = fields.mapping(state["settings"], fields.join(where, "settings"))
-        for key, value in (("clip", self.clip), ("noise_multiplier", self.noise_multiplier), ("delta", self.delta)):
-            if saved.get(key) != value:
-                raise fields.StateError(
-                    fields.join(where, "settings", key),
-                    f"is {saved.get(key)!r} but this run has {value!r}: a resumed run must continue the same "
-                    "privacy budget (start a new run to change it)",
-                )
+        from pollen.strategies.engine.private import check_saved_privacy
+
+        check_saved_privacy(state, where, (STATE_KIND, STATE_VERSION), self._settings(), ("uploads",))
         high = fields.MAX_COUNT if last_round is None else last_round
         saved_uploads = fields.mapping(state["uploads"], fields.join(where, "uploads"))
         uploads = {

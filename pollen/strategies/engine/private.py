@@ -365,22 +365,8 @@ class CentralPrivacy:
 
     def prepare_load(self, state: Any, where: str = "privacy", last_round: int | None = None) -> Callable[[], None]:
         """Check a saved state against this run's settings; the commit that loads it (nothing changes before)."""
-        fields.mapping(state, where)
-        allowed = {"kind", "version", "settings", "releases", "clip_now", "draw"}
-        for key in sorted(allowed):
-            fields.at(state, key, where)
-        if unknown := sorted(set(state) - allowed):
-            raise fields.StateError(fields.join(where, unknown[0]), "is not a field of the central DP state")
-        if state["kind"] != STATE_KIND or state["version"] != STATE_VERSION:
-            raise fields.StateError(where, f"is a {state['kind']!r} v{state['version']!r}; expected {STATE_KIND} v1")
-        saved = fields.mapping(state["settings"], fields.join(where, "settings"))
-        for key, value in self._settings().items():
-            if saved.get(key) != value:
-                raise fields.StateError(
-                    fields.join(where, "settings", key),
-                    f"is {saved.get(key)!r} but this run has {value!r}: a resumed run must continue the same "
-                    "privacy budget (start a new run to change it)",
-                )
+        others = ("releases", "clip_now", "draw")
+        check_saved_privacy(state, where, (STATE_KIND, STATE_VERSION), self._settings(), others)
         high = fields.MAX_COUNT if last_round is None else last_round
         releases = fields.whole(state["releases"], fields.join(where, "releases"), high=high)
         clip_now = fields.finite_number(state["clip_now"], fields.join(where, "clip_now"), low=1e-300)
@@ -395,6 +381,25 @@ class CentralPrivacy:
             self.releases, self.clip_now, self.draw = releases, clip_now, draw
 
         return commit
+
+
+def check_saved_privacy(
+    state: Any, where: str, kind: tuple[str, int], settings: dict[str, Any], others: tuple[str, ...]
+) -> None:
+    """A privacy part's saved state: exactly its fields (``kind``, ``version``, ``settings`` and ``others``), of
+    its kind and version, saved under this run's ``settings`` (a resumed run continues the same budget);
+    ``StateError`` naming the field otherwise."""
+    fields.mapping(state, where, keys=("kind", "version", "settings", *others))
+    if (state["kind"], state["version"]) != kind:
+        raise fields.StateError(where, f"is a {state['kind']!r} v{state['version']!r}; expected {kind[0]} v{kind[1]}")
+    saved = fields.mapping(state["settings"], fields.join(where, "settings"))
+    for key, value in settings.items():
+        if saved.get(key) != value:
+            raise fields.StateError(
+                fields.join(where, "settings", key),
+                f"is {saved.get(key)!r} but this run has {value!r}: a resumed run must continue the same "
+                "privacy budget (start a new run to change it)",
+            )
 
 
 class PrivateMean(MeanAggregate):
