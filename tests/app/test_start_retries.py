@@ -47,6 +47,7 @@ def test_a_start_that_fails_for_another_reason_is_not_tried_again(tmp_path: Path
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray-cluster")  # one Ray cluster at a time: two heads on one machine share Ray's agent ports
 @pytest.mark.skipif(shutil.which("ray") is None and not (Path(sys.executable).parent / "ray").exists(), reason="no ray")
 def test_a_ray_cluster_whose_first_start_is_too_slow_comes_up_on_the_next(tmp_path: Path, capfd) -> None:  # noqa: ANN001
     real = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
