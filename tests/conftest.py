@@ -1,8 +1,9 @@
 """Test-suite set-up: modules that need torch are skipped where torch is not installed, and xdist groups hold.
 
-CI runs the library tests (``-m flower_compat``) a second time against the newest
-Flower in an environment without torch; there any test module that imports torch or
-the task layer cannot be imported, so it is not collected.
+CI runs the library tests (``-m flower_compat``) a second time on the newest Flower release the app supports
+(with torch, beside the app's ``app_compat`` tests), and, when a newer release is out, against it in an
+environment without torch; there any test module that imports torch or the task layer cannot be imported,
+so it is not collected.
 
 ``xdist_group`` keeps tests that share an expensive session fixture (a Ray cluster, a federation) on one
 worker. pytest-xdist marks a grouped test by appending ``@group`` to its node id; pytest 9.2 keeps node ids
@@ -22,7 +23,7 @@ _NEEDS_TORCH = re.compile(
     re.MULTILINE,
 )
 # Modules that need torch only through what they run (the app), not through an import.
-_RUNS_THE_APP = {"test_flwr_run.py", "test_deploy_e2e.py"}
+_RUNS_THE_APP = {"test_flwr_run.py", "test_deploy_e2e.py", "test_flower_lines.py"}
 
 collect_ignore = []
 if importlib.util.find_spec("torch") is None:

@@ -363,7 +363,10 @@ def federation(
             timestamps=True,
         )
         lf.wait_until(
-            lambda: superlink.poll() is None and lf.port_is_open(http_port) and lf.port_is_open(fleet_port),
+            lambda: (
+                superlink.poll() is None
+                and all(lf.port_is_open(port) for port in lf.superlink_ports(http_port, fleet_port))
+            ),
             90,
             "the SuperLink",
         )
@@ -375,7 +378,7 @@ def federation(
             node = procs.start(
                 f"supernode-{i}",
                 lf.supernode_argv(
-                    superlink=f"127.0.0.1:{fleet_port}",
+                    superlink=lf.fleet_address(http_port, fleet_port),
                     runtime_port=runtime_ports[i],
                     node_config=(
                         f"partition-id={i} num-partitions={NUM_CLIENTS} device='cpu' {node_config_extra}"

@@ -1,4 +1,4 @@
-"""Start a real Flower 1.39 federation on this machine: a SuperLink, SuperNodes, ``flwr`` commands.
+"""Start a real Flower federation on this machine: a SuperLink, SuperNodes, ``flwr`` commands.
 
 Used by ``tests/e2e/test_deploy_e2e.py`` and ``benchmarks/deploy/bench_deploy_vs_sim.py``, and handy to try
 ``deploy/`` on one machine before putting the pieces on several. Everything listens on
@@ -7,7 +7,10 @@ Used by ``tests/e2e/test_deploy_e2e.py`` and ``benchmarks/deploy/bench_deploy_vs
 the ``with`` block, also when an exception is raised.
 
 The command lines built here are the ones ``deploy/README.md`` documents for real machines; only
-the addresses differ.
+the addresses differ. They follow the installed Flower line: up to 1.39 the Fleet API (what SuperNodes
+dial) is gRPC-rere on its own port; from 1.40 a SuperNode speaks only HTTP, to the SuperLink's one HTTP
+server (``--host/--port``, beside the Control and Runtime APIs), and the SuperLink keeps a gRPC Fleet only
+behind Flower's switch ``FLWR_INTERNAL_GRPC_FLEET_API=1`` (for SuperNodes of 1.39: a mixed federation).
 
 Linux only (the process-tree walk reads ``/proc``).
 """
@@ -35,6 +38,30 @@ SCRIPTS_DIR = DEPLOY_DIR / "scripts"
 #: Directory holding ``flower-superlink``, ``flower-supernode`` and ``flwr`` of this interpreter.
 BIN_DIR = Path(sys.executable).parent
 LOOPBACK = "127.0.0.1"
+#: Fleet API transports: ``grpc`` (gRPC-rere on ``--fleet-api-address``) or ``http`` (Flower >= 1.40).
+FLEETS = ("grpc", "http")
+#: Flower's switch (1.40 and later) that makes a SuperLink serve the deprecated gRPC Fleet API as well.
+GRPC_FLEET_SWITCH = "FLWR_INTERNAL_GRPC_FLEET_API"
+
+
+def flower_line(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``version``, by default of the Flower installed here (``"1.42.0"`` -> ``(1, 42)``)."""
+    if version is None:
+        from importlib.metadata import version as installed
+
+        version = installed("flwr")
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def http_fleet(line: tuple[int, int] | None = None) -> bool:
+    """Whether SuperNodes of Flower ``line`` (default: the installed one) dial the Fleet API over HTTP."""
+    return (line or flower_line()) >= (1, 40)
+
+
+def default_fleet() -> str:
+    """The Fleet transport this environment's own SuperNodes speak: ``http`` from 1.40, ``grpc`` before."""
+    return "http" if http_fleet() else "grpc"
 
 
 # --------------------------------------------------------------------------- ports
@@ -388,10 +415,26 @@ def superlink_argv(
     supernode_auth: bool = False,
     simulation: bool = False,
     database: Path | None = None,
+    fleet: str | None = None,
+    bin_dir: Path | None = None,
+    line: tuple[int, int] | None = None,
 ) -> list[str]:
-    """``flower-superlink``: Control + Runtime HTTP API on ``host:http_port``, Fleet API (gRPC-rere) on
-    ``host:fleet_port``."""
-    argv = [exe("flower-superlink")]
+    """``flower-superlink``: Control + Runtime HTTP API on ``host:http_port``; the Fleet API per ``fleet``.
+
+    ``fleet="grpc"`` (the default up to Flower 1.39): gRPC-rere on ``host:fleet_port``; on Flower 1.40 and
+    later through Flower's switch (the command starts with ``env FLWR_INTERNAL_GRPC_FLEET_API=1``), for
+    SuperNodes of 1.39. ``fleet="http"`` (the default from 1.40): on the HTTP server itself, ``fleet_port``
+    unused. ``bin_dir`` and ``line``: a SuperLink of another environment, as for :func:`supernode_argv`.
+    """
+    line = line or flower_line()
+    fleet = fleet or ("http" if http_fleet(line) else "grpc")
+    if fleet not in FLEETS:
+        raise ValueError(f"fleet={fleet!r} is unknown; allowed: {', '.join(FLEETS)}")
+    if fleet == "http" and not http_fleet(line):
+        raise ValueError(f"fleet='http' needs Flower 1.40 or later; this is {'.'.join(map(str, line))}")
+    argv = [str(Path(bin_dir) / "flower-superlink") if bin_dir is not None else exe("flower-superlink")]
+    if fleet == "grpc" and http_fleet(line) and not simulation:
+        argv = ["env", f"{GRPC_FLEET_SWITCH}=1", *argv]
     if certs is None:
         argv.append("--insecure")
     else:
@@ -407,12 +450,22 @@ def superlink_argv(
         argv.append("--enable-supernode-auth")
     if simulation:
         argv.append("--simulation")
-    else:
+    elif fleet == "grpc":
         argv += ["--fleet-api-type", "grpc-rere", "--fleet-api-address", f"{host}:{fleet_port}"]
     argv += ["--host", host, "--port", str(http_port), "--disable-runtime-dependency-installation"]
     if database is not None:
         argv += ["--database", str(database)]
     return argv
+
+
+def fleet_address(http_port: int, fleet_port: int, fleet: str | None = None, host: str = LOOPBACK) -> str:
+    """The address SuperNodes dial: the gRPC Fleet's port, or (``fleet="http"``) the SuperLink's HTTP port."""
+    return f"{host}:{http_port if (fleet or default_fleet()) == 'http' else fleet_port}"
+
+
+def superlink_ports(http_port: int, fleet_port: int, fleet: str | None = None) -> tuple[int, ...]:
+    """The ports a SuperLink started by :func:`superlink_argv` listens on (for :func:`wait_for_superlink`)."""
+    return (http_port,) if (fleet or default_fleet()) == "http" else (http_port, fleet_port)
 
 
 def supernode_argv(
@@ -426,10 +479,20 @@ def supernode_argv(
     max_retries: int | None = None,
     max_wait_time: float | None = None,
     isolation: str = "subprocess",
+    bin_dir: Path | None = None,
+    line: tuple[int, int] | None = None,
 ) -> list[str]:
     """``flower-supernode`` dialling ``superlink`` (the Fleet API address); its own Runtime API on
-    127.0.0.1:``runtime_port``."""
-    argv = [exe("flower-supernode"), "--superlink", superlink, "--grpc-rere"]
+    127.0.0.1:``runtime_port``.
+
+    ``bin_dir`` and ``line``: a SuperNode of another environment (its ``bin`` folder and Flower line, e.g. a
+    1.39 SuperNode of a mixed federation); by default this interpreter's. Up to 1.39 it is told
+    ``--grpc-rere``; from 1.40 it speaks only HTTP and takes no transport flag.
+    """
+    program = str(Path(bin_dir) / "flower-supernode") if bin_dir is not None else exe("flower-supernode")
+    argv = [program, "--superlink", superlink]
+    if not http_fleet(line):
+        argv.append("--grpc-rere")
     if insecure:
         argv.append("--insecure")
     if root_certificates is not None:

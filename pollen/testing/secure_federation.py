@@ -68,7 +68,7 @@ class SecureFederation:
             ),
             env=lf.flower_env(self.root / "home-superlink"),
         )
-        lf.wait_for_superlink(self.superlink, self.http_port, self.fleet_port, timeout=120)
+        lf.wait_for_superlink(self.superlink, *lf.superlink_ports(self.http_port, self.fleet_port), timeout=120)
         self.nodes: dict[int, lf.Proc] = {}
 
     def node_names(self) -> list[str]:
@@ -101,7 +101,7 @@ class SecureFederation:
         self.nodes[index] = self.procs.start(
             name,
             lf.supernode_argv(
-                superlink=f"127.0.0.1:{self.fleet_port}",
+                superlink=lf.fleet_address(self.http_port, self.fleet_port),
                 runtime_port=lf.free_ports(1)[0],
                 node_config=node_config,
                 root_certificates=self.certs["ca.crt"],

@@ -1,4 +1,5 @@
-"""Fast checks of ``deploy/``: the scripts' output, and that every launcher only uses flags Flower 1.39 has.
+"""Fast checks of ``deploy/``: the scripts' output, and that every launcher only uses flags the installed Flower has
+(1.39 in the main suite; 1.42 too in CI's newest-Flower step, the ``app_compat`` tests).
 
 The end-to-end run on real processes is ``tests/e2e/test_deploy_e2e.py`` (slow).
 """
@@ -161,12 +162,19 @@ def _expand(exec_start: str, env: dict[str, str]) -> list[str]:
     return argv
 
 
+#: The SuperLink's env examples: file -> (the Fleet API it configures, Flower's gRPC-Fleet switch set).
+SUPERLINK_ENVS = {
+    "superlink.env.example": ("grpc", False),  # Flower 1.39
+    "superlink-1.42.env.example": ("http", False),
+    "superlink-1.42-grpc.env.example": ("grpc", True),  # 1.42 SuperLink, 1.39 SuperNodes
+}
+
+
+@pytest.mark.app_compat
 @pytest.mark.parametrize(
     ("unit", "env_example", "parser"),
-    [
-        ("flower-superlink.service", "superlink.env.example", _superlink_parser),
-        ("flower-supernode@.service", "supernode.env.example", _supernode_parser),
-    ],
+    [("flower-superlink.service", name, _superlink_parser) for name in SUPERLINK_ENVS]
+    + [("flower-supernode@.service", "supernode.env.example", _supernode_parser)],
 )
 def test_systemd_units(unit, env_example, parser):
     keys = _unit(SYSTEMD / unit)
@@ -181,10 +189,15 @@ def test_systemd_units(unit, env_example, parser):
     assert argv[0].startswith("/opt/flower/venv/bin/flower-")
     args = parser().parse_args(argv[1:])  # every flag exists in the installed Flower
     if "superlink" in unit:
+        fleet, switch = SUPERLINK_ENVS[env_example]
         assert args.enable_supernode_auth and not args.insecure
-        assert args.fleet_api_type == "grpc-rere"
-        assert not args.fleet_api_address.startswith("0.0.0.0") and args.host != "0.0.0.0"
         assert args.ssl_certfile and args.ssl_keyfile and args.ssl_ca_certfile
+        assert args.host != "0.0.0.0"
+        assert (env.get(lf.GRPC_FLEET_SWITCH) == "1") == switch
+        if fleet == "grpc":
+            assert args.fleet_api_type == "grpc-rere" and not args.fleet_api_address.startswith("0.0.0.0")
+        else:  # SuperNodes dial the HTTP API: it binds the LAN address, the Fleet flags are absent
+            assert args.fleet_api_address is None and args.host != "127.0.0.1"
     else:
         assert not args.insecure and args.root_certificates and args.auth_supernode_private_key
         assert args.host == "127.0.0.1"
@@ -255,6 +268,22 @@ def test_compose_commands_use_flags_flower_has():
         assert parse_config_args([node.node_config])["device"] == "cpu"
 
 
+@pytest.mark.app_compat
+def test_compose_1_42_override_puts_the_fleet_on_the_superlinks_http_port():
+    """``compose.1.42.yaml``: Flower 1.42's images, no gRPC Fleet flags, SuperNodes dialling the HTTP port."""
+    override = yaml.safe_load((DEPLOY / "docker" / "compose.1.42.yaml").read_text())["services"]
+    assert _defaults(override["superlink"]["image"]) == "flwr/superlink:1.42.0"
+    link = _superlink_parser().parse_args([_defaults(a) for a in override["superlink"]["command"]])
+    assert link.enable_supernode_auth and link.fleet_api_address is None and link.isolation == "process"
+    for name in ("supernode-1", "supernode-2"):
+        assert _defaults(override[name]["image"]) == "flwr/supernode:1.42.0"
+        node = _supernode_parser().parse_args([_defaults(a) for a in override[name]["command"]])
+        assert node.superlink == f"superlink:{link.port}" and node.auth_supernode_private_key
+    for name in ("superexec-serverapp", "superexec-clientapp-1", "superexec-clientapp-2"):
+        assert override[name]["build"]["args"]["FLWR_VERSION"] == "${FLWR_VERSION:-1.42.0}"
+    assert set(override) <= set(_compose()["services"])  # an override: no service of its own
+
+
 def _compose_cli() -> list[str] | None:
     if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
         return ["docker", "compose"]
@@ -264,14 +293,24 @@ def _compose_cli() -> list[str] | None:
 
 
 @pytest.mark.skipif(_compose_cli() is None, reason="needs docker compose (or docker-compose)")
-@pytest.mark.parametrize("files", [["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"]], ids=["cpu", "gpu"])
+@pytest.mark.parametrize(
+    "files",
+    [["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"], ["compose.yaml", "compose.1.42.yaml"]],
+    ids=["cpu", "gpu", "flower-1.42"],
+)
 def test_compose_config_is_valid(files):
     argv = _compose_cli()
     for name in files:
         argv += ["-f", str(DEPLOY / "docker" / name)]
-    done = subprocess.run([*argv, "config"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*argv, "config"], capture_output=True, text=True, timeout=120, env=_no_compose_env())
     assert done.returncode == 0, done.stderr
-    assert "flwr/superlink:1.39.0" in done.stdout
+    version = "1.42.0" if "compose.1.42.yaml" in files else "1.39.0"
+    assert f"flwr/superlink:{version}" in done.stdout and f"flwr/supernode:{version}" in done.stdout
+
+
+def _no_compose_env() -> dict[str, str]:
+    """This environment without compose's variables (a FLWR_VERSION set here would pick other images)."""
+    return {k: v for k, v in os.environ.items() if k != "FLWR_VERSION"}
 
 
 def test_compare_final_models(tmp_path):
@@ -289,3 +328,42 @@ def test_compare_final_models(tmp_path):
     assert same.returncode == 0 and "match within tolerance" in same.stdout, same.stdout + same.stderr
     differ = subprocess.run([*script, str(a), str(c)], capture_output=True, text=True)
     assert differ.returncode == 1 and "DIFFERS" in differ.stdout
+
+
+# --------------------------------------------------------------------------- the helpers' command lines per Flower line
+
+
+@pytest.mark.app_compat
+def test_local_federation_command_lines_follow_the_flower_line():
+    """1.39: gRPC Fleet on its own port, SuperNodes told ``--grpc-rere``; 1.40+: HTTP Fleet on the HTTP port, or
+    the gRPC Fleet behind Flower's switch for 1.39 SuperNodes; every flag exists in the installed Flower."""
+    assert lf.flower_line("1.42.0") == (1, 42) and lf.flower_line("1.39.1rc0") == (1, 39)
+    assert lf.http_fleet((1, 40)) and not lf.http_fleet((1, 39))
+    assert lf.default_fleet() == ("http" if lf.flower_line() >= (1, 40) else "grpc")
+
+    old = lf.superlink_argv(http_port=8000, fleet_port=9092, line=(1, 39))
+    assert old[0].endswith("flower-superlink") and ["--fleet-api-address", "127.0.0.1:9092"] == old[-7:-5]
+    switched = lf.superlink_argv(http_port=8000, fleet_port=9092, fleet="grpc", line=(1, 42))
+    assert switched[:2] == ["env", f"{lf.GRPC_FLEET_SWITCH}=1"] and switched[3:] == old[1:]
+    http = lf.superlink_argv(http_port=8000, fleet_port=9092, fleet="http", line=(1, 42), supernode_auth=True)
+    assert "--fleet-api-address" not in http and "--enable-supernode-auth" in http
+    for argv in (old, switched[2:], http):
+        _superlink_parser().parse_args(argv[1:])
+    with pytest.raises(ValueError, match=r"fleet='http' needs Flower 1.40 or later; this is 1.39"):
+        lf.superlink_argv(http_port=8000, fleet_port=9092, fleet="http", line=(1, 39))
+    with pytest.raises(ValueError, match=r"fleet='quic' is unknown; allowed: grpc, http"):
+        lf.superlink_argv(http_port=8000, fleet_port=9092, fleet="quic")
+
+    assert lf.fleet_address(8000, 9092, "http") == "127.0.0.1:8000" and lf.superlink_ports(8000, 9092, "http") == (
+        8000,
+    )
+    assert lf.fleet_address(8000, 9092, "grpc") == "127.0.0.1:9092" and lf.superlink_ports(8000, 9092, "grpc") == (
+        8000,
+        9092,
+    )
+    node_139 = lf.supernode_argv(superlink="127.0.0.1:9092", runtime_port=9094, line=(1, 39), bin_dir=Path("/x/bin"))
+    node_142 = lf.supernode_argv(superlink="127.0.0.1:8000", runtime_port=9094, line=(1, 42))
+    assert node_139[:4] == ["/x/bin/flower-supernode", "--superlink", "127.0.0.1:9092", "--grpc-rere"]
+    assert "--grpc-rere" not in node_142
+    parsed = _supernode_parser().parse_args(node_142[1:])
+    assert parsed.superlink == "127.0.0.1:8000" and parsed.port == 9094

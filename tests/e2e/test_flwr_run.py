@@ -73,6 +73,7 @@ def fedams_metrics(flower: LocalFlower, results_dir: Path) -> dict:
     return _run(flower, results_dir, "fedams", strategy="fedams", tracker="tensorboard", plots=True)
 
 
+@pytest.mark.app_compat  # CI runs it on the newest supported Flower too
 @pytest.mark.xdist_group("flwr-run-fedams")  # both users of the one FedAMS run on one worker
 def test_fedams_run_writes_every_results_file(results_dir: Path, fedams_metrics: dict) -> None:
     """The ServerApp in Flower's simulation also writes TensorBoard event files as it goes (``tracker``)."""
