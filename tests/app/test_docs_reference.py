@@ -138,9 +138,9 @@ def test_the_home_page_shows_the_install_line_and_the_readmes_two_commands() -> 
 
 def test_the_readme_states_the_test_command_ci_runs_and_links_every_method() -> None:
     readme = (ROOT / "README.md").read_text()
-    command = 'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[app,test]" && pytest'
+    command = 'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[app,grpc,test]" && pytest'
     assert command in readme
-    assert 'pip install -e ".[app,test]" && pytest' in (ROOT / ".ci" / "run").read_text()
+    assert 'pip install -e ".[app,grpc,test]" && pytest' in (ROOT / ".ci" / "run").read_text()
     assert "mkdocs serve" in readme
     for name in METHODS:
         row = next((line for line in readme.splitlines() if line.startswith("|") and f"`{name}`" in line), None)
