@@ -3,7 +3,8 @@
 Each top-level entry of ``pollen/`` belongs to one layer (``DESIGN.md``):
 
 - core (``core``): numpy and the standard library;
-- math (``optim``, ``compression``, ``vr``, ``gossip``, ``lazy``, ``aggregate``, ``asynchrony``, ``privacy``) and task
+- math (``optim``, ``compression``, ``vr``, ``gossip``, ``lazy``, ``aggregate``, ``asynchrony``, ``privacy``,
+  ``secagg``) and task
   (``task``): no Flower;
 - wire (``wire``): the records and names both sides of Flower share;
 - Flower glue (``strategies``, ``clientside``);
@@ -24,7 +25,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pollen"
 
-MATH = {"optim", "compression", "vr", "gossip", "lazy", "aggregate", "asynchrony", "privacy"}
+MATH = {"optim", "compression", "vr", "gossip", "lazy", "aggregate", "asynchrony", "privacy", "secagg"}
 BELOW_GLUE = {"core", "wire", "task", *MATH}
 APP_MAY_IMPORT = {"core", "wire", "task", "strategies", "clientside", "app", "server_app", "client_app", *MATH}
 
@@ -39,6 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "aggregate": {"core", "aggregate"},
     "asynchrony": {"core", "asynchrony"},
     "privacy": {"core", "privacy"},
+    "secagg": {"core", "secagg"},
     "task": {"core", "task"},
     "wire": {"core", "compression", "wire"},
     "clientside": {"clientside", *BELOW_GLUE},
