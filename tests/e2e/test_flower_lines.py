@@ -57,30 +57,42 @@ RUN_CONFIG = {
 }
 
 
-def _line_of(bin_dir: Path) -> tuple[int, int]:
+#: What would make another environment's Python import this one's packages: Ray's in-process start (Flower's
+#: simulation in an earlier test of this worker) writes this environment's site-packages into PYTHONPATH.
+_FOREIGN_PATHS = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+
+
+def _clean_environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _FOREIGN_PATHS}
+
+
+def _line_of(bin_dir: Path) -> tuple[tuple[int, int], str]:
+    """The Flower line of the environment of ``bin_dir``, and where its Flower is."""
     out = subprocess.run(
-        [str(bin_dir / "python"), "-c", "import flwr; print(flwr.__version__)"],
+        [str(bin_dir / "python"), "-c", "import flwr; print(flwr.__version__, flwr.__file__)"],
         capture_output=True,
         text=True,
         check=True,
         timeout=120,
-    ).stdout
-    return lf.flower_line(out.strip())
+        env=_clean_environ(),
+    ).stdout.split()
+    return lf.flower_line(out[0]), out[1]
 
 
 def _env_with(home: Path, bin_dir: Path) -> dict[str, str]:
-    """Flower's environment with ``bin_dir`` first on PATH: its processes start their helpers by name."""
-    env = lf.flower_env(home)
+    """Flower's environment with ``bin_dir`` first on PATH (its processes start their helpers by name), and
+    nothing that would point its Python at this environment's packages."""
+    env = {k: v for k, v in lf.flower_env(home).items() if k not in _FOREIGN_PATHS}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     return env
 
 
 def test_a_139_federation_moves_to_a_142_superlink_keeping_its_database_and_supernodes(tmp_path: Path) -> None:
     old_bin = Path(OLD_BIN)
-    old_line = _line_of(old_bin)
-    if lf.http_fleet(old_line):
-        pytest.skip(f"POLLEN_FLOWER_139_BIN holds Flower {old_line}, not a 1.39 (gRPC) one")
-    procs = lf.Processes(tmp_path / "logs")
+    old_line, where = _line_of(old_bin)
+    if lf.http_fleet(old_line):  # set on purpose and wrong: a failure, not a skip that would hide the check
+        pytest.fail(f"POLLEN_FLOWER_139_BIN={old_bin} runs Flower {old_line} ({where}), not a 1.39 (gRPC) one")
+    procs = lf.Processes(tmp_path / "logs", env=_clean_environ())  # the base of every process's environment
     try:
         with lf.dump_logs_on_error(procs):
             certs = lf.make_certs(tmp_path / "certs")
