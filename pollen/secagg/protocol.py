@@ -29,7 +29,9 @@ client at that stage (its reason kept in :attr:`SecAggServer.refused`); one to a
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
 import os
 import struct
 from typing import Any
@@ -79,7 +81,7 @@ class SecAggClient:
         self.node_id = int(node_id)
         self.stage = 0
         self._held: dict[int, tuple[bytes, bytes]] = {}  # sender -> (share of its b, share of its mask key)
-        self._unmasked = False
+        self._peers: dict[int, dict[str, bytes]] = {}
 
     def advertise(self, setup: dict[str, Any]) -> dict[str, bytes]:
         """Stage 1: check the round's settings, make the keys and the seed, return the public parts."""
@@ -167,6 +169,56 @@ class SecAggClient:
             "b": {v: self._held[v][0] for v in sorted(alive_set)},
             "s": {v: self._held[v][1] for v in sorted(dropped_set)},
         }
+
+    def to_bytes(self) -> bytes:
+        """This client's round so far, for a node that answers each stage in a fresh process (Flower's deployment
+        starts a ClientApp per message): keep it in the node's ``context.state``, never send it. JSON, no pickle."""
+        if self.stage == 0:
+            return json.dumps({"node": self.node_id, "stage": 0}).encode()
+
+        def b64(data: bytes) -> str:
+            return base64.b64encode(data).decode()
+
+        return json.dumps(
+            {
+                "node": self.node_id,
+                "stage": self.stage,
+                "neighbours": sorted(self.neighbours),
+                "threshold": self.threshold,
+                "codec": [self.codec.clip, self.codec.bits, self.codec.max_clients],
+                "dim": self.dim,
+                "round": b64(self.round_key),
+                "keys": [b64(self._c_private), b64(self._s_private), b64(self._seed)],
+                "peers": {str(v): {k: b64(x) for k, x in keys.items()} for v, keys in self._peers.items()},
+                "held": {str(v): [b64(b), b64(sk)] for v, (b, sk) in self._held.items()},
+            }
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, node_id: int) -> SecAggClient:
+        """The client :meth:`to_bytes` saved; :class:`SecAggError` if it is damaged or another node's."""
+        try:
+            saved = json.loads(data)
+            client = cls(int(saved["node"]))
+            if client.node_id != int(node_id):
+                raise SecAggError(f"saved secure-aggregation state is node {client.node_id}'s, not {node_id}'s")
+            client.stage = int(saved["stage"])
+            if client.stage == 0:
+                return client
+            unb64 = base64.b64decode
+            client.neighbours, client.threshold = {int(v) for v in saved["neighbours"]}, int(saved["threshold"])
+            clip, bits, max_clients = saved["codec"]
+            client.codec = SummableCodec(clip=float(clip), bits=int(bits), max_clients=int(max_clients))
+            client.dim, client.round_key = int(saved["dim"]), unb64(saved["round"])
+            client._c_private, client._s_private, client._seed = (unb64(x) for x in saved["keys"])
+            client.s_public = crypto.public_of(client._s_private)
+            client._peers = {int(v): {k: unb64(x) for k, x in keys.items()} for v, keys in saved["peers"].items()}
+            client._held = {int(v): (unb64(b), unb64(sk)) for v, (b, sk) in saved["held"].items()}
+        except SecAggError:
+            raise
+        except (KeyError, TypeError, ValueError) as err:
+            raise SecAggError(f"saved secure-aggregation state is damaged: {type(err).__name__}: {err}") from None
+        return client
 
     def _expect(self, stage: int) -> None:
         if self.stage != stage:

@@ -178,13 +178,17 @@ def run_round(  # noqa: PLR0913 - the scenario's knobs
     masked_reply=None,  # noqa: ANN001 - (node, vector) -> vector
     unmask_reply=None,  # noqa: ANN001 - (node, answer) -> answer
     seed: int = 0,
+    fresh_processes: bool = False,
 ):
-    """One round among clients ``1..n`` with random updates; ``(server, total, count, integers)``."""
+    """One round among clients ``1..n`` with random updates; ``(server, total, count, integers)``.
+
+    ``fresh_processes``: each client answers each stage from its saved state only (``to_bytes`` ->
+    ``from_bytes``), as a node does whose ClientApp is a new process per message."""
     codec = codec or SummableCodec(clip=1.0, bits=8, max_clients=64)
     rng = np.random.default_rng(seed)
     ids = list(range(1, n + 1))
     server = SecAggServer(ids, codec, DIM, degree=degree, threshold=threshold, seed=seed)
-    clients = {u: SecAggClient(u) for u in ids}
+    clients = _Reloading({u: SecAggClient(u) for u in ids}) if fresh_processes else {u: SecAggClient(u) for u in ids}
     integers = {u: codec.quantize(rng.normal(0, 0.5, DIM), rng) for u in ids}
     setup = server.setup_messages()
     keys = server.receive_keys({u: (keys_reply or (lambda _, r: r))(u, clients[u].advertise(setup[u])) for u in ids})
@@ -205,6 +209,29 @@ def run_round(  # noqa: PLR0913 - the scenario's knobs
     return server, total, count, integers
 
 
+class _Reloading(dict):
+    """Clients that live only as their saved bytes between two uses."""
+
+    def __init__(self, clients: dict[int, SecAggClient]) -> None:
+        super().__init__({u: c.to_bytes() for u, c in clients.items()})
+
+    def __getitem__(self, node: int) -> SecAggClient:
+        outer = self
+
+        class Saving:
+            def __getattr__(self, name: str):  # noqa: ANN204
+                client = SecAggClient.from_bytes(dict.__getitem__(outer, node), node)
+
+                def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                    result = getattr(client, name)(*args, **kwargs)
+                    dict.__setitem__(outer, node, client.to_bytes())
+                    return result
+
+                return call
+
+        return Saving()
+
+
 def _sum_of(integers: dict[int, np.ndarray], nodes) -> np.ndarray:  # noqa: ANN001
     return np.sum([integers[u] for u in nodes], axis=0)
 
@@ -213,6 +240,23 @@ def test_the_unmasked_sum_is_the_exact_sum_of_every_encoded_update() -> None:
     server, total, count, integers = run_round(8)
     assert count == 8 and server.dropped == [] and server.refused == {}
     assert np.array_equal(server.codec.signed_sum(total, count), _sum_of(integers, range(1, 9)))
+
+
+def test_a_client_answering_each_stage_from_its_saved_state_gives_the_same_exact_sum() -> None:
+    server, total, count, integers = run_round(7, silent_at_masked=(5,), fresh_processes=True)
+    assert np.array_equal(server.codec.signed_sum(total, count), _sum_of(integers, [1, 2, 3, 4, 6, 7]))
+
+
+def test_a_damaged_or_foreign_saved_state_is_refused() -> None:
+    client = SecAggClient(3)
+    client.advertise({"neighbours": [1, 2], "threshold": 2, "codec": {"clip": 1.0}, "dim": 4, "round": b"r"})
+    saved = client.to_bytes()
+    assert SecAggClient.from_bytes(saved, 3).s_public == client.s_public
+    with pytest.raises(SecAggError, match="is node 3's, not 4's"):
+        SecAggClient.from_bytes(saved, 4)
+    for damaged in (saved[:-5], saved.replace(b'"dim": 4', b'"dim": "x"'), b"\x80not json"):
+        with pytest.raises(SecAggError, match="saved secure-aggregation state is damaged"):
+            SecAggClient.from_bytes(damaged, 3)
 
 
 def test_the_server_never_holds_an_unmasked_update() -> None:
