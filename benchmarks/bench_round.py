@@ -14,7 +14,10 @@ doubled Flower's FedAdam time (907 vs 428 ms on the same replies).
 
 Times are medians over rounds 2.. (round 1 has no outlier history and keeps every delta); each
 is also divided by one ``np.copyto`` of a d-vector timed in the same run (memory-bandwidth
-yardstick). Memory: the peak that ``tracemalloc`` sees during one steady-state ``aggregate_train``,
+yardstick), and turned into the bandwidth the round achieves: the bytes it cannot avoid moving (every
+reply's records read once, the new model written once) over its time, as a fraction of the machine's
+copy bandwidth measured in the same run (STREAM's "copy": read and write of a 4d-byte vector, best of 9).
+Memory: the peak that ``tracemalloc`` sees during one steady-state ``aggregate_train``,
 in units of one d-size float32 vector (the replies themselves are allocated before and not counted).
 
 Run: ``python benchmarks/bench_round.py [--rounds 6] [--replies 10] [--memory-replies 10 50]``.
@@ -62,10 +65,17 @@ class ReplyBank:
             for node in nodes
         }
         self.codec = codec
+        self.dtypes = {k: v.dtype for k, v in arrays.items()}
 
     def local_model(self, msg) -> dict[str, np.ndarray]:  # noqa: ANN001
+        """The node's model in the model's own dtypes, as a PyTorch client's ``load_state_dict`` + ``state_dict``
+        returns it: Flower 1.39's ``FedAdam`` sends float64 arrays from round 2 on, which a real client reads
+        into its float32 model (a reply kept in float64 would double what Flower's strategy reads)."""
         moves = self.moves[msg.metadata.dst_node_id]
-        return {k: v + moves[k] if k in moves else v for k, v in global_arrays_of(msg).items()}
+        return {
+            k: (v + moves[k] if k in moves else v).astype(self.dtypes[k], copy=False)
+            for k, v in global_arrays_of(msg).items()
+        }
 
     def client(self, msg):  # noqa: ANN001, ANN201
         local = self.local_model(msg)
@@ -76,8 +86,16 @@ class ReplyBank:
         return compression_mod(msg, context, lambda m, c: full_model_reply(m, local))
 
 
-def run(strategy, arrays: dict[str, np.ndarray], bank: ReplyBank, nodes: list[int], rounds: int) -> list[float]:
-    """Seconds of configure_train + aggregate_train per round (the replies' making is not timed)."""
+def run(
+    strategy,
+    arrays: dict[str, np.ndarray],
+    bank: ReplyBank,
+    nodes: list[int],
+    rounds: int,
+    reply_bytes: list | None = None,
+) -> list[float]:
+    """Seconds of configure_train + aggregate_train per round (the replies' making is not timed); ``reply_bytes``
+    receives each round's bytes of reply records (counted outside the timing)."""
     grid = FakeGrid(nodes, bank.client, keep_history=False)
     record = model_record(arrays)
     times = []
@@ -86,12 +104,26 @@ def run(strategy, arrays: dict[str, np.ndarray], bank: ReplyBank, nodes: list[in
         messages = list(strategy.configure_train(server_round, record, ConfigRecord(), grid))
         configured = time.perf_counter() - started
         replies = list(grid.send_and_receive(messages))  # the clients' work: not timed
+        if reply_bytes is not None:
+            reply_bytes.append(sum(int(rec.count_bytes()) for msg in replies for rec in msg.content.values()))
         started = time.perf_counter()
         new, _ = strategy.aggregate_train(server_round, replies)
         times.append(configured + time.perf_counter() - started)
         record = new if new is not None else record
         del messages, replies  # freed after the round, as a ServerApp frees them
     return times
+
+
+def copy_bandwidth(dim: int) -> float:
+    """Bytes per second of ``np.copyto`` of a float32 d-vector, read plus written (STREAM's copy), best of 9."""
+    a, b = np.ones(dim, np.float32), np.empty(dim, np.float32)
+    np.copyto(b, a)
+    best = float("inf")
+    for _ in range(9):
+        started = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - started)
+    return 2 * 4 * dim / best
 
 
 def copyto_seconds(dim: int) -> float:
@@ -153,15 +185,25 @@ def main() -> None:
         ("pollen FedAdaVR, int4 table", lambda: FedAdaVR(table_precision="int4", eta=0.01, **common), dense),
         ("pollen FedAdaVR, fp32 table", lambda: FedAdaVR(table_precision="fp32", eta=0.01, **common), dense),
     ]
-    yardstick = copyto_seconds(dim)
+    yardstick, bandwidth = copyto_seconds(dim), copy_bandwidth(dim)
     print(f"d = {dim:,}, {len(nodes)} replies per round; one np.copyto of a d-vector: {1e3 * yardstick:.1f} ms")
-    print(f"{'aggregate_train':<30} {'median ms':>10} {'x copyto':>9} {'x FedAdam':>10}")
+    print(f"copy bandwidth (read + write, best of 9): {bandwidth / 1e9:.2f} GB/s")
+    print(
+        f"{'aggregate_train':<30} {'median ms':>10} {'x copyto':>9} {'x FedAdam':>10} {'must move':>10} "
+        f"{'GB/s':>6} {'of copy bw':>10}"
+    )
     flower = None
     for name, make, bank in cases:
-        times = run(make(), arrays, bank, nodes, args.rounds)[1:]
+        reply_bytes: list[int] = []
+        times = run(make(), arrays, bank, nodes, args.rounds, reply_bytes)[1:]
         median = statistics.median(times)
         flower = median if flower is None else flower
-        print(f"{name:<30} {1e3 * median:>10.0f} {median / yardstick:>9.1f} {median / flower:>10.2f}")
+        moved = statistics.median(reply_bytes[1:]) + 4 * dim  # each reply read once, the new model written once
+        achieved = moved / median
+        print(
+            f"{name:<30} {1e3 * median:>10.0f} {median / yardstick:>9.1f} {median / flower:>10.2f} "
+            f"{moved / 1e6:>8.0f}MB {achieved / 1e9:>6.2f} {achieved / bandwidth:>9.1%}"
+        )
     for count in args.memory_replies:
         member_nodes = list(range(1, count + 1))
         bank = ReplyBank(arrays, member_nodes, None)
