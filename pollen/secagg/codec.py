@@ -3,9 +3,10 @@
 Secure aggregation sums vectors modulo ``2**W`` and the server sees only that sum, so every client must
 encode its update the same way, with public settings, into integers whose sum cannot wrap:
 
-- each coordinate is clipped to ``[-clip, clip]`` (the public range: it also bounds what one client can
-  move the sum, which is what replaces the server's norm screen under secure aggregation) and scaled to
-  ``[-L, L]`` with ``L = 2**(bits-1) - 1``;
+- each coordinate is clipped to ``[-clip, clip]`` (the public range: it bounds what one honest client can
+  move the sum, which is what replaces the server's norm screen under secure aggregation; a malicious
+  client can send any integers, which the server cannot see, so the range does not bound it) and scaled
+  to ``[-L, L]`` with ``L = 2**(bits-1) - 1``;
 - stochastic rounding to an integer (unbiased: ``E[q] = x``), from the client's own random generator;
 - two's complement modulo ``2**W``, where ``W`` is the smallest whole number of bytes that holds the sum of
   ``max_clients`` such integers (``2 * max_clients * L + 1`` values) without overflow: the bytes on the
@@ -84,7 +85,10 @@ class SummableCodec:
 
     def to_wire(self, integers: np.ndarray) -> np.ndarray:
         """Signed integers as lanes modulo ``2**W`` (two's complement)."""
-        return (np.asarray(integers, dtype=np.int64) & ((1 << self.wire_bits) - 1)).astype(self.dtype)
+        lanes = np.ascontiguousarray(integers, dtype=np.int64).view(np.uint64)
+        if self.wire_bits < 64:
+            lanes = lanes & np.uint64((1 << self.wire_bits) - 1)
+        return lanes.astype(self.dtype)
 
     def encode(
         self, update: np.ndarray, residual: np.ndarray | None, rng: np.random.Generator
@@ -92,7 +96,7 @@ class SummableCodec:
         """``(wire vector, new residual)`` of one client's update with error feedback.
 
         The update plus the last residual is quantised; what the integers do not carry (the part beyond the
-        range, the rounding) is the new residual, float32, of the update's shape.
+        range, the rounding) is the new residual, float32, flat (the update is flattened).
         """
         update = np.asarray(update, dtype=np.float32).ravel()
         corrected = update if residual is None else update + np.asarray(residual, dtype=np.float32).ravel()
@@ -122,14 +126,4 @@ class SummableCodec:
         return (signed.astype(np.float64) * (self.clip / self.levels) / count).astype(np.float32)
 
 
-def add_wire(total: np.ndarray | None, vector: np.ndarray) -> np.ndarray:
-    """``total + vector`` modulo ``2**W`` (the lanes wrap); ``None`` starts a sum."""
-    return vector.copy() if total is None else total + vector
-
-
-def subtract_wire(total: np.ndarray, vector: np.ndarray) -> np.ndarray:
-    """``total - vector`` modulo ``2**W``."""
-    return total - vector
-
-
-__all__ = ["MAX_BITS", "MAX_CLIENTS", "SummableCodec", "add_wire", "subtract_wire"]
+__all__ = ["MAX_BITS", "MAX_CLIENTS", "SummableCodec"]

@@ -46,7 +46,7 @@ from pollen.secagg.graph import default_degree, default_threshold, neighbourhood
 SHARE_PURPOSE = b"pollen-secagg-share"
 MASK_PURPOSE = b"pollen-secagg-mask"
 #: t-subsets tried per secret when its shares do not all agree (a wrong share among them).
-MAX_COMBINATIONS = 256
+MAX_COMBINATIONS = 2048
 
 
 class SecAggAbort(RuntimeError):
@@ -86,15 +86,20 @@ class SecAggClient:
     def advertise(self, setup: dict[str, Any]) -> dict[str, bytes]:
         """Stage 1: check the round's settings, make the keys and the seed, return the public parts."""
         self._expect(0)
-        neighbours = [int(v) for v in setup["neighbours"]]
+        try:
+            neighbours = [int(v) for v in setup["neighbours"]]
+            threshold, dim, round_key = int(setup["threshold"]), int(setup["dim"]), bytes(setup["round"])
+            codec = SummableCodec(**setup["codec"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise SecAggError(f"the server's setup is malformed: {type(err).__name__}: {err}") from None
         if self.node_id in neighbours or len(set(neighbours)) != len(neighbours):
             raise SecAggError("the server's neighbour list repeats a client or names this one")
-        threshold = int(setup["threshold"])
         if not (2 <= threshold <= len(neighbours) + 1):
             raise SecAggError(f"threshold {threshold} with {len(neighbours)} neighbours; allowed: 2 to neighbours + 1")
-        self.neighbours, self.threshold = set(neighbours), threshold
-        self.codec = SummableCodec(**setup["codec"])
-        self.dim, self.round_key = int(setup["dim"]), bytes(setup["round"])
+        if dim < 1:
+            raise SecAggError(f"the server's setup asks for {dim} coordinates; allowed: at least 1")
+        self.neighbours, self.threshold, self.codec = set(neighbours), threshold, codec
+        self.dim, self.round_key = dim, round_key
         self._c_private, c_public = crypto.new_key_pair()
         self._s_private, self.s_public = crypto.new_key_pair()
         self._seed = crypto.new_seed()
@@ -203,6 +208,8 @@ class SecAggClient:
             if client.node_id != int(node_id):
                 raise SecAggError(f"saved secure-aggregation state is node {client.node_id}'s, not {node_id}'s")
             client.stage = int(saved["stage"])
+            if not 0 <= client.stage <= 4:
+                raise SecAggError(f"saved secure-aggregation state is at stage {client.stage}; allowed: 0 to 4")
             if client.stage == 0:
                 return client
             unb64 = base64.b64decode
@@ -216,7 +223,7 @@ class SecAggClient:
             client._held = {int(v): (unb64(b), unb64(sk)) for v, (b, sk) in saved["held"].items()}
         except SecAggError:
             raise
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise SecAggError(f"saved secure-aggregation state is damaged: {type(err).__name__}: {err}") from None
         return client
 
@@ -249,6 +256,8 @@ class SecAggServer:
         degree = default_degree(len(self.participants)) if degree is None else degree
         self.graph = neighbourhoods(self.participants, degree, seed)
         holders = min(degree, len(self.participants) - 1) + 1
+        if holders > 255:
+            raise ValueError(f"secagg degree={degree} gives {holders} share holders; allowed: at most 255 (Shamir)")
         self.threshold = default_threshold(holders) if threshold is None else int(threshold)
         if not (2 <= self.threshold <= holders):
             raise ValueError(
@@ -257,10 +266,23 @@ class SecAggServer:
         self.round_key = os.urandom(16)
         self.refused: dict[int, str] = {}
         self.dropped: list[int] = []
+        self.stage = 0
+        self.keys: dict[int, dict[str, bytes]] = {}
+        self.u1: set[int] = set()
+        self.u2: set[int] = set()
+        self.u3: set[int] = set()
+        self.masked: dict[int, np.ndarray] = {}
+        self._probe = crypto.new_key_pair()[0]  # to test an advertised key before anyone agrees with it
+
+    def _advance(self, stage: int) -> None:
+        if self.stage != stage - 1:
+            raise RuntimeError(f"secagg: server stage {stage} called after stage {self.stage}; the stages run in order")
+        self.stage = stage
 
     # ------------------------------------------------------------------ stage 1
 
     def setup_messages(self) -> dict[int, dict[str, Any]]:
+        """Each participant's first message: its neighbours, the threshold, the codec, the vector size, the round."""
         codec = {"clip": self.codec.clip, "bits": self.codec.bits, "max_clients": self.codec.max_clients}
         return {
             u: {
@@ -275,7 +297,7 @@ class SecAggServer:
 
     def receive_keys(self, replies: dict[int, dict[str, bytes]]) -> dict[int, dict[int, dict[str, bytes]]]:
         """Keep the well-formed advertisements (U1); each client's message: its U1 neighbours' keys."""
-        self.keys: dict[int, dict[str, bytes]] = {}
+        self._advance(1)
         for u, reply in replies.items():
             problem = self._bad_keys(u, reply)
             if problem:
@@ -295,6 +317,11 @@ class SecAggServer:
             return f"advertised keys are not three {KEY_BYTES}-byte values (c_pk, s_pk, b_commit)"
         if reply["c_pk"] == reply["s_pk"]:
             return "the encryption and masking public keys are the same"
+        for name in ("c_pk", "s_pk"):  # a low-order point would make every neighbour's key agreement fail
+            try:
+                crypto.agree(self._probe, bytes(reply[name]), b"probe")
+            except SecAggError:
+                return f"its {name} is not a usable X25519 public key"
         return None
 
     def _with_enough_neighbours(self, alive: set[int]) -> set[int]:
@@ -314,13 +341,14 @@ class SecAggServer:
 
     def receive_shares(self, replies: dict[int, dict[int, bytes]]) -> dict[int, dict[int, bytes]]:
         """Keep the clients that sealed a share pair for each of their U1 neighbours (U2); forward them."""
+        self._advance(2)
         shared: dict[int, dict[int, bytes]] = {}
         for u, reply in replies.items():
             expected = {v for v in self.graph.get(u, ()) if v in self.u1}
             if u not in self.u1:
                 self.refused.setdefault(u, "shares from a client that did not advertise keys")
-            elif not isinstance(reply, dict) or {int(v) for v in reply} != expected:
-                self.refused[u] = "its sealed shares do not address exactly its neighbours"
+            elif not isinstance(reply, dict) or not all(isinstance(v, int) for v in reply) or set(reply) != expected:
+                self.refused[u] = "its sealed shares do not address exactly its neighbours (by integer node id)"
             elif not all(isinstance(blob, (bytes, bytearray)) and 32 <= len(blob) <= 4096 for blob in reply.values()):
                 self.refused[u] = "a sealed share is not a byte string of a plausible length"
             else:
@@ -332,12 +360,14 @@ class SecAggServer:
 
     def receive_masked(self, replies: dict[int, np.ndarray]) -> dict[int, dict[str, Any]]:
         """Keep the well-formed masked vectors (U3); each survivor's unmask request (its neighbourhood's part)."""
-        self.masked: dict[int, np.ndarray] = {}
+        self._advance(3)
         for u, vector in replies.items():
             if u not in self.u2:
                 self.refused.setdefault(u, "a masked vector from a client that did not share its keys")
                 continue
-            vector = np.asarray(vector)
+            if not isinstance(vector, np.ndarray):
+                self.refused[u] = f"its masked vector is a {type(vector).__name__}, not a numpy array"
+                continue
             if vector.dtype != self.codec.dtype or vector.shape != (self.dim,):
                 self.refused[u] = (
                     f"its masked vector is {vector.dtype}{vector.shape}, not {self.codec.dtype}({self.dim},)"
@@ -347,8 +377,7 @@ class SecAggServer:
         u3 = set(self.masked)
         if len(u3) < self.threshold:
             raise SecAggAbort(f"{len(u3)} masked vectors arrived; secure aggregation needs {self.threshold}")
-        self.u3 = u3
-        self.dropped = sorted(self.u2 - u3)
+        self.u3, self.dropped = u3, sorted(self.u2 - u3)
         return {
             u: {
                 "alive": sorted(v for v in (*self.graph[u], u) if v in u3 and (v == u or v in self.u2)),
@@ -364,15 +393,19 @@ class SecAggServer:
         """Rebuild the survivors' seeds and the dropped clients' mask keys, remove every mask: ``(sum, count)``,
         the sum modulo ``2**W`` of the survivors' encoded updates. :class:`SecAggAbort` when a secret cannot be
         rebuilt from the shares that came."""
+        self._advance(4)
         b_shares: dict[int, list[bytes]] = {u: [] for u in self.u3}
         s_shares: dict[int, list[bytes]] = {v: [] for v in self.dropped}
         for holder, reply in replies.items():
-            if holder not in self.u3 or not isinstance(reply, dict):
+            if holder not in self.u3:
                 self.refused.setdefault(holder, "an unmask answer from a client that is not a survivor")
                 continue
-            for kind, wanted, into in (("b", self.u3, b_shares), ("s", set(self.dropped), s_shares)):
-                for owner, blob in (reply.get(kind) or {}).items():
-                    owner = int(owner)
+            parts = [reply.get(kind) for kind in ("b", "s")] if isinstance(reply, dict) else [None]
+            if not all(isinstance(part, dict) and all(isinstance(o, int) for o in part) for part in parts):
+                self.refused[holder] = "its unmask answer is not two maps ('b', 's') from integer node ids to shares"
+                continue
+            for part, wanted, into in ((parts[0], self.u3, b_shares), (parts[1], set(self.dropped), s_shares)):
+                for owner, blob in part.items():
                     if owner in wanted and (owner == holder or owner in self.graph[holder]) and isinstance(blob, bytes):
                         into[owner].append(blob)
         total = np.zeros(self.dim, dtype=self.codec.dtype)
@@ -397,10 +430,13 @@ class SecAggServer:
         return total, len(self.u3)
 
     def _rebuild(self, shares: list[bytes], valid: Any, what: str) -> bytes:
-        """The secret behind ``shares`` that ``valid`` accepts, trying t-subsets when some share is wrong."""
+        """The secret behind ``shares`` that ``valid`` accepts: all of them, then leaving one out, then two, then
+        t-subsets (at most :data:`MAX_COMBINATIONS` tries), so a wrong share or two is found and left out."""
         if len(shares) < self.threshold:
             raise SecAggAbort(f"{len(shares)} shares of the {what} arrived; rebuilding it needs {self.threshold}")
-        candidates = itertools.chain([shares], itertools.combinations(shares, self.threshold))
+        count = len(shares)
+        fewer = (itertools.combinations(shares, count - left) for left in (1, 2) if count - left >= self.threshold)
+        candidates = itertools.chain([shares], *fewer, itertools.combinations(shares, self.threshold))
         for subset in itertools.islice(candidates, MAX_COMBINATIONS):
             try:
                 secret = crypto.combine(list(subset))

@@ -90,8 +90,8 @@ def _env_with(home: Path, bin_dir: Path) -> dict[str, str]:
 def test_a_139_federation_moves_to_a_142_superlink_keeping_its_database_and_supernodes(tmp_path: Path) -> None:
     old_bin = Path(OLD_BIN)
     old_line, where = _line_of(old_bin)
-    if lf.http_fleet(old_line):  # set on purpose and wrong: a failure, not a skip that would hide the check
-        pytest.fail(f"POLLEN_FLOWER_139_BIN={old_bin} runs Flower {old_line} ({where}), not a 1.39 (gRPC) one")
+    if old_line != (1, 39):  # set on purpose and wrong: a failure, not a skip that would hide the check
+        pytest.fail(f"POLLEN_FLOWER_139_BIN={old_bin} runs Flower {old_line} ({where}), not 1.39")
     procs = lf.Processes(tmp_path / "logs", env=_clean_environ())  # the base of every process's environment
     try:
         with lf.dump_logs_on_error(procs):
@@ -162,7 +162,9 @@ def test_a_139_federation_moves_to_a_142_superlink_keeping_its_database_and_supe
                 cwd=lf.REPO_ROOT,
             )
             assert code == 0 and "[pollen] done" in out, out
-            run_id = re.search(r"Successfully started run (\d+)", out).group(1)
+            started = re.search(r"Successfully started run (\d+)", out)
+            assert started, out
+            run_id = started.group(1)
             assert lf.run_status(procs, CONNECTION, user, run_id=run_id)["status"] == "finished:completed"
             rows = lf.load_metrics(results, "mixed")["rows"]
             for row in rows[1:]:

@@ -26,6 +26,11 @@ def test_widths_leave_headroom_for_the_sum_of_max_clients() -> None:
     assert codec.dtype == np.dtype("<u2") and codec.wire_bytes(1000) == 2000
     wide = SummableCodec(clip=1.0, bits=16, max_clients=1024)
     assert wide.sum_bits == 26 and wide.wire_bits == 32  # 2*1024*32767+1 = 67,106,817 < 2**26 values
+    widest = SummableCodec(clip=1.0, bits=24, max_clients=1024)
+    assert widest.sum_bits == 34 and widest.wire_bits == 64
+    integers = np.array([-1, 5, -(2**23 - 1), 2**23 - 1])
+    total = widest.to_wire(integers) + widest.to_wire(integers)  # 64-bit lanes wrap as the narrower ones
+    assert np.array_equal(widest.signed_sum(total, 2), 2 * integers)
 
 
 def test_the_sum_of_max_clients_extremes_decodes_exactly_without_wrapping() -> None:
@@ -112,7 +117,7 @@ def test_key_agreement_is_symmetric_and_bound_to_its_purpose() -> None:
 
 
 def test_masks_are_a_function_of_the_seed_and_uniform() -> None:
-    seed = crypto.new_seed()
+    seed = bytes(range(32))  # fixed: the uniformity check below is deterministic
     first = crypto.mask(seed, 200_000, np.dtype("<u2"))
     assert np.array_equal(first, crypto.mask(seed, 200_000, np.dtype("<u2")))
     assert not np.array_equal(first[:100], crypto.mask(crypto.new_seed(), 100, np.dtype("<u2")))
@@ -272,7 +277,7 @@ def test_the_server_never_holds_an_unmasked_update() -> None:
         plain = server.codec.to_wire(integers[u])
         assert np.mean(vector == plain) < 0.05  # 1/65536 expected per coordinate by chance
         assert np.mean(vector.astype(np.int64) < 2**15) == pytest.approx(0.5, abs=0.2)  # spread over the lanes
-    # and no single vector, nor any pair, unmasks on its own: only the whole sum does
+    # only the whole round's sum comes out
     assert np.array_equal(server.codec.signed_sum(total, count), _sum_of(integers, captured))
 
 
@@ -335,6 +340,72 @@ def test_a_wrong_share_at_unmasking_is_found_and_left_out() -> None:
     assert np.array_equal(server.codec.signed_sum(total, count), _sum_of(integers, range(1, 7)))
 
 
+def test_one_wrong_share_among_the_default_thirteen_holders_is_left_out() -> None:
+    """40 clients, the spec's defaults: k = 2 ceil(log2 40) + 1 = 13 holders of each secret, t = 9."""
+
+    def corrupt(node, answer):  # noqa: ANN001, ANN202
+        if node == 1:
+            answer = {**answer, "b": {v: blob[:4] + bytes(len(blob) - 4) for v, blob in answer["b"].items()}}
+        return answer
+
+    server, total, count, integers = run_round(40, unmask_reply=corrupt, seed=3)
+    assert server.threshold == 9 and all(len(n) == 12 for n in server.graph.values())
+    assert np.array_equal(server.codec.signed_sum(total, count), _sum_of(integers, range(1, 41)))
+
+
+def test_replies_of_the_wrong_types_are_refused_not_raised() -> None:
+    def bad_shares(node, answer):  # noqa: ANN001, ANN202
+        return {"b": list(answer["b"].values()), "s": {}} if node == 2 else answer
+
+    def bad_vector(node, vector):  # noqa: ANN001, ANN202
+        return vector.tolist() if node == 3 else vector
+
+    server, total, count, integers = run_round(7, threshold=3, masked_reply=bad_vector, unmask_reply=bad_shares)
+    assert "is a list, not a numpy array" in server.refused[3] and server.dropped == [3]
+    assert "not two maps ('b', 's') from integer node ids" in server.refused[2]
+    assert np.array_equal(server.codec.signed_sum(total, count), _sum_of(integers, [1, 2, 4, 5, 6, 7]))
+
+
+def test_a_low_order_public_key_is_refused_before_it_can_spoil_its_neighbours() -> None:
+    def zero_key(node, reply):  # noqa: ANN001, ANN202
+        return {**reply, "s_pk": bytes(32)} if node == 5 else reply
+
+    server, total, count, integers = run_round(6, keys_reply=zero_key)
+    assert server.refused[5] == "its s_pk is not a usable X25519 public key" and count == 5
+    assert np.array_equal(server.codec.signed_sum(total, count), _sum_of(integers, [1, 2, 3, 4, 6]))
+
+
+def test_shares_keyed_by_something_else_than_node_ids_are_refused() -> None:
+    codec = SummableCodec(clip=1.0, bits=8, max_clients=8)
+    server = SecAggServer([1, 2, 3, 4], codec, DIM, threshold=2)
+    clients = {u: SecAggClient(u) for u in (1, 2, 3, 4)}
+    setup = server.setup_messages()
+    keys = server.receive_keys({u: clients[u].advertise(setup[u]) for u in clients})
+    replies = {u: clients[u].share_keys(keys[u]) for u in clients}
+    replies[4] = {str(v): blob for v, blob in replies[4].items()}
+    forwarded = server.receive_shares(replies)
+    assert "by integer node id" in server.refused[4] and 4 not in forwarded
+    with pytest.raises(RuntimeError, match="server stage 2 called after stage 2; the stages run in order"):
+        server.receive_shares(replies)
+
+
+def test_a_client_answers_one_unmask_request_only_also_after_a_restart() -> None:
+    codec = SummableCodec(clip=1.0, bits=8, max_clients=8)
+    server = SecAggServer([1, 2, 3], codec, DIM, threshold=2)
+    clients = {u: SecAggClient(u) for u in (1, 2, 3)}
+    setup = server.setup_messages()
+    keys = server.receive_keys({u: clients[u].advertise(setup[u]) for u in clients})
+    shares = server.receive_shares({u: clients[u].share_keys(keys[u]) for u in clients})
+    requests = server.receive_masked(
+        {u: clients[u].masked_input(shares[u], codec.to_wire(np.zeros(DIM, np.int64))) for u in clients}
+    )
+    clients[1].unmask(**requests[1])
+    restarted = SecAggClient.from_bytes(clients[1].to_bytes(), 1)
+    for client in (clients[1], restarted):
+        with pytest.raises(SecAggError, match="a stage-4 message arrived at stage 5"):
+            client.unmask(alive=[1], dropped=[2, 3], survivors=2)  # a second request: the other clients' keys
+
+
 def test_wrong_shares_beyond_what_the_threshold_tolerates_abort() -> None:
     def corrupt(node, answer):  # noqa: ANN001, ANN202
         if node != 6:
@@ -373,3 +444,6 @@ def test_the_server_refuses_settings_that_cannot_work() -> None:
         SecAggServer([1, 2, 3, 4, 5], codec, DIM)
     with pytest.raises(ValueError, match=r"threshold=5; allowed: 2 to 4"):
         SecAggServer([1, 2, 3, 4], codec, DIM, threshold=5)
+    many = SummableCodec(clip=1.0, bits=4, max_clients=400)
+    with pytest.raises(ValueError, match="gives 301 share holders; allowed: at most 255"):
+        SecAggServer(list(range(1, 400)), many, DIM, degree=300)
