@@ -375,12 +375,18 @@ def test_a_low_order_public_key_is_refused_before_it_can_spoil_its_neighbours() 
     assert np.array_equal(server.codec.signed_sum(total, count), _sum_of(integers, [1, 2, 3, 4, 6]))
 
 
-def test_shares_keyed_by_something_else_than_node_ids_are_refused() -> None:
+def _advertised(nodes: list[int], threshold: int):  # noqa: ANN202
+    """A round by hand, through stage 1: ``(codec, server, clients, setup, keys)``."""
     codec = SummableCodec(clip=1.0, bits=8, max_clients=8)
-    server = SecAggServer([1, 2, 3, 4], codec, DIM, threshold=2)
-    clients = {u: SecAggClient(u) for u in (1, 2, 3, 4)}
+    server = SecAggServer(nodes, codec, DIM, threshold=threshold)
+    clients = {u: SecAggClient(u) for u in nodes}
     setup = server.setup_messages()
     keys = server.receive_keys({u: clients[u].advertise(setup[u]) for u in clients})
+    return codec, server, clients, setup, keys
+
+
+def test_shares_keyed_by_something_else_than_node_ids_are_refused() -> None:
+    _, server, clients, _, keys = _advertised([1, 2, 3, 4], threshold=2)
     replies = {u: clients[u].share_keys(keys[u]) for u in clients}
     replies[4] = {str(v): blob for v, blob in replies[4].items()}
     forwarded = server.receive_shares(replies)
@@ -390,11 +396,7 @@ def test_shares_keyed_by_something_else_than_node_ids_are_refused() -> None:
 
 
 def test_a_client_answers_one_unmask_request_only_also_after_a_restart() -> None:
-    codec = SummableCodec(clip=1.0, bits=8, max_clients=8)
-    server = SecAggServer([1, 2, 3], codec, DIM, threshold=2)
-    clients = {u: SecAggClient(u) for u in (1, 2, 3)}
-    setup = server.setup_messages()
-    keys = server.receive_keys({u: clients[u].advertise(setup[u]) for u in clients})
+    codec, server, clients, _, keys = _advertised([1, 2, 3], threshold=2)
     shares = server.receive_shares({u: clients[u].share_keys(keys[u]) for u in clients})
     requests = server.receive_masked(
         {u: clients[u].masked_input(shares[u], codec.to_wire(np.zeros(DIM, np.int64))) for u in clients}
@@ -417,11 +419,7 @@ def test_wrong_shares_beyond_what_the_threshold_tolerates_abort() -> None:
 
 
 def test_a_client_refuses_what_a_server_must_not_ask() -> None:
-    codec = SummableCodec(clip=1.0, bits=8, max_clients=8)
-    server = SecAggServer([1, 2, 3, 4], codec, DIM, threshold=3)
-    clients = {u: SecAggClient(u) for u in (1, 2, 3, 4)}
-    setup = server.setup_messages()
-    keys = server.receive_keys({u: clients[u].advertise(setup[u]) for u in clients})
+    codec, server, clients, setup, keys = _advertised([1, 2, 3, 4], threshold=3)
     with pytest.raises(SecAggError, match="a stage-1 message arrived at stage 2"):
         clients[1].advertise(setup[1])
     shares = server.receive_shares({u: clients[u].share_keys(keys[u]) for u in clients})
