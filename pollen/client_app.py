@@ -32,7 +32,7 @@ from flwr.common import log
 
 from pollen.app.config import AppConfig, effective_run_config
 from pollen.app.experiment import build_model, data_config
-from pollen.clientside import compression_mod
+from pollen.clientside import compression_mod, secagg_mod
 from pollen.clientside.compression_mod import client_state_for, compress_update, wants_compression
 from pollen.clientside.identity import message_client_id, node_client_id, played_partition
 from pollen.clientside.lazy_mod import lazy_mod
@@ -210,8 +210,8 @@ def _reply_records(
 
 
 #: The mods of a round's train message and of a mid-round phase message (another app reuses them).
-TRAIN_MODS = (lazy_mod, compression_mod)
-PHASE_MODS = (compression_mod,)
+TRAIN_MODS = (secagg_mod, lazy_mod, compression_mod)
+PHASE_MODS = (secagg_mod, compression_mod)
 
 
 def run_train(msg: Message, context: Context, steps: Mapping[str, Step] = LOCAL_STEPS) -> Message:

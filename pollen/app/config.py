@@ -222,6 +222,11 @@ PRIVACY = {
     "dp-clip-lr": positive(0.2),
     "dp-count-noise": non_negative(0.0),
     "dp-noise-seed": Key(int, -1, lambda v: v >= -1, "an integer >= 0 (simulation only), or -1 (the OS's randomness)"),
+    "secagg": flag(False),
+    "secagg-bits": Key(int, 16, lambda v: 2 <= v <= 24, "an integer from 2 to 24"),
+    "secagg-clip": positive(0.05),
+    "secagg-degree": Key(int, 0, lambda v: v >= 0, "an integer >= 1, or 0 (2 ceil(log2 n))"),
+    "secagg-threshold": Key(int, 0, lambda v: v == 0 or v >= 2, "an integer >= 2, or 0 (two thirds of the holders)"),
 }
 #: Experiment trackers (:mod:`pollen.app.trackers`); they change what is tracked, never the run's numbers.
 TRACKING = {

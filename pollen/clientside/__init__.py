@@ -3,6 +3,8 @@
 - :func:`compression_mod`, :func:`lazy_mod`: Flower mods that compress the train reply (with error
   feedback) and run the lazy / bidirectional family's client rules; :func:`compress_update` compresses
   a flat update without building the model's record first.
+- :func:`secagg_mod`: a Flower mod that takes part in a pollen server's secure aggregation (SecAgg+): the
+  update encoded with the round's summable codec and kept on the node, masked, summed by the server.
 - :class:`ClientState`: vectors a client keeps between messages (``context.state``, and a file under
   ``state-dir`` that survives a restart).
 - :class:`LocalLAMB`: the local optimiser of Fed-LAMB / Mime-LAMB / Fed-AMS / Mime (a
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pollen.clientside.compression_mod import compress_update, compression_mod
 from pollen.clientside.lazy_mod import lazy_mod
+from pollen.clientside.secagg_mod import secagg_mod
 from pollen.clientside.state import ClientState
 from pollen.clientside.steps import LOCAL_STEPS, PHASES, LocalWork, StepOutcome
 
@@ -33,6 +36,7 @@ __all__ = [
     "compress_update",
     "compression_mod",
     "lazy_mod",
+    "secagg_mod",
 ]
 
 

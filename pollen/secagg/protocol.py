@@ -54,7 +54,7 @@ class SecAggAbort(RuntimeError):
 
 
 def _associated(round_key: bytes, sender: int, receiver: int) -> bytes:
-    return round_key + struct.pack("<qq", sender, receiver)
+    return round_key + struct.pack("<QQ", sender, receiver)  # Flower node ids are unsigned 64-bit
 
 
 def _pack_shares(b_share: bytes, s_share: bytes) -> bytes:
@@ -265,6 +265,8 @@ class SecAggServer:
             )
         self.round_key = os.urandom(16)
         self.refused: dict[int, str] = {}
+        #: The refused clients a caller has already reported (it adds to it; the protocol does not read it).
+        self.reported: set[int] = set()
         self.dropped: list[int] = []
         self.stage = 0
         self.keys: dict[int, dict[str, bytes]] = {}

@@ -240,6 +240,10 @@ class TableAggregate:
     """
 
     #: Why central DP does not fit this aggregate (:class:`~pollen.strategies.engine.private.CentralPrivacy`).
+    secagg_refusal = (
+        "its stored-update table keeps each client's latest update, which secure aggregation never shows the "
+        "server (a client-held table is the spec's way, not built)"
+    )
     privacy_refusal = (
         "its stored-update table puts each client's update back into every later round's aggregate, so one "
         "client's privacy cost would compound with each release (privacy.md section 7); local DP (dp='local', "

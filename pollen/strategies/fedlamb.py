@@ -184,6 +184,10 @@ class FedLAMB(AdaptiveStrategy):
         sampler asks each new node for its client id (each client's ``v_hat`` version is kept by its stable id).
     """
 
+    secagg_refusal = (
+        "its server takes the max of the clients' second moments and its clients share their moments one by one; "
+        "a max is not a sum"
+    )
     privacy_refusal = (
         "its clients share their Adam/LAMB moments with the server each round, and those moments are no clipped, "
         "noised mean of updates"

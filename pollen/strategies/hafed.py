@@ -128,6 +128,10 @@ class HAFed(AdaptiveStrategy):
         "into its neighbours' before any aggregator sees it (and only m per cluster upload)"
     )
 
+    secagg_refusal = (
+        "its clusters gossip models from client to client inside each round (peers see each other's models) and "
+        "its server mixes the uploaders' models one by one"
+    )
     privacy_refusal = (
         "its clusters gossip models from client to client inside each round, so the server's aggregate is not a "
         "sum of clipped client updates it could noise (and peers see each other's models)"

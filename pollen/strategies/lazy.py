@@ -150,6 +150,10 @@ class FedLazy(FedAMS):
         sampler asks each new node for its client id (each client's stored copies are kept by its stable id).
     """
 
+    secagg_refusal = (
+        "the server keeps a copy of each client's last upload (its skip and merge rules read one client's upload), "
+        "which secure aggregation never shows it"
+    )
     privacy_refusal = (
         "the server keeps each client's last upload and re-uses a skipped client's copy in later rounds, so a "
         "client's update re-enters every later release (privacy.md section 7)"

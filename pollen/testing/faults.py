@@ -13,6 +13,11 @@ round and client id from run-config ``seed``), in the way ``fault-kind`` says:
   ``round-timeout`` to make it miss the round);
 - ``mixed``: one of the three, drawn per fault.
 
+``fault-phase`` limits the faults to the messages of one phase (``train``: the round's train message; a
+mid-round phase by its name, e.g. ``secagg-masked-input``); empty: every train-type message.
+``fault-partitions`` (comma-separated partition ids) makes exactly those clients fail, every round, in place of
+the seeded draw (``fault-fraction`` must still be > 0 to switch faults on).
+
 Off (f = 0) it passes every message through untouched.
 """
 
@@ -25,7 +30,7 @@ import numpy as np
 from flwr.app import Context, Message
 from flwr.clientapp.typing import ClientAppCallable
 
-from pollen.app.spec import ConfigError, choice, non_negative, unit_closed
+from pollen.app.spec import ConfigError, choice, non_negative, text, unit_closed
 from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, record_to_arrays
 
@@ -36,6 +41,8 @@ KEYS = {
     "fault-fraction": unit_closed(0.0),
     "fault-kind": choice(FAULT_KINDS, "error"),
     "fault-delay": non_negative(0.0),
+    "fault-phase": text(""),
+    "fault-partitions": text(""),
 }
 
 
@@ -78,11 +85,18 @@ def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
         return call_next(msg, context)
     config = msg.content.config_records.get(protocol.CONFIG_RECORD)
     server_round = int(config.get(protocol.CFG_SERVER_ROUND, 0)) if config is not None else 0
+    phase = str(config.get(protocol.CFG_PHASE, "train")) if config is not None else "train"
+    if settings["fault-phase"] and phase != settings["fault-phase"]:
+        return call_next(msg, context)
     node = context.node_config
     client_id = str(node.get("client-id") or f"partition-{int(node.get('partition-id', 0))}")
-    fault = fault_for(
-        int(context.run_config.get("seed", 0)), server_round, client_id, fraction, str(settings["fault-kind"])
-    )
+    if settings["fault-partitions"]:
+        chosen = {part.strip() for part in str(settings["fault-partitions"]).split(",")}
+        fault = str(settings["fault-kind"]) if str(node.get("partition-id", "")) in chosen else None
+    else:
+        fault = fault_for(
+            int(context.run_config.get("seed", 0)), server_round, client_id, fraction, str(settings["fault-kind"])
+        )
     if fault is None:
         return call_next(msg, context)
     if fault == "error":

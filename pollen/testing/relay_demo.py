@@ -66,6 +66,7 @@ class RelayAverage(AdaptiveStrategy):
 
     #: The final replies carry one extra vector: the squared norm of each tensor's second-half move.
     reply_spec = ReplySpec(extras=(Extra(NORMS_EXTRA, size="tensors", nonnegative=True),))
+    secagg_refusal = "its mid-round relay sends each client the others' models"
     #: The first-half replies carry only the model.
     first_half_spec = ReplySpec()
 

@@ -101,6 +101,21 @@ CFG_GOSSIP_EVERY = "pollen.gossip.every"
 CFG_GOSSIP_ACTIVE = "pollen.gossip.active-prob"
 CFG_GOSSIP_SEGMENT = "pollen.gossip.segment"
 # The lazy / bidirectional family (pollen.strategies.lazy <-> pollen.clientside.lazy_mod).
+# Secure aggregation (pollen.secagg, pollen.clientside.secagg_mod): a train message's setup, the three phases.
+CFG_SECAGG_NEIGHBOURS = "pollen.secagg.neighbours"
+CFG_SECAGG_THRESHOLD = "pollen.secagg.threshold"
+CFG_SECAGG_CLIP = "pollen.secagg.clip"
+CFG_SECAGG_BITS = "pollen.secagg.bits"
+CFG_SECAGG_MAX_CLIENTS = "pollen.secagg.max-clients"
+CFG_SECAGG_DIM = "pollen.secagg.dim"
+CFG_SECAGG_ROUND = "pollen.secagg.round"
+CFG_SECAGG_SEED = "pollen.secagg.seed"
+CFG_SECAGG_OFF = "pollen.secagg.off"  # a round too small to aggregate securely: the client trains and sends nothing
+SECAGG_RECORD = "pollen.secagg"
+SECAGG_SHARE_PHASE = "secagg-share-keys"
+SECAGG_MASKED_PHASE = "secagg-masked-input"
+SECAGG_UNMASK_PHASE = "secagg-unmask"
+SECAGG_PHASES = (SECAGG_SHARE_PHASE, SECAGG_MASKED_PHASE, SECAGG_UNMASK_PHASE)
 CFG_LAZY_UP_RULE = "pollen.lazy.up-rule"  # none | nla | aa; its presence marks a lazy-family message
 CFG_LAZY_UP_TAU = "pollen.lazy.up-tau"
 CFG_LAZY_UP_CODEC = "pollen.lazy.up-codec"

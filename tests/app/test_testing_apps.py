@@ -14,6 +14,7 @@ from pollen.app.experiment import build_strategy
 from pollen.app.results import read_run_state
 from pollen.clientside.compression_mod import compression_mod
 from pollen.clientside.lazy_mod import lazy_mod
+from pollen.clientside.secagg_mod import secagg_mod
 from pollen.testing import apps
 from pollen.testing.fakes import FakeGrid, capture_flwr_logs
 from pollen.testing.flwr_cli import REPO
@@ -34,7 +35,8 @@ def test_the_products_run_config_has_no_fault_keys(defaults: dict) -> None:
 
 
 def test_the_products_client_app_runs_no_fault_mod() -> None:
-    assert client_app.TRAIN_MODS == (lazy_mod, compression_mod) and client_app.PHASE_MODS == (compression_mod,)
+    assert client_app.TRAIN_MODS == (secagg_mod, lazy_mod, compression_mod)
+    assert client_app.PHASE_MODS == (secagg_mod, compression_mod)
     assert FIRST_HALF_STEP not in client_app.LOCAL_STEPS and RELAY_PHASE not in client_app.PHASES
 
 
@@ -79,6 +81,8 @@ def test_the_testing_pyproject_runs_the_harness_apps_with_the_fault_keys() -> No
         "fault-fraction": 0.0,
         "fault-kind": "error",
         "fault-delay": 0.0,
+        "fault-phase": "",
+        "fault-partitions": "",
         "trace-dir": "",
     }
     with pytest.raises(ValueError, match="no single 'clientapp = ...' line"):

@@ -327,6 +327,38 @@ def test_a_third_of_clients_failing_every_round_does_not_stop_the_run(flower: Lo
     assert rows[-1]["accuracy"] > metrics["rows"][0]["accuracy"]
 
 
+def test_secure_aggregation_recovers_a_client_that_drops_mid_protocol(flower: LocalFlower, results_dir: Path) -> None:
+    """secagg=true through flwr run, 8 SuperNodes: partition 3 fails every round after sharing its keys (an error
+    at the masked-input phase); its masks are removed through its neighbours and the round steps on 7 clients."""
+    metrics = _run(
+        flower,
+        results_dir,
+        "secagg",
+        num_supernodes=8,
+        variant="testing",
+        strategy="fedams",
+        norm="gn",
+        secagg=True,
+        **{
+            "secagg-bits": 8,
+            "fraction-train": 1.0,
+            "fault-fraction": 1.0,
+            "fault-kind": "error",
+            "fault-phase": "secagg-masked-input",
+            "fault-partitions": "3",
+        },
+    )
+    rows = metrics["rows"][1:]
+    assert [row["round"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["sampled"] == 8 and row["replies"] == 7 and row["failures"] == 1
+        assert row["method.secagg_survivors"] == 7 and row["method.secagg_dropped"] == 1
+        masked, dense = row["uplink_by_record"]["secagg-masked-input/pollen.secagg"], row["uplink_fp32_bytes"]
+        assert dense / 2 <= masked < dense / 2 + 7 * 400  # 8 bits of 8 clients sum in 16-bit lanes
+        assert "arrays" not in row["uplink_by_record"]  # no model left a node in the clear
+    assert rows[-1]["accuracy"] > metrics["rows"][0]["accuracy"] + 0.2
+
+
 FED_LAMB_FAMILY = {  # name: (record of its statistic or None, learning rates that train the CNN in 2 rounds)
     "fed-lamb": ("pollen.x.v", {"local-lr": 0.01}),
     "mime-lamb": ("pollen.x.grad", {"local-lr": 0.01}),

@@ -52,6 +52,7 @@ def test_the_client_side_declares_its_public_api():
         [
             "compression_mod",
             "lazy_mod",
+            "secagg_mod",
             "compress_update",
             "ClientState",
             "LocalLAMB",

@@ -185,9 +185,10 @@ def _class_lines(path: Path, name: str | None = None) -> list[tuple[str, int, in
     return out
 
 
-#: The engine's base keeps Flower's API and the order of a round; its parts do the work (issue 37).
+#: The engine's base keeps Flower's API and the order of a round; its parts do the work (issue 37). Issue 40's
+#: secure-aggregation part added its hooks (setup per node, the sum in place of the replies): 10 lines with docs.
 BASE_CODE_BUDGET = 250
-BASE_LINES_BUDGET = 360
+BASE_LINES_BUDGET = 370
 #: No class in the package grows past this (a class that does is doing the work of two).
 CLASS_LINES_BUDGET = 400
 

@@ -38,6 +38,11 @@ def _flower_kwargs(cfg: Mapping[str, Any], name: str) -> dict[str, Any]:
             "by their num-examples and steps its optimiser inside Flower, so pollen cannot put clipping and noise "
             "before it; allowed: dp = 'none', or strategy = 'fedopt' (the same server optimisers, pollen's DP part)"
         )
+    if cfg["secagg"]:
+        raise ValueError(
+            f"run-config 'secagg' = true does not fit Flower's own {name}: Flower's aggregation reads every reply's "
+            "model; allowed: secagg = false, or strategy = 'fedopt' (the same server optimisers, pollen's secure sum)"
+        )
     from pollen.strategies.engine.parts import EngineParts
 
     return {**sampling_kwargs(cfg), "parts": EngineParts(screen=screen_of(cfg))}

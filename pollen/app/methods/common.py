@@ -26,8 +26,9 @@ OWN_METRIC_BOUNDS = {"accuracy": (0.0, 1.0), "loss": (0.0, float("inf"))}
 
 
 def screen_of(cfg: Mapping[str, Any], *, central_dp: bool = False) -> Any:
-    """The outlier screen the run-config asks for (every strategy, Flower's own included); with central DP the
-    norm screen is off whatever ``outlier-rule`` says (the clip bounds each client), the metric ranges stay."""
+    """The outlier screen the run-config asks for (every strategy, Flower's own included); with central DP or
+    secure aggregation (``central_dp``) the norm screen is off whatever ``outlier-rule`` says (the clip bounds each
+    client), the metric ranges stay."""
     from pollen.strategies.engine.screening import UpdateScreen
 
     rule = "off" if central_dp else cfg["outlier-rule"]
@@ -41,13 +42,30 @@ def engine_parts(cfg: Mapping[str, Any]) -> Any:
     from pollen.strategies.engine.sampling import ClientSampler
     from pollen.strategies.engine.transaction import RoundTransaction
 
-    privacy = privacy_of(cfg)
+    privacy, secagg = privacy_of(cfg), secagg_of(cfg)
     return EngineParts(
         sampler=ClientSampler(seed=cfg["seed"], identify_clients=True, population=cfg["population"]),
-        screen=screen_of(cfg, central_dp=privacy is not None and privacy.mode == "central"),
+        screen=screen_of(cfg, central_dp=(privacy is not None and privacy.mode == "central") or secagg is not None),
         transaction=RoundTransaction(min_replies=cfg["min-replies"]),
         driver=driver_of(cfg),
         privacy=privacy,
+        secagg=secagg,
+    )
+
+
+def secagg_of(cfg: Mapping[str, Any]) -> Any:
+    """The secure-aggregation part the run-config asks for (``secagg`` and its keys), or ``None``; the clients'
+    stochastic rounding is seeded with the run's ``seed`` (the masks never are)."""
+    from pollen.strategies.engine.secure import SecureAggregation
+
+    if not cfg["secagg"]:
+        return None
+    return SecureAggregation(
+        bits=cfg["secagg-bits"],
+        clip=cfg["secagg-clip"],
+        degree=cfg["secagg-degree"] or None,
+        threshold=cfg["secagg-threshold"] or None,
+        seed=cfg["seed"],
     )
 
 

@@ -117,13 +117,15 @@ class Transport:
         *,
         phase: str,
         timeout: float,
+        message_type: str = protocol.PHASE_MESSAGE_TYPE,
     ) -> list[Message]:
         """Send ``contents[node]`` to each node as a mid-round message of ``phase``; return the replies.
 
-        The messages have type ``train.pollen_phase`` and carry ``pollen.phase``, the phase's index
-        and the round in their config record (added here when missing), so pollen's ClientApp can
-        route them. Bytes both ways are counted under ``<phase>/<record>``; only one reply per asked
-        node is kept (others are failures with a logged reason).
+        The messages have type ``message_type`` (default ``train.pollen_phase``; a phase that any ClientApp's
+        train function answers through a mod, as secure aggregation's, is sent as ``train``) and carry
+        ``pollen.phase``, the phase's index and the round in their config record (added here when missing), so
+        pollen's ClientApp can route them. Bytes both ways are counted under ``<phase>/<record>``; only one reply
+        per asked node is kept (others are failures with a logged reason).
         """
         stats = self._accounting().round(server_round)
         phase_index = self._phases_sent[server_round] = self._phases_sent.get(server_round, 0) + 1
@@ -138,9 +140,7 @@ class Transport:
             if (partition := self._partition_of(node)) is not None:
                 config[protocol.CFG_PARTITION] = partition
             content[self.configrecord_key] = config
-            messages.append(
-                Message(content=content, message_type=protocol.PHASE_MESSAGE_TYPE, dst_node_id=node, group_id=group)
-            )
+            messages.append(Message(content=content, message_type=message_type, dst_node_id=node, group_id=group))
         self.replies.note_sent(server_round, phase, messages)
         count_sent(stats, messages, prefix=f"{phase}/")
         stats.exchange_messages += len(messages)
@@ -165,6 +165,16 @@ class Transport:
         """Drop the phase counter of ``server_round`` (the round is over)."""
         for done in [r for r in self._phases_sent if r <= server_round]:
             del self._phases_sent[done]
+
+
+def with_config(content: RecordDict, configrecord_key: str, entries: Mapping[str, Any]) -> RecordDict:
+    """A copy of ``content`` whose config record also holds ``entries`` (the other records shared, not copied);
+    ``content`` itself is never changed."""
+    out = RecordDict(dict(content.items()))
+    config = ConfigRecord(dict(content.config_records.get(configrecord_key, ConfigRecord())))
+    config.update(entries)
+    out[configrecord_key] = config
+    return out
 
 
 def train_config(

@@ -92,6 +92,10 @@ class EngineParts:
         noised, before the optimiser; the screen then defaults to ``UpdateScreen(rule="off")`` and the round
         aggregate is its noised mean. Local (:mod:`~pollen.strategies.engine.local_privacy`): each client clips
         and noises its own upload. ``None`` (default): none.
+    secagg : SecureAggregation | None
+        Secure aggregation (:mod:`~pollen.strategies.engine.secure`): SecAgg+ over each round's sample with a
+        summable codec; the server steps on the decoded mean of the round's sum and never holds one client's
+        update. The screen then defaults to ``UpdateScreen(rule="off")``. ``None`` (default): none.
     """
 
     model: GlobalModel | None = None
@@ -104,6 +108,7 @@ class EngineParts:
     checkpoint: RunCheckpoint | None = None
     round_aggregate: Any = None
     privacy: Any = None
+    secagg: Any = None
 
     def filled(self, defaults: EngineParts | None = None) -> EngineParts:
         """These parts, each ``None`` taken from ``defaults`` (a method's) or built with its defaults."""
@@ -124,6 +129,8 @@ class EngineParts:
                 value = getattr(defaults, item.name)
             if value is None and item.name == "screen" and getattr(self.privacy, "mode", None) == "central":
                 value = UpdateScreen(rule="off")  # central DP: the clip bounds each client, not the others' norms
+            if value is None and item.name == "screen" and self.secagg is not None:
+                value = UpdateScreen(rule="off")  # secure aggregation: no norm of one client reaches the server
             if value is None and item.name in built:
                 value = built[item.name]()
             _check_part(item.name, value)
@@ -170,6 +177,10 @@ def _check_part(name: str, value: Any) -> None:
     if name == "privacy" and value is not None and getattr(value, "mode", None) not in ("central", "local"):
         raise ValueError(
             f"parts.privacy={value!r} is not a privacy part; allowed: CentralPrivacy(...), LocalPrivacy(...) or None"
+        )
+    if name == "secagg" and value is not None and getattr(value, "mode", None) != "secagg":
+        raise ValueError(
+            f"parts.secagg={value!r} is not a secure-aggregation part; allowed: SecureAggregation(...) or None"
         )
     if name == "round_aggregate" and not (
         callable(getattr(value, "sink", None)) and callable(getattr(value, "delta", None))
@@ -262,6 +273,12 @@ def assemble(  # noqa: PLR0913 - the base's arguments, checked and wired in one 
         chosen.privacy.check_fits(strategy, chosen.round_aggregate, chosen.screen)
         if chosen.privacy.mode == "central":
             chosen.round_aggregate = PrivateMean(chosen.privacy)
+    if chosen.secagg is not None:
+        chosen.secagg.check_fits(
+            strategy, round_aggregate=chosen.round_aggregate, screen=chosen.screen, privacy=chosen.privacy
+        )
+        chosen.secagg.check_driver(chosen.driver, type(strategy).__name__)
+        strategy.uplink = uplink = None  # per-client scales and supports cannot be summed: the codec is secagg's
     claim(chosen, strategy)
     for item in fields(chosen):
         setattr(strategy, item.name, getattr(chosen, item.name))

@@ -274,7 +274,14 @@ class RoundLoop:
         """
 
     def mid_round(self, server_round: int, grid: Grid, replies: list[Message], timeout: float) -> list[Message]:
-        """Hook: further exchanges inside a training round; returns the replies to aggregate."""
+        """Hook: further exchanges inside a training round; returns the replies to aggregate.
+
+        With secure aggregation (``self.secagg``) the base runs its three exchanges here and keeps the round's
+        sum for ``aggregate_train``: no reply is left to aggregate one by one."""
+        secagg = getattr(self, "secagg", None)
+        if secagg is not None:
+            secagg.run(self, server_round, grid, replies, timeout)
+            return []
         return replies
 
     def start(  # noqa: PLR0913 (Flower's signature)

@@ -34,7 +34,7 @@ from pollen.strategies.engine.collector import TRAIN_PHASE
 from pollen.strategies.engine.declared import restore_strategy_state, strategy_state
 from pollen.strategies.engine.flower_wrappers import refuse_dp_wrapper
 from pollen.strategies.engine.jobs import StepJobs
-from pollen.strategies.engine.messages import train_config
+from pollen.strategies.engine.messages import train_config, with_config
 from pollen.strategies.engine.metrics import MetricsAggregationFn
 from pollen.strategies.engine.parts import FLOWER_ARGUMENTS, EngineParts, assemble
 from pollen.strategies.engine.replies import ClientUpdate, ReplyRejected, ReplySpec, screened_kinds
@@ -114,6 +114,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     async_refusal: ClassVar[str | None] = None
     #: Why the method cannot take central DP (:mod:`~pollen.strategies.engine.private`); ``None``: it can.
     privacy_refusal: ClassVar[str | None] = None
+    #: Why the method cannot aggregate securely (:mod:`~pollen.strategies.engine.secure`); ``None``: it can.
+    secagg_refusal: ClassVar[str | None] = None
     #: The jobs behind the replies of the step being read, while an asynchronous driver sets them.
     jobs: StepJobs | None = None
 
@@ -206,6 +208,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def content_for(self, server_round: int, node: int, shared: RecordDict) -> RecordDict:
         """What ``node`` receives: :meth:`node_content`, with the ledger's word on its last upload if it tells."""
         content = self.node_content(server_round, node, shared)
+        if self.secagg is not None:  # the node's part of the round's SecAgg+ setup
+            content = with_config(content, self.configrecord_key, self.secagg.node_config(server_round, node))
         return self.ledger.told(content, shared, self.configrecord_key, self.sampler.key(node))
 
     def reply_spec_for(self, server_round: int) -> ReplySpec:
@@ -223,8 +227,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     def _adopt_global_model(self, arrays: ArrayRecord) -> None:
         """Take the global model Flower hands back; build the optimiser when the layout is new."""
         if self.model.adopt(arrays):
-            if self.privacy is not None:
-                self.privacy.check_layout(self.layout, type(self).__name__)
+            for part in (self.privacy, self.secagg):  # a part whose guarantee cannot cover float buffers refuses them
+                if part is not None:
+                    part.check_layout(self.layout, type(self).__name__)
             self.server_step.start(self.build_optimizer(self.layout), self.layout.dim)
             self.on_layout(self.layout)
             layout, name = self.layout, type(self).__name__
@@ -247,6 +252,8 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         self.accounting.round(server_round).sampled = len(nodes)
         if self.privacy is not None:
             self.privacy.sent([self.sampler.key(node) for node in nodes], self.accounting.round(server_round))
+        if self.secagg is not None:
+            self.secagg.begin(server_round, nodes, self.layout.dim)
         content_for = self._train_content(server_round, arrays, config)
         log(INFO, "configure_train: sampled %d nodes (out of %d)", len(nodes), len(self.sampler.known_clients))
         return self.transport.train_messages(server_round, nodes, content_for)
@@ -271,11 +278,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         shared = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         return lambda node: self.content_for(server_round, node, shared)
 
-    def exchange(
-        self, server_round: int, grid: Grid, contents: Mapping[int, RecordDict], *, phase: str, timeout: float
-    ) -> list[Message]:
-        """A mid-round exchange of ``phase`` (see :meth:`Transport.exchange`)."""
-        return self.transport.exchange(server_round, grid, contents, phase=phase, timeout=timeout)
+    def exchange(self, server_round: int, grid: Grid, contents: Mapping[int, RecordDict], **how: Any) -> list[Message]:
+        """A mid-round exchange (:meth:`Transport.exchange`; ``how``: its ``phase``, ``timeout``, ``message_type``)."""
+        return self.transport.exchange(server_round, grid, contents, **how)
 
     def collect(
         self,
@@ -320,6 +325,9 @@ class AdaptiveStrategy(RoundLoop, Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Read and screen the replies (streamed into the round's sink when the screen has a history to judge
         by), then settle the round: aggregate, one server step, commit or roll back (:meth:`apply_updates`)."""
+        if self.secagg is not None:  # the round's sum was taken in mid_round's exchanges
+            survivors, secure_mean = self.secagg.finish(server_round)
+            return self.apply_updates(server_round, survivors, secure_mean)
         phase = self.replies.phase_of(server_round)
         self.screen.set_model_norm(float(np.linalg.norm(self.params)) if self.params is not None else 0.0)
         kinds = screened_kinds(self.reply_spec_for(server_round), self.layout)

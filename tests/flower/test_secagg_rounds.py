@@ -1,0 +1,242 @@
+"""Secure aggregation through the engine: a round's sum is exact, the server never holds one client's update,
+drop-outs are recovered above the threshold and abort the round cleanly below it, and the methods that need
+one client's update refuse it before round 1."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from pollen.clientside import secagg_mod
+from pollen.clientside.compression_mod import client_state_for
+from pollen.clientside.secagg_mod import RESIDUAL, _rounding_rng
+from pollen.secagg.codec import SummableCodec
+from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, FedLAMB, FedLazy, FedOpt, HAFed
+from pollen.strategies.engine.parts import EngineParts
+from pollen.strategies.engine.rounds import SetupError
+from pollen.strategies.engine.screening import UpdateScreen
+from pollen.strategies.engine.secure import SecureAggregation, rounding_seed
+from pollen.testing.fakes import FakeGrid
+from pollen.wire import protocol
+from pollen.wire.records import arrays_to_record
+
+DIM = 40
+#: Flower's node ids are unsigned 64-bit: two of them above 2**63, as real SuperNodes' are.
+NODES = [9507328796357743299, 2, 3, 4, 5, 6, 7, 12754407852118411365]
+SEED = 5
+CLIP = 0.05
+
+
+def client_delta(node: int, server_round: int) -> np.ndarray:
+    """Each client's update: fixed by node and round, some coordinates beyond the codec's range."""
+    return (
+        np.random.default_rng([node & 0xFFFFFFFF, node >> 32, server_round]).normal(0.0, 0.03, DIM).astype(np.float32)
+    )
+
+
+def make_app() -> ClientApp:
+    """A ClientApp, as a Flower project writes one, that adds ``client_delta`` to the model it gets."""
+    app = ClientApp(mods=[secagg_mod])
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        config = msg.content.config_records["config"]
+        node = msg.metadata.dst_node_id
+        weights = msg.content.array_records["arrays"]["w"].numpy()
+        delta = client_delta(node, int(config[protocol.CFG_SERVER_ROUND]))
+        arrays = arrays_to_record({"w": np.asarray(weights + delta, dtype=np.float32)})
+        metrics = MetricRecord({"num-examples": 10, "train_loss": float(node)})
+        return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+
+    return app
+
+
+class Federation:
+    """Eight in-process nodes with their contexts, a grid that keeps every reply, and what each client encoded."""
+
+    def __init__(self, fail: dict[int, str] | None = None) -> None:
+        """``fail``: node -> the phase in which it stops answering (``"train"`` for the train message)."""
+        self.app, self.fail = make_app(), fail or {}
+        self.contexts = {
+            n: Context(run_id=1, node_id=n, node_config={"partition-id": i}, state=RecordDict(), run_config={})
+            for i, n in enumerate(NODES)
+        }
+        self.grid = FakeGrid(NODES, self.call)
+
+    def call(self, msg: Message) -> Message | None:
+        phase = str(msg.content.config_records["config"].get(protocol.CFG_PHASE, "train"))
+        if self.fail.get(msg.metadata.dst_node_id) == phase:
+            return None  # gone: no reply before the timeout
+        try:
+            return self.app(msg, self.contexts[msg.metadata.dst_node_id])
+        except Exception as err:  # noqa: BLE001 - as the runtime: an error reply
+            from flwr.app import Error
+
+            return Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=msg)
+
+    def run(self, strategy, rounds: int = 1):  # noqa: ANN001, ANN201
+        return strategy.start(
+            grid=self.grid, initial_arrays=arrays_to_record({"w": np.zeros(DIM, dtype=np.float32)}), num_rounds=rounds
+        )
+
+
+def secure_sgd(**secagg) -> FedOpt:  # noqa: ANN003
+    """FedOpt's plain SGD with eta 1: the new model is the old plus the decoded mean, nothing else."""
+    parts = EngineParts(secagg=SecureAggregation(clip=CLIP, seed=SEED, **secagg))
+    return FedOpt(optimizer="sgd", eta=1.0, fraction_evaluate=0.0, min_available_nodes=8, parts=parts)
+
+
+def expected_integers(node: int, server_round: int, bits: int, count: int) -> np.ndarray:
+    """What ``node`` encodes in ``server_round`` (round 1, no residual), recomputed from the seed."""
+    codec = SummableCodec(clip=CLIP, bits=bits, max_clients=count)
+    config = ConfigRecord({protocol.CFG_SECAGG_SEED: rounding_seed(SEED, server_round)})
+    return codec.quantize(client_delta(node, server_round), _rounding_rng(config, node))
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_the_round_steps_on_the_exact_mean_of_the_quantised_updates(bits: int) -> None:
+    federation = Federation()
+    result = federation.run(secure_sgd(bits=bits))
+    codec = SummableCodec(clip=CLIP, bits=bits, max_clients=8)
+    total = sum(expected_integers(n, 1, bits, 8) for n in NODES)
+    mean = (total.astype(np.float64) * (CLIP / codec.levels) / 8).astype(np.float32)
+    np.testing.assert_array_equal(result.arrays["w"].numpy(), np.zeros(DIM, np.float32) + mean)
+    clipped = np.clip(client_delta(1, 1), -CLIP, CLIP)
+    assert (
+        np.abs(mean - np.mean([np.clip(client_delta(n, 1), -CLIP, CLIP) for n in NODES], axis=0)).max()
+        < 2 * (CLIP / codec.levels)
+        and clipped.size == DIM
+    )
+
+
+def test_the_server_never_receives_one_clients_update() -> None:
+    federation = Federation()
+    strategy = secure_sgd(bits=8)
+    federation.run(strategy)
+    codec = SummableCodec(clip=CLIP, bits=8, max_clients=8)
+    plain = {n: codec.to_wire(expected_integers(n, 1, 8, 8)) for n in NODES}
+    masked_seen = 0
+    for reply in federation.grid.replies:
+        arrays = {name: record for name, record in reply.content.array_records.items()}
+        if not arrays:
+            continue
+        assert list(arrays) == [protocol.SECAGG_RECORD]  # only the masked input carries arrays
+        vector = next(iter(arrays[protocol.SECAGG_RECORD].values())).numpy()
+        node = reply.metadata.src_node_id
+        assert vector.dtype == codec.dtype and vector.shape == (DIM,)
+        assert np.mean(vector == plain[node]) < 0.05  # masked: not the client's integers
+        masked_seen += 1
+    assert masked_seen == len(NODES)
+    stats = strategy.accounting.round(1)
+    assert stats.uplink_update_bytes == len(NODES) * DIM * 2  # 16-bit lanes for 8 bits and 8 clients
+    assert stats.method["secagg_survivors"] == 8
+
+
+def test_a_client_that_drops_after_sharing_is_recovered() -> None:
+    federation = Federation(fail={3: protocol.SECAGG_MASKED_PHASE})
+    strategy = secure_sgd(bits=16)
+    result = federation.run(strategy)
+    survivors = [n for n in NODES if n != 3]
+    total = sum(expected_integers(n, 1, 16, 8) for n in survivors)
+    codec = SummableCodec(clip=CLIP, bits=16, max_clients=8)
+    mean = (total.astype(np.float64) * (CLIP / codec.levels) / len(survivors)).astype(np.float32)
+    np.testing.assert_array_equal(result.arrays["w"].numpy(), mean)
+    stats = strategy.accounting.round(1)
+    assert stats.method["secagg_dropped"] == 1 and stats.method["secagg_survivors"] == 7
+    assert any("node-3" in why and "no reply" in why for why in stats.failure_reasons)
+
+
+def test_too_few_survivors_abort_the_round_and_change_nothing() -> None:
+    fail = {n: protocol.SECAGG_UNMASK_PHASE for n in NODES[:5]}  # 3 of 8 answer the unmasking; threshold 5
+    federation = Federation(fail=fail)
+    strategy = secure_sgd(bits=16)
+    result = federation.run(strategy)
+    assert "w" not in result.arrays  # no round released a model
+    assert strategy.params.tolist() == [0.0] * DIM
+    stats = strategy.accounting.round(1)
+    assert stats.method["secagg_aborted"] == 1 and stats.replies == 0
+
+
+def test_a_client_whose_masked_vector_is_malformed_is_dropped_and_recovered() -> None:
+    federation = Federation()
+    honest = federation.call
+
+    def bent(msg: Message) -> Message:
+        reply = honest(msg)
+        config = msg.content.config_records["config"]
+        if msg.metadata.dst_node_id == 2 and config.get(protocol.CFG_PHASE) == protocol.SECAGG_MASKED_PHASE:
+            short = arrays_to_record({"masked": np.zeros(DIM - 1, dtype=np.uint16)})
+            return Message(RecordDict({protocol.SECAGG_RECORD: short}), reply_to=msg)
+        return reply
+
+    federation.grid = FakeGrid(NODES, bent)
+    strategy = secure_sgd(bits=8)
+    result = federation.run(strategy)
+    stats = strategy.accounting.round(1)
+    assert stats.method["secagg_survivors"] == 7 and stats.method["secagg_dropped"] == 1
+    assert any("masked vector is uint16(39,)" in why for why in stats.failure_reasons)
+    assert np.isfinite(result.arrays["w"].numpy()).all()
+
+
+def test_error_feedback_carries_what_the_integers_missed() -> None:
+    federation = Federation()
+    federation.run(secure_sgd(bits=8), rounds=1)
+
+    context = federation.contexts[4]
+    state = client_state_for(context, ConfigRecord({protocol.CFG_SERVER_ROUND: 2}), first_message=False)
+    codec = SummableCodec(clip=CLIP, bits=8, max_clients=8)
+    integers = expected_integers(4, 1, 8, 8)
+    np.testing.assert_allclose(state.get(RESIDUAL), client_delta(4, 1) - codec.dequantize(integers), atol=1e-7)
+
+
+def test_fedams_and_fedcams_run_securely() -> None:
+    for strategy in (
+        FedAMS(fraction_evaluate=0.0, parts=EngineParts(secagg=SecureAggregation(seed=1))),
+        FedCAMS(fraction_evaluate=0.0, parts=EngineParts(secagg=SecureAggregation(seed=1))),
+    ):
+        result = Federation().run(strategy, rounds=2)
+        assert strategy.uplink is None  # FedCAMS's sign uplink is replaced by the summable codec
+        assert strategy.accounting.round(2).method["secagg_survivors"] == 8
+        assert np.abs(result.arrays["w"].numpy()).max() > 0
+
+
+@pytest.mark.parametrize(
+    ("build", "words"),
+    [
+        (lambda p: FedAdaVR(parts=p), "stored-update table"),
+        (lambda p: FedLazy(parts=p), "copy of each client's last upload"),
+        (lambda p: HAFed(parts=p), "gossip"),
+        (lambda p: FedLAMB(parts=p), "a max is not a sum"),
+        (lambda p: FedAMS(aggregator="median", parts=p), "mean aggregator"),
+        (lambda p: FedAMS(aggregation="weighted", parts=p), "aggregation='mean'"),
+    ],
+)
+def test_methods_that_need_one_clients_update_refuse_in_one_line(build, words) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match="secure aggregation") as err:
+        build(EngineParts(secagg=SecureAggregation()))
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_screen_must_be_off_and_float_buffers_are_refused() -> None:
+    with pytest.raises(ValueError, match="outlier screen off"):
+        FedAMS(parts=EngineParts(secagg=SecureAggregation(), screen=UpdateScreen(rule="reject")))
+    strategy = FedAMS(fraction_evaluate=0.0, parts=EngineParts(secagg=SecureAggregation()))
+    arrays = arrays_to_record({"w": np.zeros(DIM, np.float32), "bn.running_var": np.ones(3, np.float32)})
+    with pytest.raises(SetupError, match="floating-point buffers"):
+        strategy.start(grid=Federation().grid, initial_arrays=arrays, num_rounds=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"bits": 1}, "secagg bits"),
+        ({"clip": -1.0}, "secagg clip"),
+        ({"degree": 0}, "degree"),
+        ({"threshold": 1}, "threshold"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(kwargs, words) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match=words):
+        SecureAggregation(**kwargs)
