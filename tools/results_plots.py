@@ -668,6 +668,36 @@ def privacy() -> Path:
     return _save(fig, "privacy")
 
 
+@_styled
+def secure_aggregation() -> Path:
+    sizes = table("secure-aggregation", "size", "upload", "x float32")
+    resnet = [r for r in sizes.rows if label(r[sizes.col("size")]).startswith("ResNet-18")]
+    quality = table("secure-aggregation", "strategy", "plain", "secagg 8 bits")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(WIDTH, 3.2), gridspec_kw={"width_ratios": [1, 1.15]})
+    names = [label(r[sizes.col("upload")]).replace("pollen, ", "pollen ") for r in resnet]
+    ratios = [value(r[sizes.col("x float32")]) for r in resnet]
+    _hbars(left, names, ratios, "x")
+    left.set_xlabel("bytes up per client, x float32 (ResNet-18)")
+    columns = [c for c in quality.header if c != "strategy"]
+    for index, row in enumerate(quality.rows):
+        style = plotstyle.series_style(index)
+        cells = [row[quality.header.index(c)] for c in columns]
+        means = [value(c) for c in cells]
+        spans = [re.findall(r"\d+\.\d+", label(c))[1:3] for c in cells]
+        low = [m - float(lo) for m, (lo, _) in zip(means, spans)]
+        high = [float(hi) - m for m, (_, hi) in zip(means, spans)]
+        x = [i + 0.08 * (index - 0.5) for i in range(len(columns))]
+        right.errorbar(
+            x, means, yerr=[low, high], capsize=3, linestyle="none", label=label(row[quality.col("strategy")]),
+            color=style["color"], marker=style["marker"],
+        )  # fmt: skip
+    right.set_xticks(range(len(columns)), [c.replace("secagg ", "secagg\n") for c in columns])
+    right.set_ylabel("final test accuracy")
+    fig.legend(loc="outside lower center", ncol=2, frameon=False, fontsize=8.5)
+    fig.suptitle("Secure aggregation: upload size and accuracy (Fashion-MNIST, 3 seeds)")
+    return _save(fig, "secure-aggregation")
+
+
 #: Page name (``docs/results/<page>.md``) -> the function that draws its figure.
 FIGURES_OF: dict[str, Callable[[], Path]] = {
     "fedcams": fedcams,
@@ -686,6 +716,7 @@ FIGURES_OF: dict[str, Callable[[], Path]] = {
     "dropin": dropin,
     "async": async_stragglers,
     "privacy": privacy,
+    "secure-aggregation": secure_aggregation,
 }
 
 

@@ -273,7 +273,8 @@ class SecAggServer:
         self.u1: set[int] = set()
         self.u2: set[int] = set()
         self.u3: set[int] = set()
-        self.masked: dict[int, np.ndarray] = {}
+        #: The running sum of the well-formed masked vectors (modulo 2**W): no client's vector is kept.
+        self.masked_sum: np.ndarray | None = None
         self._probe = crypto.new_key_pair()[0]  # to test an advertised key before anyone agrees with it
 
     def _advance(self, stage: int) -> None:
@@ -375,8 +376,11 @@ class SecAggServer:
                     f"its masked vector is {vector.dtype}{vector.shape}, not {self.codec.dtype}({self.dim},)"
                 )
                 continue
-            self.masked[u] = vector
-        u3 = set(self.masked)
+            if self.masked_sum is None:
+                self.masked_sum = np.zeros(self.dim, dtype=self.codec.dtype)
+            self.masked_sum += vector  # wraps modulo 2**W, as the masks do
+            self.u3.add(u)
+        u3 = set(self.u3)
         if len(u3) < self.threshold:
             raise SecAggAbort(f"{len(u3)} masked vectors arrived; secure aggregation needs {self.threshold}")
         self.u3, self.dropped = u3, sorted(self.u2 - u3)
@@ -410,13 +414,12 @@ class SecAggServer:
                 for owner, blob in part.items():
                     if owner in wanted and (owner == holder or owner in self.graph[holder]) and isinstance(blob, bytes):
                         into[owner].append(blob)
-        total = np.zeros(self.dim, dtype=self.codec.dtype)
+        total = self.masked_sum.copy() if self.masked_sum is not None else np.zeros(self.dim, dtype=self.codec.dtype)
         for u in sorted(self.u3):
-            total = total + self.masked[u]
             seed = self._rebuild(
                 b_shares[u], lambda s, u=u: crypto.commit(s) == self.keys[u]["b_commit"], f"seed of {u}"
             )
-            total = total - crypto.mask(seed, self.dim, self.codec.dtype)
+            total -= crypto.mask(seed, self.dim, self.codec.dtype)
         for v in self.dropped:
             private = self._rebuild(
                 s_shares[v],
@@ -428,7 +431,10 @@ class SecAggServer:
                     crypto.agree(private, self.keys[u]["s_pk"], MASK_PURPOSE), self.dim, self.codec.dtype
                 )
                 # u added +mask towards a larger id, -mask towards a smaller one: take it back
-                total = total - pairwise if _pairwise_sign(u, v) > 0 else total + pairwise
+                if _pairwise_sign(u, v) > 0:
+                    total -= pairwise
+                else:
+                    total += pairwise
         return total, len(self.u3)
 
     def _rebuild(self, shares: list[bytes], valid: Any, what: str) -> bytes:

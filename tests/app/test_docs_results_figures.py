@@ -35,7 +35,7 @@ def _results_pages() -> list[str]:
 
 def test_every_results_page_but_the_index_has_a_figure_function():
     pages = _results_pages()
-    assert len(pages) == 17  # the index and 16 results pages
+    assert len(pages) == 18  # the index and 17 results pages
     assert set(_results_plots().FIGURES_OF) == set(pages) - {"index"}
 
 

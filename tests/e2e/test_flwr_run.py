@@ -327,6 +327,7 @@ def test_a_third_of_clients_failing_every_round_does_not_stop_the_run(flower: Lo
     assert rows[-1]["accuracy"] > metrics["rows"][0]["accuracy"]
 
 
+@pytest.mark.app_compat  # CI runs it on the newest supported Flower too
 def test_secure_aggregation_recovers_a_client_that_drops_mid_protocol(flower: LocalFlower, results_dir: Path) -> None:
     """secagg=true through flwr run, 8 SuperNodes: partition 3 fails every round after sharing its keys (an error
     at the masked-input phase); its masks are removed through its neighbours and the round steps on 7 clients."""

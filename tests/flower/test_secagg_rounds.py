@@ -22,6 +22,8 @@ from pollen.testing.fakes import FakeGrid
 from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record
 
+pytestmark = pytest.mark.flower_compat
+
 DIM = 40
 #: Flower's node ids are unsigned 64-bit: two of them above 2**63, as real SuperNodes' are.
 NODES = [9507328796357743299, 2, 3, 4, 5, 6, 7, 12754407852118411365]
@@ -159,25 +161,56 @@ def test_too_few_survivors_abort_the_round_and_change_nothing() -> None:
     assert stats.method["secagg_aborted"] == 1 and stats.replies == 0
 
 
-def test_a_client_whose_masked_vector_is_malformed_is_dropped_and_recovered() -> None:
-    federation = Federation()
+def bend(federation: Federation, node: int, phase: str, edit) -> None:  # noqa: ANN001
+    """Make ``node``'s answer to ``phase`` ``edit(msg, reply)`` (a client that sends a malformed message)."""
     honest = federation.call
 
     def bent(msg: Message) -> Message:
         reply = honest(msg)
         config = msg.content.config_records["config"]
-        if msg.metadata.dst_node_id == 2 and config.get(protocol.CFG_PHASE) == protocol.SECAGG_MASKED_PHASE:
-            short = arrays_to_record({"masked": np.zeros(DIM - 1, dtype=np.uint16)})
-            return Message(RecordDict({protocol.SECAGG_RECORD: short}), reply_to=msg)
+        if msg.metadata.dst_node_id == node and config.get(protocol.CFG_PHASE) == phase:
+            return edit(msg, reply)
         return reply
 
     federation.grid = FakeGrid(NODES, bent)
+
+
+def test_a_client_whose_masked_vector_is_malformed_is_dropped_and_recovered() -> None:
+    federation = Federation()
+    short = arrays_to_record({"masked": np.zeros(DIM - 1, dtype=np.uint16)})
+    bend(
+        federation,
+        2,
+        protocol.SECAGG_MASKED_PHASE,
+        lambda m, r: Message(RecordDict({protocol.SECAGG_RECORD: short}), reply_to=m),
+    )
     strategy = secure_sgd(bits=8)
     result = federation.run(strategy)
     stats = strategy.accounting.round(1)
     assert stats.method["secagg_survivors"] == 7 and stats.method["secagg_dropped"] == 1
     assert any("masked vector is uint16(39,)" in why for why in stats.failure_reasons)
     assert np.isfinite(result.arrays["w"].numpy()).all()
+
+
+def test_a_client_whose_shares_are_malformed_is_left_out_and_the_rest_sum_exactly() -> None:
+    federation = Federation()
+
+    def misaddressed(msg: Message, reply: Message) -> Message:
+        record = reply.content.config_records[protocol.SECAGG_RECORD]
+        record["to"] = [v + 1 for v in record["to"]]  # addressed to clients that are not its neighbours
+        return reply
+
+    bend(federation, 5, protocol.SECAGG_SHARE_PHASE, misaddressed)
+    strategy = secure_sgd(bits=16)
+    result = federation.run(strategy)
+    stats = strategy.accounting.round(1)
+    assert any("node-5" in why and "do not address exactly its neighbours" in why for why in stats.failure_reasons)
+    others = [n for n in NODES if n != 5]
+    total = sum(expected_integers(n, 1, 16, 8) for n in others)
+    codec = SummableCodec(clip=CLIP, bits=16, max_clients=8)
+    mean = (total.astype(np.float64) * (CLIP / codec.levels) / len(others)).astype(np.float32)
+    np.testing.assert_array_equal(result.arrays["w"].numpy(), mean)
+    assert stats.method["secagg_survivors"] == 7 and stats.method["secagg_dropped"] == 0
 
 
 def test_error_feedback_carries_what_the_integers_missed() -> None:
@@ -240,3 +273,16 @@ def test_the_screen_must_be_off_and_float_buffers_are_refused() -> None:
 def test_bad_settings_are_refused_by_name(kwargs, words) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match=words):
         SecureAggregation(**kwargs)
+
+
+def test_a_foreign_flower_project_aggregates_securely_with_the_mod_alone() -> None:
+    """Flower's quickstart-pytorch rebuilt with local data (its ClientApp as the example writes it, plus
+    ``secagg_mod``): FedAMS under secure aggregation learns as it does without it (seed 1, 3 rounds)."""
+    from pollen.testing.foreign import harness
+    from pollen.testing.foreign.quickstart_pytorch import PROJECT
+
+    plain = harness.run_project(PROJECT, FedAMS(fraction_evaluate=0.0), seed=1, num_rounds=3)
+    strategy = FedAMS(fraction_evaluate=0.0, parts=EngineParts(secagg=SecureAggregation(bits=8, seed=1)))
+    secure = harness.run_project(PROJECT, strategy, seed=1, num_rounds=3, mods=(secagg_mod,))
+    assert all(strategy.accounting.round(r).method["secagg_survivors"] == 4 for r in (1, 2, 3))
+    assert secure[-1] > secure[0] + 0.2 and abs(secure[-1] - plain[-1]) < 0.05, (plain, secure)

@@ -19,6 +19,8 @@ DIM = 64
 
 # --------------------------------------------------------------------------- the codec
 
+pytestmark = pytest.mark.flower_compat
+
 
 def test_widths_leave_headroom_for_the_sum_of_max_clients() -> None:
     codec = SummableCodec(clip=1.0, bits=8, max_clients=8)
