@@ -19,9 +19,8 @@ without it: seconds per round (the clients' part and the server's) and bytes per
 would leave the sum), FedAMS and FedCAMS, plain and under ``secagg`` at 8 and 16 bits, seeds 1-3: the final
 test accuracy, mean and range.
 
-Run: ``python benchmarks/bench_secagg.py --part protocol`` (about a minute), ``--part rounds`` (about three
-minutes) and ``python
-benchmarks/bench_secagg.py --part quality --rounds 10`` (about 15 minutes on two cores).
+Run: ``python benchmarks/bench_secagg.py --part protocol`` (about 20 seconds), ``--part rounds`` (about three
+minutes) and ``python benchmarks/bench_secagg.py --part quality --rounds 10`` (about 30 minutes on two cores).
 """
 
 from __future__ import annotations

@@ -17,9 +17,10 @@ SecAggClient`): its sealed shares, its masked integers, its shares for the unmas
 through untouched, so the same ClientApp serves a server without secure aggregation.
 
 The residual lives with the client's other state (:class:`~pollen.clientside.state.ClientState`: a file under
-``state-dir`` when one is set), committed with the reply that advertises the keys: a round that aborts, or a
-client that drops before its masked integers leave, loses that round's update (the residual keeps only what the
-integers missed), as a lost reply does.
+``state-dir`` when one is set), with what the round's integers stood for: error feedback is exact, as pollen's
+other error-fed uploads. The server's ledger tells the next train message whether the round's sum took this
+client's integers; a round that aborted, or one this client dropped out of before its masked integers arrived,
+puts them back into the residual (:func:`pollen.clientside.feedback.settle`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
 from pollen.clientside.compression_mod import client_state_for
+from pollen.clientside.feedback import settle
 from pollen.core.layout import ModelLayout
 from pollen.secagg.crypto import SecAggError
 from pollen.secagg.protocol import SecAggClient
@@ -38,6 +40,9 @@ from pollen.wire import protocol
 from pollen.wire.records import arrays_to_record, record_to_arrays
 
 RESIDUAL = "secagg-residual"
+#: What the last integers stood for (float32) and their round: owed back when the server says it did not take them.
+PENDING = "secagg-pending"
+PENDING_ROUND = "secagg-pending.round"
 #: The node's round in ``context.state``: the protocol's client (JSON) and the encoded update (never sent).
 STATE_CLIENT = "pollen.secagg-client"
 STATE_UPDATE = "pollen.secagg-update"
@@ -85,7 +90,12 @@ def _rounding_rng(config: ConfigRecord, node_id: int) -> np.random.Generator:
 
 def encode_and_advertise(delta: np.ndarray, config: ConfigRecord, context: Context, node_id: int) -> ConfigRecord:
     """Encode ``delta`` (flat float32) with error feedback, start the round's protocol, keep both in
-    ``context.state``; the keys record of the reply."""
+    ``context.state``; the keys record of the reply.
+
+    Error feedback is exact, as pollen's other error-fed uploads (:mod:`pollen.clientside.feedback`): the client
+    keeps what its last integers stood for and their round; the server's ledger says in this message whether that
+    round's sum took them, and what it did not take (an aborted round, a drop-out) goes back into the residual
+    before this round's update is encoded."""
     setup = _setup_of(config)
     client = SecAggClient(node_id)
     keys = client.advertise(setup)
@@ -93,22 +103,30 @@ def encode_and_advertise(delta: np.ndarray, config: ConfigRecord, context: Conte
         raise SecAggError(f"the model has {delta.shape[0]} trainable values; the server's setup says {client.dim}")
     state = client_state_for(context, config)
     residual = state.get(RESIDUAL)
+    pending = state.get(PENDING)
+    pending_round = state.get(PENDING_ROUND, shape=(), dtype=np.int64)
     if residual is not None and residual.shape != delta.shape:
         residual = None  # another model: start again from e = 0
+    if pending is not None and pending_round is not None and pending.shape == delta.shape:
+        residual = settle(residual, pending, int(pending_round), config, int(config.get(protocol.CFG_SERVER_ROUND, 0)))
     wire, residual = client.codec.encode(delta, residual, _rounding_rng(config, node_id))
     state.set(RESIDUAL, residual)
+    state.set(PENDING, client.codec.dequantize(client.codec.signed_sum(wire, 1)))
+    state.set(PENDING_ROUND, np.array(int(config.get(protocol.CFG_SERVER_ROUND, 0)), dtype=np.int64))
     state.commit()
     _save(context, client, wire)
     return ConfigRecord(keys)
 
 
 def _save(context: Context, client: SecAggClient, wire: np.ndarray | None = None) -> None:
+    """Keep the round's protocol client (and, at the train message, its encoded update) in ``context.state``."""
     context.state[STATE_CLIENT] = ConfigRecord({"client": client.to_bytes()})
     if wire is not None:
         context.state[STATE_UPDATE] = arrays_to_record({"wire": wire})
 
 
 def _load(context: Context, node_id: int) -> SecAggClient:
+    """The round's protocol client :func:`_save` kept; :class:`SecAggError` when there is none."""
     saved = context.state.config_records.get(STATE_CLIENT) if STATE_CLIENT in context.state else None
     if not isinstance(saved, ConfigRecord) or not isinstance(saved.get("client"), bytes):
         raise SecAggError("a secure-aggregation phase arrived, but this node holds no round (its train message?)")
@@ -116,6 +134,7 @@ def _load(context: Context, node_id: int) -> SecAggClient:
 
 
 def _wire_of(context: Context, client: SecAggClient) -> np.ndarray:
+    """The encoded update the train message kept, checked against the round's codec and size."""
     saved = context.state.array_records.get(STATE_UPDATE) if STATE_UPDATE in context.state else None
     if saved is None:
         raise SecAggError("this node's encoded update is missing from its state")
@@ -126,12 +145,14 @@ def _wire_of(context: Context, client: SecAggClient) -> np.ndarray:
 
 
 def _forget(context: Context) -> None:
+    """Drop the round's protocol state from ``context.state`` (the round is over, or a new one begins)."""
     for name in (STATE_CLIENT, STATE_UPDATE):
         if name in context.state:
             del context.state[name]
 
 
 def _pairs(record: ConfigRecord, ids_key: str, blobs_key: str) -> dict[int, bytes]:
+    """``{id: blob}`` from the server's two parallel lists (both absent: empty); :class:`SecAggError` if malformed."""
     ids, blobs = record.get(ids_key, []), record.get(blobs_key, [])
     if not (isinstance(ids, list) and isinstance(blobs, list) and len(ids) == len(blobs)):
         raise SecAggError(f"the server's '{ids_key}' and '{blobs_key}' do not pair up")
@@ -150,6 +171,8 @@ def answer_phase(msg: Message, context: Context) -> Message:
     if record is None:
         raise SecAggError(f"the {phase} message carries no '{protocol.SECAGG_RECORD}' record")
     client = _load(context, node_id)
+    if record.get(protocol.SECAGG_ROUND_ENTRY) != client.round_key:
+        raise SecAggError(f"a {phase} message of another round (its round key is not this node's round's): refused")
     if phase == protocol.SECAGG_SHARE_PHASE:
         ids = record.get("ids", [])
         columns = {name: record.get(name, []) for name in ("c_pk", "s_pk", "b_commit")}

@@ -239,11 +239,12 @@ class TableAggregate:
     the round commits). With a robust aggregator (``novr`` only: no table) the round's delta is that aggregator's.
     """
 
-    #: Why central DP does not fit this aggregate (:class:`~pollen.strategies.engine.private.CentralPrivacy`).
+    #: Why secure aggregation does not fit this aggregate (:class:`~pollen.strategies.engine.secure.SecureAggregation`).
     secagg_refusal = (
         "its stored-update table keeps each client's latest update, which secure aggregation never shows the "
         "server (a client-held table is the spec's way, not built)"
     )
+    #: Why central DP does not fit this aggregate (:class:`~pollen.strategies.engine.private.CentralPrivacy`).
     privacy_refusal = (
         "its stored-update table puts each client's update back into every later round's aggregate, so one "
         "client's privacy cost would compound with each release (privacy.md section 7); local DP (dp='local', "

@@ -100,7 +100,6 @@ CFG_GOSSIP_TAU = "pollen.gossip.tau"
 CFG_GOSSIP_EVERY = "pollen.gossip.every"
 CFG_GOSSIP_ACTIVE = "pollen.gossip.active-prob"
 CFG_GOSSIP_SEGMENT = "pollen.gossip.segment"
-# The lazy / bidirectional family (pollen.strategies.lazy <-> pollen.clientside.lazy_mod).
 # Secure aggregation (pollen.secagg, pollen.clientside.secagg_mod): a train message's setup, the three phases.
 CFG_SECAGG_NEIGHBOURS = "pollen.secagg.neighbours"
 CFG_SECAGG_THRESHOLD = "pollen.secagg.threshold"
@@ -112,10 +111,12 @@ CFG_SECAGG_ROUND = "pollen.secagg.round"
 CFG_SECAGG_SEED = "pollen.secagg.seed"
 CFG_SECAGG_OFF = "pollen.secagg.off"  # a round too small to aggregate securely: the client trains and sends nothing
 SECAGG_RECORD = "pollen.secagg"
+SECAGG_ROUND_ENTRY = "round"  # each phase message's round key: a client refuses one of another round
 SECAGG_SHARE_PHASE = "secagg-share-keys"
 SECAGG_MASKED_PHASE = "secagg-masked-input"
 SECAGG_UNMASK_PHASE = "secagg-unmask"
 SECAGG_PHASES = (SECAGG_SHARE_PHASE, SECAGG_MASKED_PHASE, SECAGG_UNMASK_PHASE)
+# The lazy / bidirectional family (pollen.strategies.lazy <-> pollen.clientside.lazy_mod).
 CFG_LAZY_UP_RULE = "pollen.lazy.up-rule"  # none | nla | aa; its presence marks a lazy-family message
 CFG_LAZY_UP_TAU = "pollen.lazy.up-tau"
 CFG_LAZY_UP_CODEC = "pollen.lazy.up-codec"

@@ -47,12 +47,14 @@ def test_fedams_fedcams_and_fedopt_run_on_the_secure_sum(tmp_path: Path, strateg
     ("extra", "reason"),
     [
         ({"strategy": "fedadavr"}, "FedAdaVR does not take secure aggregation: its stored-update table"),
-        ({"strategy": "fedbnlaca"}, "does not take secure aggregation"),
+        ({"strategy": "fedbnlaca"}, "does not take secure aggregation: the server keeps a copy of each client's last"),
+        ({"strategy": "fedams", "driver": "async"}, "secure aggregation needs the synchronous round driver"),
+        ({"strategy": "fedams", "dp": "local"}, "secure aggregation does not take a differential-privacy part"),
         ({"strategy": "fedavg"}, "run-config 'secagg' = true does not fit Flower's own"),
         ({"strategy": "fedams", "model": "cnn", "norm": "bn"}, "floating-point buffers"),
         ({"strategy": "fedams", "aggregator": "median"}, "secure aggregation needs the mean aggregator"),
     ],
-    ids=["fedadavr", "lazy", "flower-fedavg", "batchnorm", "median"],
+    ids=["fedadavr", "lazy", "async", "local-dp", "flower-fedavg", "batchnorm", "median"],
 )
 def test_what_cannot_aggregate_securely_stops_before_round_1_with_its_reason(
     tmp_path: Path, extra: dict, reason: str

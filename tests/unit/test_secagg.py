@@ -15,11 +15,12 @@ import pytest
 from pollen.secagg import SecAggAbort, SecAggClient, SecAggError, SecAggServer, SummableCodec, crypto
 from pollen.secagg.graph import default_degree, default_threshold, neighbourhoods
 
+#: Pure arithmetic and cryptography, but of the messages Flower carries: CI runs it on the newest Flower too.
+pytestmark = pytest.mark.flower_compat
+
 DIM = 64
 
 # --------------------------------------------------------------------------- the codec
-
-pytestmark = pytest.mark.flower_compat
 
 
 def test_widths_leave_headroom_for_the_sum_of_max_clients() -> None:

@@ -25,13 +25,13 @@ def sampling_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
 OWN_METRIC_BOUNDS = {"accuracy": (0.0, 1.0), "loss": (0.0, float("inf"))}
 
 
-def screen_of(cfg: Mapping[str, Any], *, central_dp: bool = False) -> Any:
+def screen_of(cfg: Mapping[str, Any], *, per_client_bound: bool = False) -> Any:
     """The outlier screen the run-config asks for (every strategy, Flower's own included); with central DP or
-    secure aggregation (``central_dp``) the norm screen is off whatever ``outlier-rule`` says (the clip bounds each
-    client), the metric ranges stay."""
+    secure aggregation (``per_client_bound``: each client's own clip bounds its influence) the norm screen is off
+    whatever ``outlier-rule`` says, the metric ranges stay."""
     from pollen.strategies.engine.screening import UpdateScreen
 
-    rule = "off" if central_dp else cfg["outlier-rule"]
+    rule = "off" if per_client_bound else cfg["outlier-rule"]
     return UpdateScreen(rule=rule, factor=cfg["outlier-factor"], metric_bounds=OWN_METRIC_BOUNDS)
 
 
@@ -45,7 +45,9 @@ def engine_parts(cfg: Mapping[str, Any]) -> Any:
     privacy, secagg = privacy_of(cfg), secagg_of(cfg)
     return EngineParts(
         sampler=ClientSampler(seed=cfg["seed"], identify_clients=True, population=cfg["population"]),
-        screen=screen_of(cfg, central_dp=(privacy is not None and privacy.mode == "central") or secagg is not None),
+        screen=screen_of(
+            cfg, per_client_bound=(privacy is not None and privacy.mode == "central") or secagg is not None
+        ),
         transaction=RoundTransaction(min_replies=cfg["min-replies"]),
         driver=driver_of(cfg),
         privacy=privacy,

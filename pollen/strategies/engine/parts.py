@@ -282,7 +282,8 @@ def assemble(  # noqa: PLR0913 - the base's arguments, checked and wired in one 
     claim(chosen, strategy)
     for item in fields(chosen):
         setattr(strategy, item.name, getattr(chosen, item.name))
-    strategy.ledger.decide(uplink is not None and uplink.error_feedback and uplink.codec != "none", owner=strategy)
+    error_fed = uplink is not None and uplink.error_feedback and uplink.codec != "none"
+    strategy.ledger.decide(error_fed or chosen.secagg is not None, owner=strategy)  # secagg's codec is error-fed
     if strategy.sampler.min_available_nodes is None:
         strategy.sampler.min_available_nodes = flower["min_available_nodes"]
     strategy.server_step = ServerStep(optimizer)

@@ -44,11 +44,14 @@ from flwr.serverapp import Grid
 from pollen.secagg.codec import MAX_CLIENTS, SummableCodec
 from pollen.secagg.crypto import KEY_BYTES
 from pollen.secagg.protocol import SecAggAbort, SecAggServer
+from pollen.strategies.engine.client_errors import client_error_text
 from pollen.strategies.engine.replies import ClientUpdate, ReplySpec, count_records
 from pollen.strategies.engine.round_aggregate import MeanAggregate
 from pollen.strategies.engine.screening import UpdateScreen
 from pollen.wire import protocol
 
+#: The fewest clients a round aggregates securely: with two, each learns the other's update from the next model.
+MIN_CLIENTS = 3
 #: A train reply under secure aggregation: keys and metrics, no update.
 KEYS_SPEC = ReplySpec(update="optional", buffers="off")
 #: The per-coordinate range ``[-clip, clip]`` of the summable codec (in units of the model's parameters).
@@ -63,16 +66,19 @@ class SecureMean:
         self.delta = delta
 
     def mean(self) -> np.ndarray:
+        """The decoded mean (the server step's delta)."""
         return self.delta
 
 
 def _ints(value: Any) -> list[int] | None:
+    """``value`` as a list of node ids when it is one (integers, not booleans); ``None`` otherwise."""
     if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return list(value)
     return None
 
 
 def _blobs(value: Any) -> list[bytes] | None:
+    """``value`` as a list of byte strings when it is one; ``None`` otherwise."""
     if isinstance(value, list) and all(isinstance(v, bytes) for v in value):
         return list(value)
     return None
@@ -109,9 +115,10 @@ class SecureAggregation:
         The codec's public per-coordinate range ``[-clip, clip]`` of an update (``x_local - x_global``): it bounds
         what one honest client moves the sum; what lies beyond goes to the client's error-feedback residual.
     degree : int | None (default: None)
-        Neighbours per client on the round's graph (SecAgg+); ``None``: ``2 ceil(log2 n)``.
+        Neighbours per client on the round's graph (SecAgg+), an even number; ``None``: ``2 ceil(log2 n)``.
     threshold : int | None (default: None)
-        Shares that rebuild a secret (2 to a client's neighbours + 1); ``None``: two thirds of the holders.
+        Shares that rebuild a secret (2 to a client's neighbours + 1); ``None``: two thirds of the holders. A round
+        whose sample leaves fewer holders than a fixed threshold is aborted with the reason.
     seed : int | None (default: None)
         Seeds the clients' stochastic rounding (with the round and the node), for reproducible simulations;
         ``None``: each client rounds with fresh randomness. The masks are always fresh.
@@ -129,8 +136,13 @@ class SecureAggregation:
         seed: int | None = None,
     ) -> None:
         self.codec = SummableCodec(clip=clip, bits=bits)  # checks both; each round's is sized by its sample
-        if degree is not None and not (isinstance(degree, int) and not isinstance(degree, bool) and degree >= 1):
-            raise ValueError(f"secagg degree={degree!r} is invalid; allowed: an integer >= 1, or None")
+        if degree is not None and not (
+            isinstance(degree, int) and not isinstance(degree, bool) and degree >= 2 and degree % 2 == 0
+        ):
+            raise ValueError(
+                f"secagg degree={degree!r} is invalid; allowed: an even integer >= 2 (the ring graph links each client "
+                "to degree / 2 on each side), or None"
+            )
         if threshold is not None and not (
             isinstance(threshold, int) and not isinstance(threshold, bool) and threshold >= 2
         ):
@@ -138,7 +150,9 @@ class SecureAggregation:
         if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool)):
             raise ValueError(f"secagg seed={seed!r} is invalid; allowed: an integer or None")
         self.degree, self.threshold, self.seed = degree, threshold, seed
-        self._servers: dict[int, SecAggServer | None] = {}
+        #: Each round's protocol (or why the round cannot run one) and its setup messages, until the round ends.
+        self._servers: dict[int, SecAggServer | str] = {}
+        self._setups: dict[int, dict[int, dict[str, Any]]] = {}
         self._results: dict[int, tuple[list[ClientUpdate], np.ndarray | None]] = {}
 
     # ------------------------------------------------------------------ before round 1
@@ -177,9 +191,10 @@ class SecureAggregation:
 
     def check_driver(self, driver: Any, name: str) -> None:
         """``ValueError`` unless ``driver`` runs lock-step rounds (the cohort's masks are set up before training)."""
-        from pollen.strategies.engine.rounds import SyncRounds  # rounds imports the parts
+        from pollen.strategies.engine.buffered import BufferedAsync  # the drivers import the parts
+        from pollen.strategies.engine.rounds import SyncRounds
 
-        if not isinstance(driver, SyncRounds):
+        if not isinstance(driver, SyncRounds) or isinstance(driver, BufferedAsync):
             raise ValueError(
                 f"{name}: secure aggregation needs the synchronous round driver (a round's cohort sets up its masks "
                 f"before training); got {type(driver).__name__}"
@@ -212,25 +227,33 @@ class SecureAggregation:
     def begin(self, server_round: int, nodes: list[int], dim: int) -> None:
         """Set up the round's protocol over ``nodes`` (the sampled ones), before their train messages are built."""
         self._results.pop(server_round, None)
-        if len(nodes) < 2 or len(nodes) > MAX_CLIENTS:
-            self._servers[server_round] = None
+        if not MIN_CLIENTS <= len(nodes) <= MAX_CLIENTS:
+            self._servers[server_round] = (
+                f"{len(nodes)} clients sampled; secure aggregation needs {MIN_CLIENTS} to {MAX_CLIENTS} (with two, "
+                "each would learn the other's update from the next model)"
+            )
             return
-        self._servers[server_round] = SecAggServer(
-            nodes,
-            SummableCodec(clip=self.codec.clip, bits=self.codec.bits, max_clients=len(nodes)),
-            dim,
-            degree=self.degree,
-            threshold=self.threshold,
-            seed=int.from_bytes(hashlib.sha256(f"graph/{self.seed}/{server_round}".encode()).digest()[:4], "little"),
-        )
+        try:
+            server = SecAggServer(
+                nodes,
+                SummableCodec(clip=self.codec.clip, bits=self.codec.bits, max_clients=len(nodes)),
+                dim,
+                degree=self.degree,
+                threshold=self.threshold,
+                seed=int.from_bytes(
+                    hashlib.sha256(f"graph/{self.seed}/{server_round}".encode()).digest()[:4], "little"
+                ),
+            )
+        except ValueError as err:  # a fixed threshold this round's sample cannot meet
+            self._servers[server_round] = f"this round's {len(nodes)} clients cannot run it: {err}"
+            return
+        self._servers[server_round], self._setups[server_round] = server, server.setup_messages()
 
     def node_config(self, server_round: int, node: int) -> dict[str, Any]:
         """What ``node``'s train message of ``server_round`` adds to its config: its part of the setup."""
         server = self._servers.get(server_round)
-        if server is None:
-            return {protocol.CFG_SECAGG_OFF: True}
-        setup = server.setup_messages()[node] if node in server.graph else None
-        if setup is None:
+        setup = self._setups.get(server_round, {}).get(node)
+        if not isinstance(server, SecAggServer) or setup is None:
             return {protocol.CFG_SECAGG_OFF: True}
         config: dict[str, Any] = {
             protocol.CFG_SECAGG_NEIGHBOURS: list(setup["neighbours"]),
@@ -247,31 +270,40 @@ class SecureAggregation:
 
     def run(self, strategy: Any, server_round: int, grid: Grid, replies: list[Message], timeout: float) -> None:
         """The round's three exchanges after the train replies; the result is kept for :meth:`finish`."""
-        server = self._servers.pop(server_round, None)
+        server = self._servers.pop(server_round, "the round was not set up (no train message was built)")
+        self._setups.pop(server_round, None)
         stats = strategy.accounting.round(server_round)
         try:
-            if server is None:
-                raise SecAggAbort(f"{stats.sampled} clients sampled; secure aggregation needs at least 2")
+            if not isinstance(server, SecAggServer):
+                raise SecAggAbort(server)
+            key = server.round_key
             updates, advertised = self._read_keys(strategy, server_round, replies)
             keys = server.receive_keys(advertised)
             self._refuse(strategy, server_round, server)
-            answers = self._ask(strategy, server_round, grid, timeout, protocol.SECAGG_SHARE_PHASE, keys, _keys_record)
+            answers = self._ask(
+                strategy, server_round, grid, timeout, protocol.SECAGG_SHARE_PHASE, keys, _keys_record, key
+            )
             shares = {node: _pairs(record, "to", "sealed") for node, record in answers.items()}
             forwarded = server.receive_shares(shares)
             self._refuse(strategy, server_round, server)
             answers = self._ask(
-                strategy, server_round, grid, timeout, protocol.SECAGG_MASKED_PHASE, forwarded, _sealed_record
+                strategy, server_round, grid, timeout, protocol.SECAGG_MASKED_PHASE, forwarded, _sealed_record, key
             )
-            masked = {node: _masked_vector(record) for node, record in answers.items()}
-            requests = server.receive_masked(masked)
+            requests = server.receive_masked({node: _masked_vector(record) for node, record in answers.items()})
             self._refuse(strategy, server_round, server)
-            stats.uplink_update_bytes += server.codec.wire_bytes(server.dim) * len(server.u3)
+            stats.uplink_update_bytes += sum(int(answers[node].count_bytes()) for node in server.u3)  # as measured
             stats.uplink_fp32_bytes += 4 * server.dim * len(server.u3)
-            answers = self._ask(strategy, server_round, grid, timeout, protocol.SECAGG_UNMASK_PHASE, requests, _unmask)
-            revealed = {node: _revealed(record) for node, record in answers.items()}
-            total, count = server.receive_unmask(revealed)
+            answers = self._ask(
+                strategy, server_round, grid, timeout, protocol.SECAGG_UNMASK_PHASE, requests, _unmask, key
+            )
+            total, count = server.receive_unmask({node: _revealed(record) for node, record in answers.items()})
             self._refuse(strategy, server_round, server)
+            if count < MIN_CLIENTS:
+                raise SecAggAbort(f"{count} survivors; releasing the sum of fewer than {MIN_CLIENTS} would show each "
+                                  "its other's update")  # fmt: skip
         except SecAggAbort as err:
+            if isinstance(server, SecAggServer):
+                self._refuse(strategy, server_round, server)
             log(WARNING, "round %d: secure aggregation aborted, no step: %s", server_round, err)
             stats.method["secagg_aborted"] = 1
             self._results[server_round] = ([], None)
@@ -337,10 +369,16 @@ class SecureAggregation:
         phase: str,
         outgoing: Mapping[int, Any],
         build: Any,
+        round_key: bytes,
     ) -> dict[int, ConfigRecord | ArrayRecord | None]:
-        """Send each node its part of ``phase``; each answering node's ``pollen.secagg`` record (``None`` when its
-        reply is an error or lacks it: the protocol counts it as dropped)."""
-        contents = {node: RecordDict({protocol.SECAGG_RECORD: build(part)}) for node, part in outgoing.items()}
+        """Send each node its part of ``phase`` (with the round's key, so a late message of another round is
+        refused by the client); each answering node's ``pollen.secagg`` record (``None`` when its reply is an
+        error or lacks it: the protocol counts it as dropped)."""
+        contents = {}
+        for node, part in outgoing.items():
+            record = build(part)
+            record[protocol.SECAGG_ROUND_ENTRY] = round_key
+            contents[node] = RecordDict({protocol.SECAGG_RECORD: record})
         # as train messages: any ClientApp's train function answers them through secagg_mod
         replies = strategy.exchange(
             server_round, grid, contents, phase=phase, timeout=timeout, message_type=MessageType.TRAIN
@@ -350,7 +388,8 @@ class SecureAggregation:
         for reply in replies:
             node = reply.metadata.src_node_id
             if reply.has_error():
-                strategy.replies.reject(server_round, node, f"{phase}: client error: {reply.error.reason[:500]}")
+                why = client_error_text(reply.error.reason if isinstance(reply.error.reason, str) else "")
+                strategy.replies.reject(server_round, node, f"{phase}: client error: {why}")
                 continue
             try:
                 stats.add_uplink(count_records(reply), prefix=f"{phase}/")
@@ -372,6 +411,7 @@ class SecureAggregation:
 
 
 def _keys_of(record: Any) -> dict[str, bytes] | None:
+    """A train reply's advertised keys (``c_pk``, ``s_pk``, ``b_commit``) when all three are bytes; else ``None``."""
     if not isinstance(record, ConfigRecord):
         return None
     keys = {name: record.get(name) for name in ("c_pk", "s_pk", "b_commit")}
@@ -379,6 +419,7 @@ def _keys_of(record: Any) -> dict[str, bytes] | None:
 
 
 def _keys_record(neighbours: Mapping[int, Mapping[str, bytes]]) -> ConfigRecord:
+    """The share-keys message: each neighbour's id and keys as parallel lists (none: an empty record)."""
     ids = sorted(neighbours)
     record = ConfigRecord()
     if ids:
@@ -389,11 +430,13 @@ def _keys_record(neighbours: Mapping[int, Mapping[str, bytes]]) -> ConfigRecord:
 
 
 def _sealed_record(sealed: Mapping[int, bytes]) -> ConfigRecord:
+    """The masked-input message: the shares sealed for this client, by sender, as parallel lists."""
     ids = sorted(sealed)
     return ConfigRecord({"from": ids, "sealed": [sealed[v] for v in ids]} if ids else {})
 
 
 def _unmask(request: Mapping[str, Any]) -> ConfigRecord:
+    """The unmask message: the client's neighbourhood's survivors and drop-outs, and the round's survivor count."""
     record = ConfigRecord({"alive": list(request["alive"]), "survivors": int(request["survivors"])})
     if request["dropped"]:
         record["dropped"] = list(request["dropped"])

@@ -17,6 +17,8 @@ def log_summary(strategy: Any) -> None:
         log(INFO, "\t│\t├── uplink: %s", strategy.uplink.describe())
     if getattr(strategy, "privacy", None) is not None:
         log(INFO, "\t│\t├── privacy: %s", strategy.privacy.describe())
+    if getattr(strategy, "secagg", None) is not None:
+        log(INFO, "\t│\t├── secure aggregation: %s", strategy.secagg.summary())
     for key, value in strategy.extra_summary().items():
         log(INFO, "\t│\t├── %s: %s", key, value)
     log(INFO, "\t│\t├── aggregation: %s (weight key '%s')", strategy.aggregation, strategy.weighted_by_key)

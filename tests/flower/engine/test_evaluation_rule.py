@@ -212,4 +212,4 @@ def test_the_apps_screen_declares_the_ranges_of_pollens_own_client_metrics() -> 
 
     cfg = {"outlier-rule": "reject", "outlier-factor": 10.0}
     assert screen_of(cfg).metric_bounds == OWN_METRIC_BOUNDS == {"accuracy": (0.0, 1.0), "loss": (0.0, float("inf"))}
-    assert screen_of(cfg, central_dp=True).rule == "off"
+    assert screen_of(cfg, per_client_bound=True).rule == "off"
