@@ -275,6 +275,8 @@ class SecAggServer:
         self.u3: set[int] = set()
         #: The running sum of the well-formed masked vectors (modulo 2**W): no client's vector is kept.
         self.masked_sum: np.ndarray | None = None
+        #: Each survivor's unmask request (:meth:`receive_masked`): its answer must cover exactly these shares.
+        self.requests: dict[int, dict[str, Any]] = {}
         self._probe = crypto.new_key_pair()[0]  # to test an advertised key before anyone agrees with it
 
     def _advance(self, stage: int) -> None:
@@ -384,7 +386,7 @@ class SecAggServer:
         if len(u3) < self.threshold:
             raise SecAggAbort(f"{len(u3)} masked vectors arrived; secure aggregation needs {self.threshold}")
         self.u3, self.dropped = u3, sorted(self.u2 - u3)
-        return {
+        self.requests = {
             u: {
                 "alive": sorted(v for v in (*self.graph[u], u) if v in u3 and (v == u or v in self.u2)),
                 "dropped": [v for v in self.dropped if v in self.graph[u]],
@@ -392,6 +394,7 @@ class SecAggServer:
             }
             for u in sorted(u3)
         }
+        return self.requests
 
     # ------------------------------------------------------------------ stage 4
 
@@ -409,6 +412,10 @@ class SecAggServer:
             parts = [reply.get(kind) for kind in ("b", "s")] if isinstance(reply, dict) else [None]
             if not all(isinstance(part, dict) and all(isinstance(o, int) for o in part) for part in parts):
                 self.refused[holder] = "its unmask answer is not two maps ('b', 's') from integer node ids to shares"
+                continue
+            asked = self.requests.get(holder, {})
+            if set(parts[0]) != set(asked.get("alive", ())) or set(parts[1]) != set(asked.get("dropped", ())):
+                self.refused[holder] = "its unmask answer does not hold exactly the shares it was asked for"
                 continue
             for part, wanted, into in ((parts[0], self.u3, b_shares), (parts[1], set(self.dropped), s_shares)):
                 for owner, blob in part.items():

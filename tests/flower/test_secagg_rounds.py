@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from pollen.clientside import secagg_mod
@@ -364,8 +364,6 @@ def test_error_feedback_stays_exact_across_an_aborted_round() -> None:
 
 
 def test_an_error_reply_without_a_reason_is_a_drop_out_not_a_crash() -> None:
-    from flwr.app import Error
-
     federation = Federation()
     bend(federation, 6, protocol.SECAGG_SHARE_PHASE, lambda m, r: Message(Error(code=0), reply_to=m))
     strategy = secure_sgd(bits=16)
@@ -373,3 +371,59 @@ def test_an_error_reply_without_a_reason_is_a_drop_out_not_a_crash() -> None:
     stats = strategy.accounting.round(1)
     assert stats.method["secagg_survivors"] == 7 and stats.failures == 1
     np.testing.assert_array_equal(result.arrays["w"].numpy(), exact_mean([n for n in NODES if n != 6], 16))
+
+
+#: Malformed answers a client can send in place of its protocol record, by name.
+MALFORMED = {
+    "metric-record": lambda: MetricRecord({"x": 1.0}),
+    "empty-config": lambda: ConfigRecord(),
+    "strings-for-ids": lambda: ConfigRecord({"to": ["a"], "sealed": ["b"], "ids": ["a"], "b_ids": ["x"], "b": ["y"]}),
+    "negative-ids": lambda: ConfigRecord({"to": [-1], "sealed": [b"x" * 40], "b_ids": [-5], "b": [b"q"]}),
+    "lists-unpaired": lambda: ConfigRecord({"to": [1, 2], "sealed": [b"x" * 40], "b_ids": [1, 2], "b": [b"q"]}),
+    "booleans-for-ids": lambda: ConfigRecord({"to": [True], "sealed": [b"x" * 40]}),
+    "repeated-ids": lambda: ConfigRecord({"to": [2, 2], "sealed": [b"x" * 40] * 2, "b_ids": [2, 2], "b": [b"q"] * 2}),
+    "huge-blob": lambda: ConfigRecord({"to": [2], "sealed": [b"x" * 100_000]}),
+    "two-arrays": lambda: arrays_to_record({"a": np.zeros(3, np.uint16), "b": np.zeros(3, np.uint16)}),
+    "float-array": lambda: arrays_to_record({"a": np.zeros(DIM, np.float32)}),
+    "wide-array": lambda: arrays_to_record({"a": np.zeros(DIM, np.uint64)}),
+}
+
+
+@pytest.mark.parametrize(
+    "phase", ["train", protocol.SECAGG_SHARE_PHASE, protocol.SECAGG_MASKED_PHASE, protocol.SECAGG_UNMASK_PHASE]
+)
+@pytest.mark.parametrize("kind", [*MALFORMED, "error-without-reason", "no-record"])
+def test_malformed_answers_at_any_stage_never_crash_the_server(phase: str, kind: str) -> None:
+    """One client, then six of eight, answer ``phase`` with ``kind`` every round: the run finishes its two rounds,
+    each a step on the well-formed clients' sum or an aborted round, never an exception."""
+
+    def malformed(msg: Message, reply: Message) -> Message:
+        if kind == "error-without-reason":
+            return Message(Error(code=0), reply_to=msg)
+        if kind == "no-record":
+            return Message(RecordDict({"metrics": MetricRecord({"num-examples": 10})}), reply_to=msg)
+        return Message(RecordDict({protocol.SECAGG_RECORD: MALFORMED[kind]()}), reply_to=msg)
+
+    for bad in ([2], NODES[1:7]):
+        federation = Federation()
+        honest = federation.call
+
+        def bent(msg: Message, bad: list[int] = bad, honest=honest) -> Message | None:  # noqa: ANN001
+            reply = honest(msg)
+            config = msg.content.config_records["config"]
+            if msg.metadata.dst_node_id in bad and str(config.get(protocol.CFG_PHASE, "train")) == phase:
+                return malformed(msg, reply)
+            return reply
+
+        federation.grid = FakeGrid(NODES, bent)
+        strategy = secure_sgd(bits=8)
+        federation.run(strategy, rounds=2)
+        for r in (1, 2):
+            stats = strategy.accounting.round(r)
+            assert stats.failures >= len(bad) or stats.method.get("secagg_aborted") == 1, stats
+            if not stats.method.get("secagg_aborted"):
+                assert (
+                    stats.method["secagg_survivors"]
+                    == stats.replies
+                    <= len(NODES) - len(bad) + (phase == protocol.SECAGG_UNMASK_PHASE) * len(bad)
+                )
