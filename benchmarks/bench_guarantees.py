@@ -44,7 +44,11 @@ def main() -> None:
     common = dict(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=len(nodes))
     cases = [
         ("FedAMS, dense", lambda: FedAMS(eta=0.1, **common), ReplyBank(arrays, nodes, None)),
-        ("FedCAMS, sign + EF", lambda: FedCAMS(compressor="sign", eta=0.1, **common), ReplyBank(arrays, nodes, "sign")),
+        (
+            "FedCAMS, sign + EF",
+            lambda: FedCAMS(compressor="sign", eta=0.1, granularity="model", **common),
+            ReplyBank(arrays, nodes, "sign"),
+        ),
     ]
     print(f"{len(nodes)} replies per round, ResNet-18; median ms of rounds 2..{args.rounds}, {args.repeats} repeats")
     print(f"{'strategy':<22} {'with guarantees':>16} {'without':>9} {'ratio':>7}")

@@ -66,11 +66,16 @@ def main() -> None:
             dense,
         ),
         ("FedAMS, central DP", "FedAMS", lambda: FedAMS(eta=0.1, parts=private(), **common), dense),
-        ("FedCAMS sign, no DP", "FedCAMS", lambda: FedCAMS(compressor="sign", eta=0.1, **common), sign),
+        (
+            "FedCAMS sign, no DP",
+            "FedCAMS",
+            lambda: FedCAMS(compressor="sign", eta=0.1, granularity="model", **common),
+            sign,
+        ),
         (
             "FedCAMS sign, central DP",
             "FedCAMS",
-            lambda: FedCAMS(compressor="sign", eta=0.1, parts=private(), **common),
+            lambda: FedCAMS(compressor="sign", eta=0.1, granularity="model", parts=private(), **common),
             sign,
         ),
     ]

@@ -174,7 +174,7 @@ def main() -> None:
         ("pollen FedAMS, dense", lambda: FedAMS(eta=0.1, **common), dense),
         (
             "pollen FedCAMS, sign",
-            lambda: FedCAMS(compressor="sign", eta=0.1, **common),
+            lambda: FedCAMS(compressor="sign", eta=0.1, granularity="model", **common),
             ReplyBank(arrays, nodes, "sign"),
         ),
         (

@@ -3,16 +3,17 @@
 An error-fed client (FedCAMS's ``compression_mod``, the lazy family's ``lazy_mod``) keeps its last upload
 ``u`` and that upload's round ``R`` in its client state. The server's next train message says which of
 the client's uploads it applied last (``pollen.applied-round``) and which fraction of it
-(``pollen.applied-scale``, below 1 when the outlier screen clipped it): :func:`settle` adds what was not
-applied back into the residual,
+(``pollen.applied-scale``, below 1 when central DP clipped it): :func:`settle` adds what was not applied
+back into the residual,
 
-    applied round == R:  e <- e + (1 - scale) u        (clipped: the remainder is owed)
-    applied round <  R:  e <- e + u                    (rejected, lost, skipped or rolled back)
+    applied round == R:  e <- e + (1 - scale) u        (clipped by central DP: the remainder is owed)
+    applied round <  R:  e <- e + u                    (lost, skipped or rolled back)
 
 so the sum of what the server applied plus ``e`` equals the sum of the client's true updates, whatever
 happened to a reply. An upload the server *refused* for its content (``pollen.refused-round`` is its round:
-the outlier screen, validation) is not owed: :func:`refused` tells the client to drop it and its residual,
-which would otherwise go out again inside every later upload and be refused every round. A message without
+the outlier screen rejected it or clipped it, validation failed) is not owed: :func:`refused` tells the client
+to drop it (what of it was not applied) and its residual, which would otherwise go out again inside every
+later upload and be refused every round. A message without
 ``pollen.applied-round`` (a strategy that does not keep the ledger) means "applied in full", the behaviour
 before the ledger existed.
 """

@@ -164,8 +164,9 @@ class Harness:
             pending, pending_round = state.get(UP_USED), int(state.get(UP_ROUND))
         else:
             pending, pending_round = _pending_upload(state, D, None)
-        if refused(config_of(msg), pending_round):  # the mod drops them both, as the server asked
-            self.dropped[f"c{node}"].append(self.residual(node) + np.asarray(pending, dtype=np.float64))
+        if refused(config_of(msg), pending_round):  # the mod drops the unapplied part and the residual, as asked
+            unapplied = owed(config_of(msg), pending_round, r)  # 1 when rejected, 1 - scale when the screen clipped
+            self.dropped[f"c{node}"].append(self.residual(node) + unapplied * np.asarray(pending, dtype=np.float64))
         reply = lazy_mod(copy.deepcopy(msg), context, lambda m, c: compression_mod(m, c, self.train))
         return None if node in self.lose else reply
 
@@ -190,8 +191,7 @@ class Harness:
             used, pending_round = _pending_upload(state, D, None)
         if used is None:
             return np.zeros(D)
-        if refused(config, pending_round):  # the client will drop it (with its residual): accounted as it stands
-            return np.asarray(used, dtype=np.float64)
+        # refused (the client will drop its unapplied part with the residual) or owed: accounted as it stands
         return owed(config, pending_round, next_round) * np.asarray(used, dtype=np.float64)
 
     def residual(self, node: int) -> np.ndarray:
@@ -259,11 +259,12 @@ def test_applied_plus_residual_plus_owed_equals_the_true_updates(name: str, outl
     stats = strategy.accounting.rounds
     assert any("skipped" in reason for reason in stats[5].failure_reasons), stats[5].failure_reasons
     assert any("rolled back" in reason for reason in stats[6].failure_reasons), stats[6].failure_reasons
-    if outlier_rule == "clip":
-        assert strategy.ledger.scales["c4"] < 0.5, "the outlier of round 7 was clipped and the client told so"
-    else:  # refused: the client was told and dropped that upload with its residual (not owed: it would come back)
-        assert strategy.ledger.refused.get("c4") in (7, 8), strategy.ledger.refused  # 8: a lazy client sent it late
-        assert harness.dropped["c4"] or strategy.ledger.refused["c4"] == ROUNDS
+    if outlier_rule == "clip":  # applied in part (not rejected); the cut part is refused, not owed
+        assert not any("outlier screen" in why for why in stats[7].failure_reasons), stats[7].failure_reasons
+    # refused (or the part clipped off): the client was told and dropped it with its residual (not owed: it would
+    # come back); 8: a lazy client sent it late
+    assert strategy.ledger.refused.get("c4") in (7, 8), strategy.ledger.refused
+    assert harness.dropped["c4"] or strategy.ledger.refused["c4"] == ROUNDS
     _check_balance(strategy, harness)
     _check_server_account(strategy, harness)
 

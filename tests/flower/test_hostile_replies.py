@@ -120,21 +120,27 @@ def assert_same_state(a, b) -> None:  # noqa: ANN001
         assert sa[key].tobytes() == sb[key].tobytes(), key
 
 
+def rejecting(**parts: object) -> EngineParts:
+    """Parts with the screen's ``reject`` rule (the app's default; a strategy built directly clips an outlier to
+    its bound, ``test_the_default_clip_rule_scales_the_outlier_to_the_bound_and_counts_it``)."""
+    return EngineParts(screen=UpdateScreen(rule="reject"), **parts)
+
+
 STRATEGIES = {
     "fedams": lambda: FedAMS(
-        eta=0.3, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True))
+        eta=0.3, fraction_evaluate=0.0, parts=rejecting(sampler=ClientSampler(identify_clients=True))
     ),
     "fedams-weighted": lambda: FedAMS(
         eta=0.3,
         fraction_evaluate=0.0,
-        parts=EngineParts(sampler=ClientSampler(identify_clients=True)),
+        parts=rejecting(sampler=ClientSampler(identify_clients=True)),
         aggregation="weighted",
     ),
     "fedcams-sign": lambda: FedCAMS(
         compressor="sign",
         eta=0.3,
         fraction_evaluate=0.0,
-        parts=EngineParts(sampler=ClientSampler(identify_clients=True)),
+        parts=rejecting(sampler=ClientSampler(identify_clients=True)),
     ),
     "fedcams-topk-tensor": lambda: FedCAMS(
         compressor="topk",
@@ -142,10 +148,10 @@ STRATEGIES = {
         granularity="tensor",
         eta=0.3,
         fraction_evaluate=0.0,
-        parts=EngineParts(sampler=ClientSampler(identify_clients=True)),
+        parts=rejecting(sampler=ClientSampler(identify_clients=True)),
     ),
     "fednlaca": lambda: FedLazy(
-        up_rule="nla", up_tau=1.2, compressor="topk", topk_ratio=0.25, eta=0.3, fraction_evaluate=0.0
+        up_rule="nla", up_tau=1.2, compressor="topk", topk_ratio=0.25, eta=0.3, fraction_evaluate=0.0, parts=rejecting()
     ),
     "fedbaca": lambda: FedLazy(
         up_rule="aa",
@@ -157,9 +163,10 @@ STRATEGIES = {
         down_tau=1.0,
         eta=0.3,
         fraction_evaluate=0.0,
+        parts=rejecting(),
     ),
-    "fedadavr-int4": lambda: FedAdaVR(table_precision="int4", eta=0.05, fraction_evaluate=0.0),
-    "fedadavr-fp32": lambda: FedAdaVR(eta=0.05, fraction_evaluate=0.0),
+    "fedadavr-int4": lambda: FedAdaVR(table_precision="int4", eta=0.05, fraction_evaluate=0.0, parts=rejecting()),
+    "fedadavr-fp32": lambda: FedAdaVR(eta=0.05, fraction_evaluate=0.0, parts=rejecting()),
     "flower-fedavg": lambda: MeteredFedAvg(fraction_evaluate=0.0, min_available_nodes=2),
     "flower-fedadam": lambda: MeteredFedAdam(fraction_evaluate=0.0, min_available_nodes=2),
 }
@@ -318,17 +325,16 @@ def test_a_poisoned_round_does_not_freeze_amsgrad():
     assert float(unscreened.opt_state.slots["v_hat"].max()) > 1e30
 
 
-def test_clip_rule_scales_the_outlier_to_the_bound():
+def test_the_default_clip_rule_scales_the_outlier_to_the_bound_and_counts_it():
+    """A strategy built directly (a drop-in) clips: the outlier counts, at most ``factor`` x the median norm."""
     strategy = run(
-        lambda: FedAMS(
-            eta=0.3,
-            fraction_evaluate=0.0,
-            parts=EngineParts(sampler=ClientSampler(identify_clients=True), screen=UpdateScreen(rule="clip")),
-        ),
+        lambda: FedAMS(eta=0.3, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True))),
         scaled_model(1e6),
     )
+    assert strategy.screen.rule == "clip"
     stats = strategy.accounting.rounds[2]
     assert stats.failures == 0 and stats.replies == len(NODES)
+    assert strategy.screen.clipped == 1, "the clipped reply is counted (and logged)"
     accepted = list(strategy.screen.history)[-2]  # round 2's norms
     others = sorted(accepted)[:-1]  # the clipped attacker is the largest of its round
     bound = max(10 * float(np.median(list(strategy.screen.history)[0])), 10 * float(np.median(others)))
@@ -336,7 +342,7 @@ def test_clip_rule_scales_the_outlier_to_the_bound():
 
 
 def test_transactional_step_rolls_back_a_failing_optimiser(monkeypatch):
-    strategy = FedAMS(eta=0.3, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True)))
+    strategy = FedAMS(eta=0.3, fraction_evaluate=0.0, parts=rejecting(sampler=ClientSampler(identify_clients=True)))
     grid = FakeGrid(NODES, lambda m: honest_reply(m, {}), client_ids=IDS)
     strategy.start(grid=grid, initial_arrays=model_record(tiny_model(2)), num_rounds=1)
     before = state_arrays(strategy)
@@ -366,9 +372,7 @@ def test_rounds_after_a_rolled_back_step_go_on_as_if_it_never_ran(monkeypatch, f
     from pollen.testing.fakes import run_train_round
 
     def started():  # noqa: ANN202
-        strategy = FedAMS(
-            eta=0.3, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True))
-        )
+        strategy = FedAMS(eta=0.3, fraction_evaluate=0.0, parts=rejecting(sampler=ClientSampler(identify_clients=True)))
         grid = FakeGrid(NODES, lambda m: honest_reply(m, {}), client_ids=IDS)
         strategy.start(grid=grid, initial_arrays=model_record(tiny_model(2)), num_rounds=1)
         return strategy, grid
@@ -430,7 +434,7 @@ def test_too_few_usable_replies_skip_the_round():
 
 
 def test_evaluation_replies_never_crash_either():
-    strategy = FedAMS(eta=0.3, fraction_evaluate=1.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True)))
+    strategy = FedAMS(eta=0.3, fraction_evaluate=1.0, parts=rejecting(sampler=ClientSampler(identify_clients=True)))
 
     def client(msg):  # noqa: ANN001, ANN202
         if msg.metadata.message_type == "evaluate":

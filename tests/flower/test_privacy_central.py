@@ -550,7 +550,7 @@ def test_the_default_screen_with_central_dp_is_off_and_the_aggregate_is_the_priv
     strategy = FedAMS(parts=EngineParts(privacy=central()))
     assert strategy.screen.rule == "off"
     assert isinstance(strategy.round_aggregate, PrivateMean) and strategy.round_aggregate.privacy is strategy.privacy
-    assert FedAMS().screen.rule == "reject"  # without DP the default screen stays
+    assert FedAMS().screen.rule == "clip"  # without DP the default screen stays
 
 
 def test_a_model_with_float_buffers_is_refused_at_the_first_round() -> None:

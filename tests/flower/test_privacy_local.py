@@ -121,7 +121,7 @@ def test_local_dp_keeps_the_strategys_own_aggregate_and_screen_and_takes_float_b
     statistics is the client's business (it refuses to send them un-noised)."""
     strategy = build(local())
     assert type(strategy.round_aggregate) is MeanAggregate and not isinstance(strategy.round_aggregate, PrivateMean)
-    assert strategy.screen.rule == "reject"
+    assert strategy.screen.rule == "clip"
     grid = FakeGrid(range(1, NODES + 1), client_with())
     play(strategy, grid, 1, 1, model_record(tiny_model()))  # bn.running_mean is a float buffer
     assert strategy.accounting.rounds[1].failures == 0

@@ -15,7 +15,7 @@ import pytest
 from pollen.clientside import compression_mod
 from pollen.strategies import FedCAMS
 from pollen.strategies.engine.ledger import AppliedLedger
-from pollen.strategies.engine.parts import ClientSampler, EngineParts
+from pollen.strategies.engine.parts import ClientSampler, EngineParts, UpdateScreen
 from pollen.testing.fakes import (
     FakeGrid,
     config_of,
@@ -57,7 +57,7 @@ def run(rounds: int = 6) -> tuple[FedCAMS, dict[int, list[dict]]]:
         fraction_train=1.0,
         fraction_evaluate=0.0,
         min_available_nodes=len(NODES),
-        parts=EngineParts(sampler=ClientSampler(identify_clients=True)),
+        parts=EngineParts(sampler=ClientSampler(identify_clients=True), screen=UpdateScreen(rule="reject")),
     )
     grid = FakeGrid(NODES, client, client_ids={n: f"c{n}" for n in NODES})
     strategy.start(grid=grid, initial_arrays=model_record(tiny_model()), num_rounds=rounds)

@@ -88,7 +88,9 @@ def fed_lamb(variant: str = "fed-lamb", **screen):  # noqa: ANN201
     return lambda: FedLAMB(
         variant=variant,
         fraction_evaluate=0.0,
-        parts=EngineParts(sampler=ClientSampler(seed=3, identify_clients=True), screen=UpdateScreen(**screen)),
+        parts=EngineParts(
+            sampler=ClientSampler(seed=3, identify_clients=True), screen=UpdateScreen(**{"rule": "reject", **screen})
+        ),
     )
 
 
@@ -97,7 +99,9 @@ def fed_ams(**screen):  # noqa: ANN201
     return lambda: FedAMS(
         eta=0.1,
         fraction_evaluate=0.0,
-        parts=EngineParts(sampler=ClientSampler(identify_clients=True, seed=3), screen=UpdateScreen(**screen)),
+        parts=EngineParts(
+            sampler=ClientSampler(identify_clients=True, seed=3), screen=UpdateScreen(**{"rule": "reject", **screen})
+        ),
     )
 
 
@@ -200,7 +204,9 @@ def test_the_history_per_kind_holds_accepted_norms_only_and_is_resumed_exactly()
     assert [len(r) for r in kinds["buffer:bn.running_var"]] == [4, 4, 3]
     assert max(max(r) for r in kinds["buffer:bn.running_var"]) < 10.0
     fresh = FedAMS(
-        eta=0.1, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True, seed=3))
+        eta=0.1,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(identify_clients=True, seed=3), screen=UpdateScreen(rule="reject")),
     )
     fresh.load_state_dict(strategy.state_dict())
     assert fresh.screen.state_dict() == strategy.screen.state_dict()
@@ -223,7 +229,8 @@ def test_with_the_clip_rule_an_outlying_buffer_is_scaled_to_its_bound() -> None:
     assert not failure_reasons(strategy, 3)
     history = strategy.screen.state_dict()["kinds"]["buffer:bn.running_var"]
     others = sorted(history[-1])[:-1]  # the clipped attacker is the largest of its round
-    bound = max(10 * float(np.median([n for r in history[:2] for n in r])), 10 * float(np.median(others)))
+    factor = 10.0**2  # a variance is judged on its scale: the factor squared
+    bound = max(factor * float(np.median([n for r in history[:2] for n in r])), factor * float(np.median(others)))
     assert max(history[-1]) <= bound * (1 + 1e-6)
     assert float(strategy.buffers["bn.running_var"].max()) < bound
 
@@ -243,3 +250,18 @@ def test_the_server_step_refuses_an_optimiser_state_that_would_hold_inf() -> Non
     np.testing.assert_array_equal(attacked.params, before.params)
     for slot, value in attacked.opt_state.slots.items():
         np.testing.assert_array_equal(value, before.opt_state.slots[slot], err_msg=slot)
+
+
+def test_a_variance_is_judged_on_its_scale_so_mimes_honest_running_var_passes() -> None:
+    """Mime's run (docs/results/dropin.md): one honest client's ``running_var`` at 10.6x the median of the
+    others' was refused with the factor of 10. A variance is the square of a scale: it is judged with the factor
+    squared, a ``running_mean`` (and every other record) with the factor itself."""
+    screen = UpdateScreen(rule="reject")
+    var, mean = "buffer:bn.running_var", "buffer:bn.running_mean"
+    assert (screen.factor_of(var), screen.factor_of(mean), screen.factor_of("extra:v")) == (100.0, 10.0, 10.0)
+    norms = [{var: 37.0, mean: 2.0} for _ in range(9)] + [{var: 395.0, mean: 21.2}]
+    bounds = screen.round_record_bounds(norms)
+    assert bounds[-1] == {var: pytest.approx(3700.0), mean: pytest.approx(20.0)}
+    assert screen.judge(395.0, bounds[-1][var])[0] == "accept"
+    assert screen.judge(21.2, bounds[-1][mean])[0] == "reject"
+    assert screen.judge(1e12, bounds[-1][var])[0] == "reject"  # a running_var of 1e12 among ~37 still is

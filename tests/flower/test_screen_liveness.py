@@ -139,9 +139,10 @@ def test_the_clip_rule_does_not_clip_a_round_that_outvoted_its_history() -> None
 
 
 def test_a_record_kind_that_grew_30_fold_is_judged_within_the_round_and_its_history_dropped() -> None:
+    """A variance (``running_var``) grows with the square of its scale: 900-fold for a 30-fold scale."""
     kind = "buffer:bn.running_var"
     screen = screen_with_history(kind=kind)
-    updates = [update(1.0, {kind: 30.0 + i}) for i in range(8)]
+    updates = [update(1.0, {kind: 900.0 + i}) for i in range(8)]
     kept, rejected, logs = judged(screen, updates)
     assert kept == updates and not rejected
     assert "8 of 8 holders of buffer 'bn.running_var' exceed the history bound" in logs
@@ -178,7 +179,8 @@ def scale_of(rnd: int) -> float:
 
 def regime_client(buffer_grows: bool = False):  # noqa: ANN201
     """``x + s(round) a(node, round)``, s = 30 from round ``SWITCH`` on; with ``buffer_grows`` the model's
-    ``bn.running_var`` (ones in x0) comes back 30x larger from that round on instead."""
+    ``bn.running_var`` (ones in x0) comes back s^2 = 900x larger from that round on instead (a variance
+    grows with the square of its scale, and is judged on the scale: ``UpdateScreen.factor_of``)."""
 
     def run(msg):  # noqa: ANN001, ANN202
         node, rnd = msg.metadata.dst_node_id, int(config_of(msg)[protocol.CFG_SERVER_ROUND])
@@ -188,7 +190,7 @@ def regime_client(buffer_grows: bool = False):  # noqa: ANN201
         for name, part in split_trainable(step.astype(np.float32), local, TRAINABLE).items():
             local[name] = local[name] + part
         if buffer_grows and "bn.running_var" in local:
-            grown = scale_of(rnd) * (1.0 + 0.01 * (node - 40))
+            grown = scale_of(rnd) ** 2 * (1.0 + 0.01 * (node - 40))
             local["bn.running_var"] = np.full(4, grown, dtype=np.float32)
         return full_model_reply(msg, local, **{"grad-evals": 10})
 
@@ -204,7 +206,9 @@ def model(buffer_grows: bool = False) -> dict:
 
 def fed_ams(streaming: bool) -> FedAMS:
     strategy = FedAMS(
-        eta=0.1, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(identify_clients=True, seed=3))
+        eta=0.1,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(identify_clients=True, seed=3), screen=UpdateScreen(rule="reject")),
     )
     strategy.streaming = streaming  # a round with a history streams its replies (the default) or keeps them
     return strategy
@@ -310,7 +314,7 @@ def test_an_honest_minority_that_grew_with_its_round_is_spared_and_the_history_k
 def test_near_convergence_a_client_still_learning_is_not_an_outlier_of_a_median_of_almost_nothing() -> None:
     """Three clients moved 0.03, one 2.14, on a model of norm 40 (quickstart-pytorch, round 18): the reference
     is floored at 1% of the model's norm (0.4, a bound of 4), so the learner passes; 10x that floor does not."""
-    screen = UpdateScreen()
+    screen = UpdateScreen(rule="reject")
     norms = [0.03, 0.03, 2.14, 0.03]
     assert screen.update_bounds(norms)[2] == pytest.approx(0.3)  # without the model's norm: 10 x 0.03
     screen.set_model_norm(40.0)
@@ -319,9 +323,7 @@ def test_near_convergence_a_client_still_learning_is_not_an_outlier_of_a_median_
     assert len(kept) == 4 and not rejected
     kept, rejected, _ = judged(screen, [update(n) for n in (0.03, 0.03, 41.0, 0.03)])
     assert len(kept) == 3 and len(rejected) == 1
-    assert screen.spared_bounds(None, [0.03, 0.03], what_updates=False) == pytest.approx(
-        [0.3, 0.3]
-    )  # records: no floor
+    assert screen.spared_bounds(None, [0.03, 0.03], "extra:v") == pytest.approx([0.3, 0.3])  # records: no floor
 
 
 def test_a_streamed_round_holds_what_exceeds_its_history_and_settles_it_within_the_round() -> None:
@@ -387,7 +389,7 @@ HAFED_CLUSTERS = {node: str(i // 4) for i, node in enumerate(NODES)}
 def hafed_run(rounds: int) -> HAFed:
     strategy = HAFed(
         fraction_evaluate=0.0,
-        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True), screen=UpdateScreen(rule="reject")),
         min_available_nodes=len(NODES),
         local_steps=2,
     )

@@ -59,6 +59,8 @@ def strategy(*, min_replies: int = 1, **kwargs) -> FedAdaVR:  # noqa: ANN003
         variant="fedadavr",
         server_optimizer="adam",
         eta=0.01,
+        beta_2=0.999,  # the paper's Adam (Appendix B); the constructor's defaults are the drop-in's
+        bias_correction=True,
         client_lr=CLIENT_LR,
         fraction_train=0.5,
         fraction_evaluate=0.0,
@@ -170,7 +172,15 @@ def test_server_optimizer_gets_the_settings_of_appendix_b(name, layerwise):
     from pollen.core.layout import ModelLayout
     from pollen.optim import BY_NAME
 
-    s = FedAdaVR(server_optimizer=name, eta=0.02, beta_1=0.8, beta_2=0.95, eps=1e-6, lamb_layerwise=layerwise)
+    s = FedAdaVR(
+        server_optimizer=name,
+        eta=0.02,
+        beta_1=0.8,
+        beta_2=0.95,
+        eps=1e-6,
+        bias_correction=True,
+        lamb_layerwise=layerwise,
+    )
     layout = ModelLayout.from_arrays(tiny_model(0), None)
     want = {"eta": 0.02}
     if name != "sgd":

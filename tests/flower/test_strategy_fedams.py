@@ -467,7 +467,11 @@ def test_fedcams_sign_bytes_and_accounting():
 
     grid = FakeGrid(nodes, lambda msg: compression_mod(msg, contexts[msg.metadata.dst_node_id], train_fn))
     strategy = FedCAMS(
-        compressor="sign", fraction_train=0.5, fraction_evaluate=0.0, parts=EngineParts(sampler=ClientSampler(seed=1))
+        compressor="sign",
+        granularity="model",  # one scale (the paper's); per tensor adds 4 bytes a tensor
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=1)),
     )
     run_rounds(strategy, grid, 2, x0=x0)
 

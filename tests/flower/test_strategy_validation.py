@@ -241,7 +241,7 @@ def make_strategy(kind: str):  # noqa: ANN201
     if kind == "weighted":
         return FedAMS(aggregation="weighted", **common)
     if kind == "sign":
-        return FedCAMS(compressor="sign", **common)
+        return FedCAMS(compressor="sign", granularity="model", **common)
     return FedCAMS(compressor="topk", topk_ratio=1 / 8, **common)
 
 

@@ -101,6 +101,7 @@ def builder(name: str) -> Callable[[Mapping[str, Any]], Any]:
             beta_1=cfg["beta-1"],
             beta_2=cfg["beta-2"],
             eps=cfg["eps"],
+            bias_correction=True,  # the paper's Appendix B (the constructor's default is the drop-in's)
             vr_weighting=cfg["vr-weighting"] if own_table else None,
             table_precision=cfg["table-precision"] if own_table else None,
             table_path=cfg["table-path"] or None,

@@ -155,7 +155,8 @@ class ClientUpdate:
     each record the outlier screen judges, by kind (``"extra:v"``, ``"buffer:bn.running_var"``);
     ``update_record`` the name of the record the update came in; ``reply`` the reply's MetricRecords and
     ConfigRecords (what a Flower metric aggregation function is given; the arrays are not kept);
-    ``sent_round`` the round the client's message named when an asynchronous step applies it later.
+    ``sent_round`` the round the client's message named when an asynchronous step applies it later;
+    ``screen_clipped`` whether the outlier screen scaled the update down (its remainder is not owed).
     """
 
     client_key: str
@@ -174,6 +175,8 @@ class ClientUpdate:
     reply: RecordDict | None = None
     #: The round the client's message named, when it is not the round applying it (an asynchronous step).
     sent_round: int | None = None
+    #: The outlier screen clipped the update: the part it cut is refused for its content, not owed (the ledger).
+    screen_clipped: bool = False
 
 
 def screened_kinds(spec: ReplySpec, layout: ModelLayout) -> list[str]:

@@ -7,13 +7,15 @@ on by default:
 
 - **hard limit**: every coordinate of an update must satisfy ``|delta_j| <= max_abs`` (default 1e15,
   so that its square stays far inside float32 in any second moment);
-- **norm screen**: an update whose L2 norm exceeds its bound is rejected (``rule="reject"``) or scaled
-  down to it (``rule="clip"``). The bound is the larger of two references, each times ``factor``
-  (default 10): the median norm of the updates accepted in the last ``window`` rounds (default 5), and
-  the median norm of the *other* updates of the same round. An honest update that grew with its round
-  (training speeds up, a client's data differ) passes on its round's evidence; an outlier must exceed
-  both. Without a history (the first round) the round's reference alone; a lone update (nothing to
-  compare with) the history's alone. ``rule="off"`` keeps only the hard limit.
+- **norm screen**: an update whose L2 norm exceeds its bound is rejected (``rule="reject"``, pollen's app's
+  ``outlier-rule`` default) or scaled down to it and applied (``rule="clip"``, the constructor's default: a
+  Flower project's honest client whose local training diverged still counts; the part of an error-fed upload
+  that was cut is refused, not owed, :mod:`~pollen.strategies.engine.ledger`). The bound is the larger of two
+  references, each times ``factor`` (default 10): the median norm of the updates accepted in the last
+  ``window`` rounds (default 5), and the median norm of the *other* updates of the same round. An honest
+  update that grew with its round (training speeds up, a client's data differ) passes on its round's evidence;
+  an outlier must exceed both. Without a history (the first round) the round's reference alone; a lone update
+  (nothing to compare with) the history's alone. ``rule="off"`` keeps only the hard limit.
 
   An update's reference norm is never below ``MODEL_NORM_FLOOR`` (1%) of the global model's norm: near
   convergence most clients barely move (quickstart-pytorch's round 18: three clients at a train loss of
@@ -36,7 +38,8 @@ each against its own kind: the L2 norm of a reply's record against the median no
 record in the accepted replies of the last ``window`` rounds (a history per kind), else against the
 same record of the round's other replies. A reply with an outlying record is rejected as a whole
 (``rule="reject"``) or that record is scaled down to its bound (``rule="clip"``). Integer buffers
-(counters such as ``num_batches_tracked``) are not screened.
+(counters such as ``num_batches_tracked``) are not screened. A variance (a BatchNorm ``running_var``) is
+judged on its scale, with ``factor`` squared (:meth:`UpdateScreen.factor_of`).
 
 **A stale history gives way (liveness).** The history describes the step size of the rounds before;
 when the honest step size changes regime (Mime's bias-free server ``v`` makes every honest round-2
@@ -109,8 +112,9 @@ class UpdateScreen:
 
     Parameters
     ----------
-    rule : str (default: "reject")
-        ``"reject"``, ``"clip"`` or ``"off"`` (see the module docstring).
+    rule : str (default: "clip")
+        ``"clip"``, ``"reject"`` or ``"off"`` (see the module docstring). pollen's app passes its
+        ``outlier-rule`` (default ``"reject"``).
     factor : float (default: 10.0)
         How many times the reference norm an update may reach, > 1.
     window : int (default: 5)
@@ -127,7 +131,7 @@ class UpdateScreen:
     def __init__(
         self,
         *,
-        rule: str = "reject",
+        rule: str = "clip",
         factor: float = 10.0,
         window: int = 5,
         max_abs: float = DEFAULT_MAX_ABS,
@@ -152,6 +156,9 @@ class UpdateScreen:
         self.model_norm = 0.0
         #: Accepted norms of each screened record kind (``"extra:v"``, ``"buffer:bn.running_var"``), per round.
         self.kinds: dict[str, deque[list[float]]] = {}
+        #: Updates clipped to their bound and applied in committed rounds, in this process (not saved: the log
+        #: line of each round is the record).
+        self.clipped = 0
 
     def set_model_norm(self, norm: float) -> None:
         """The round's ``||x||``: an update's reference norm is at least ``MODEL_NORM_FLOOR`` of it."""
@@ -196,18 +203,20 @@ class UpdateScreen:
             bound = None
         return self.spared_bounds(bound, norms)
 
-    def spared_bounds(self, history_bound: float | None, norms: list[float], what_updates: bool = True) -> list[float]:
+    def spared_bounds(self, history_bound: float | None, norms: list[float], what: str = "update") -> list[float]:
         """Each norm's bound: ``max(history_bound, factor x median of the others' positive norms)``; the
         history's alone where there are no others, the round's alone without a history, ``inf`` with neither.
-        The norms of updates (``what_updates``; not of a record kind) have their reference floored at
-        ``MODEL_NORM_FLOOR x ||x||``."""
+        The norms of updates (``what="update"``; else a record kind) have their reference floored at
+        ``MODEL_NORM_FLOOR x ||x||``; a variance kind is judged with :meth:`factor_of`."""
         if self.rule == "off":
             return [float("inf")] * len(norms)
+        what_updates = what == "update"  # StreamedRound.UPDATES
+        factor = self.factor_of(what)
         out = []
         for i in range(len(norms)):
             others = [n for j, n in enumerate(norms) if j != i and n > 0 and np.isfinite(n)]
             median = float(np.median(others)) if others else None
-            within = None if median is None else self.factor * (self.reference(median) if what_updates else median)
+            within = None if median is None else factor * (self.reference(median) if what_updates else median)
             if history_bound is None:
                 out.append(float("inf") if within is None else within)
             else:
@@ -228,6 +237,16 @@ class UpdateScreen:
             bound,
         )
         return True
+
+    def count_clipped(self, server_round: int, applied: list[Any]) -> None:
+        """Count and log the updates of a committed round that the screen clipped (applied in part)."""
+        clipped = [u for u in applied if getattr(u, "screen_clipped", False)]
+        if clipped:
+            self.clipped += len(clipped)
+            names = ", ".join(f"{u.client_key} x{u.applied_scale:.3g}" for u in clipped[:5])
+            _log.info(
+                "round %d: outlier screen clipped %d update(s) to the bound: %s", server_round, len(clipped), names
+            )
 
     def judge(self, norm: float, bound: float) -> tuple[str, float]:
         """``("accept", 1.0)``, ``("clip", scale)`` or ``("reject", 0.0)`` for one update."""
@@ -295,6 +314,7 @@ class UpdateScreen:
                 update.delta = update.delta * np.float32(scale)
                 update.norm *= scale
                 update.applied_scale *= scale
+                update.screen_clipped = True
         kept = [u for u in updates if id(u) not in rejected]
         return [u for u in kept if id(u) not in beyond] + [u for u in kept if id(u) in beyond]
 
@@ -325,6 +345,14 @@ class UpdateScreen:
             return None
         return StreamedRound(self, bound, record_bounds)
 
+    def factor_of(self, kind: str) -> float:
+        """How many times its reference norm a record of ``kind`` may reach: ``factor``, squared for a
+        variance (a BatchNorm ``running_var`` buffer). A variance is the square of a scale, so a client
+        whose activations are 10x the others' has a ``running_var`` 100x theirs: judged on the scale, as
+        every other record is. Measured: in Mime's run (docs/results/dropin.md) an honest client's
+        ``running_var`` at 10.6x the others' median was refused with ``factor`` itself."""
+        return self.factor**2 if _is_variance(kind) else self.factor
+
     def kind_bound(self, kind: str) -> float | None:
         """The largest norm record ``kind`` may have this round, from its history; ``None`` without history.
 
@@ -336,7 +364,7 @@ class UpdateScreen:
         if not rounds:
             return None
         norms = [n for round_norms in rounds for n in round_norms if n > 0]
-        return self.factor * float(np.median(norms)) if norms else float("inf")
+        return self.factor_of(kind) * float(np.median(norms)) if norms else float("inf")
 
     def record_bounds(self, kinds: Iterable[str]) -> dict[str, float] | None:
         """Each kind's history bound; ``None`` when any of them has no history yet (judge within the round)."""
@@ -364,7 +392,7 @@ class UpdateScreen:
             ):
                 del self.kinds[kind]
                 bound = None
-            limits = self.spared_bounds(bound, [record_norms[i][kind] for i in holders], what_updates=False)
+            limits = self.spared_bounds(bound, [record_norms[i][kind] for i in holders], kind)
             for i, limit in zip(holders, limits):
                 out[i][kind] = limit
         return out
@@ -391,7 +419,9 @@ class UpdateScreen:
 
     def record_reason(self, kind: str, norm: float, bound: float) -> str:
         what = kind.replace(":", " '", 1) + "'"
-        return f"{what} has norm {norm:.3g} > {bound:.3g} ({self.factor:g} x its reference norm; outlier screen)"
+        return (
+            f"{what} has norm {norm:.3g} > {bound:.3g} ({self.factor_of(kind):g} x its reference norm; outlier screen)"
+        )
 
     def reason(self, norm: float, bound: float) -> str:
         return f"update norm {norm:.3g} exceeds {bound:.3g} ({self.factor:g} x the reference norm; outlier screen)"
@@ -550,7 +580,7 @@ class StreamedRound:
             for what in sorted(own, key=lambda w: (w == self.UPDATES, w)):  # records first, as the kept path
                 others = [norms[what] for member, norms in self.members if member is not update and what in norms]
                 history = self.bound if what == self.UPDATES else self.record_bounds.get(what)
-                limit = self.screen.spared_bounds(history, [own[what], *others], what == self.UPDATES)[0]
+                limit = self.screen.spared_bounds(history, [own[what], *others], what)[0]
                 verdict, scale = self.screen.judge(own[what], limit)
                 if verdict == "reject":
                     why = (
@@ -563,6 +593,7 @@ class StreamedRound:
                     update.delta *= np.float32(scale)
                     update.norm *= scale
                     update.applied_scale *= scale
+                    update.screen_clipped = True
                 elif verdict == "clip":
                     scale_record(update, what, scale)
                     update.record_norms[what] = own[what] * scale
@@ -572,6 +603,11 @@ class StreamedRound:
                 rejected.add(id(update))
                 on_reject(update, why)
         return rejected
+
+
+def _is_variance(kind: str) -> bool:
+    """Whether record ``kind`` holds a variance (a BatchNorm ``running_var``), judged on its square root's scale."""
+    return kind.startswith("buffer:") and kind.rsplit(".", 1)[-1] == "running_var"
 
 
 def _of_kind(kind: str) -> str:

@@ -40,6 +40,7 @@ class ScreenedSink:
             update.delta *= np.float32(scale)
             update.norm *= scale
             update.applied_scale *= scale
+            update.screen_clipped = True
         self.admit(update)
 
     def admit(self, update: ClientUpdate) -> None:

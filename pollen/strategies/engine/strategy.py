@@ -371,6 +371,7 @@ class AdaptiveStrategy(RoundLoop, Strategy):
         applied = outcome.applied
         if applied:
             stats.count_grad_evals([u.metrics for u in applied])
+            self.screen.count_clipped(server_round, applied)
         stats.train_seconds = time.perf_counter() - self._train_started.pop(server_round, time.perf_counter())
         self.after_round(server_round, applied)
         self.replies.forget(server_round)

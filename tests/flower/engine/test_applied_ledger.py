@@ -28,6 +28,7 @@ class Applied:
 
     client_key: str
     applied_scale: float = 1.0
+    screen_clipped: bool = False
 
 
 def test_a_client_never_applied_is_told_round_0_and_a_whole_scale() -> None:
@@ -48,6 +49,22 @@ def test_a_later_commit_replaces_the_clients_entry_and_leaves_the_others() -> No
     ledger.record(5, [Applied("c2")])
     assert ledger.config_for("c1")[protocol.CFG_APPLIED_ROUND] == 3
     assert ledger.config_for("c2") == {protocol.CFG_APPLIED_ROUND: 5, protocol.CFG_APPLIED_SCALE: 1.0}
+
+
+def test_an_update_the_screen_clipped_is_applied_in_part_and_its_cut_part_refused() -> None:
+    """The client keeps what was applied on the server's books and drops the rest with its residual (owed, the
+    cut part of a diverged client's upload would come back inside every later upload)."""
+    ledger = AppliedLedger()
+    ledger.record(4, [Applied("c1", 0.25, screen_clipped=True), Applied("c2", 0.25)])
+    assert ledger.config_for("c1") == {
+        protocol.CFG_APPLIED_ROUND: 4,
+        protocol.CFG_APPLIED_SCALE: 0.25,
+        protocol.CFG_REFUSED_ROUND: 4,
+    }
+    assert protocol.CFG_REFUSED_ROUND not in ledger.config_for("c2"), "clipped by central DP: the remainder is owed"
+    restored = AppliedLedger()
+    restored.load_state_dict(ledger.state_dict(), last_round=4)
+    assert restored.config_for("c1") == ledger.config_for("c1")
 
 
 def test_refuse_tells_the_client_the_refused_round_beside_what_was_applied() -> None:

@@ -203,7 +203,7 @@ def test_parts_left_none_are_built_with_their_defaults() -> None:
     assert (strategy.sampler.seed, strategy.sampler.identify_clients, strategy.sampler.population) == (0, False, 0)
     assert type(strategy.screen) is UpdateScreen
     assert (strategy.screen.rule, strategy.screen.factor, strategy.screen.window, strategy.screen.max_abs) == (
-        "reject",
+        "clip",
         10.0,
         5,
         1e15,
