@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from pollen.secagg import crypto
+import pollen.secagg.crypto as crypto  # not through the package: its __init__ imports this module
 from pollen.secagg.codec import SummableCodec
 from pollen.secagg.crypto import KEY_BYTES, SecAggError
 from pollen.secagg.graph import default_degree, default_threshold, neighbourhoods

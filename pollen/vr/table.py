@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
+import pollen.vr.table_state as table_state  # not through the package: its __init__ imports this module
 from pollen.core import state_fields as fields
-from pollen.vr import table_state
 from pollen.vr.row_codec import BlockVisitor, EncodedRow, RowCodec, RowReader, add_scaled, as_update, segment_sizes
 from pollen.vr.row_store import RowStore
 

@@ -1,0 +1,26 @@
+"""A package's public names looked up on first use (PEP 562), so that its ``__init__`` imports none of its modules.
+
+Flower's simulation imports the ServerApp and the ClientApps in threads of one process. A package whose
+``__init__`` imports its own modules, imported by one thread while another imports one of those modules
+directly, deadlocks on the import locks; Python 3.11 then hands a thread a partially initialised module
+("cannot import name 'SecAggAbort' from partially initialized module 'pollen.secagg.protocol'", a CI run).
+``tests/unit/test_import_order.py`` holds the packages both sides import to this.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], Any]:
+    """The module ``__getattr__`` of ``package``: each name of ``exports`` (name -> defining module) imported
+    from its module on first use; any other name an ``AttributeError``, as for a plain module."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(exports[name]), name)
+
+    return __getattr__
