@@ -17,8 +17,9 @@ or ``import pollen.compression`` stays free of Flower and torch):
 
 from __future__ import annotations
 
-from importlib import import_module, metadata
-from typing import Any
+from importlib import metadata
+
+from pollen.core.lazy_exports import lazy_exports
 
 try:
     __version__ = metadata.version("flwr-pollen")
@@ -49,14 +50,7 @@ _PUBLIC = {
 
 __all__ = ["__version__", *_PUBLIC]
 
-
-def __getattr__(name: str) -> Any:
-    """Load a public name from the module that defines it, on first use."""
-    if name in _PUBLIC:
-        value = getattr(import_module(_PUBLIC[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'pollen' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _PUBLIC)
 
 
 def __dir__() -> list[str]:

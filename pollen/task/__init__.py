@@ -11,12 +11,13 @@ these names need.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import Any
 
-#: Public name -> the submodule that defines it.
+from pollen.core.lazy_exports import lazy_exports
+
+#: Public name -> the submodule of this package that defines it.
 _HOMES = {
     "DATASETS": "catalog",
     "MODELS": "catalog",
@@ -43,14 +44,7 @@ _HOMES = {
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'pollen.task' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"pollen.task.{home}"), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
+__getattr__ = lazy_exports(__name__, {name: f"{__name__}.{home}" for name, home in _HOMES.items()})
 
 
 def __dir__() -> list[str]:
