@@ -61,6 +61,10 @@ CODECS: tuple[str, ...] = ("none", "sign", "topk", "fp16")
 
 _FP16_MAX = float(np.finfo(np.float16).max)
 
+#: Row ``b``: the 8 signs byte ``b`` of ``np.packbits`` stands for (big bit order), as float32 -1 / +1.
+_SIGN_PATTERNS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.float32) * 2 - 1
+_SIGN_BLOCK = 1 << 16  # bytes of a sign payload decoded per look-up
+
 
 def _as_vector(x: np.ndarray, *, copy: bool = False) -> np.ndarray:
     """Return ``x`` as a non-empty 1-D float32 array (cast from another float dtype if needed)."""
@@ -79,6 +83,17 @@ def _dim(dim: int) -> int:
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim <= 0:
         raise ValueError(f"dim must be a positive integer, got {dim!r}")
     return int(dim)
+
+
+def _output(out: np.ndarray | None, dim: int) -> np.ndarray:
+    """``out`` checked as a decode's destination (contiguous float32 of length ``dim``), or a new one."""
+    if out is None:
+        return np.empty(dim, dtype=np.float32)
+    if out.dtype != np.float32 or out.shape != (dim,) or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(
+            f"out must be a writeable contiguous float32 vector of length {dim}; got {out.dtype} {out.shape}"
+        )
+    return out
 
 
 def _non_finite_input(v: np.ndarray) -> ValueError:
@@ -101,14 +116,18 @@ class Codec(ABC):
     def encode(self, x: np.ndarray) -> Payload:
         """Compress a 1-D float vector (cast to float32). Raises ``ValueError`` on empty or non-finite input."""
 
-    def decode(self, payload: Payload, dim: int) -> np.ndarray:
-        """Return ``C(x)`` as a new float32 vector of length ``dim``; raise ``PayloadError`` if invalid."""
+    def decode(self, payload: Payload, dim: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Return ``C(x)`` as a float32 vector of length ``dim``; raise ``PayloadError`` if invalid.
+
+        The vector is new, or ``out`` (a contiguous float32 vector of length ``dim``: a reader's reused buffer,
+        whose contents are undefined after a ``PayloadError``).
+        """
         check_header(payload, self.name, dim)
-        return self._decode_arrays(payload.arrays, int(dim))
+        return self._decode_arrays(payload.arrays, int(dim), _output(out, int(dim)))
 
     @abstractmethod
-    def _decode_arrays(self, arrays: dict[str, np.ndarray], dim: int) -> np.ndarray:
-        """Check ``arrays`` (names, dtypes, lengths, values) and decode them."""
+    def _decode_arrays(self, arrays: dict[str, np.ndarray], dim: int, out: np.ndarray) -> np.ndarray:
+        """Check ``arrays`` (names, dtypes, lengths, values) and decode them into ``out``; return ``out``."""
 
     @abstractmethod
     def payload_bytes(self, dim: int) -> int:
@@ -134,11 +153,12 @@ class IdentityCodec(Codec):
             raise _non_finite_input(v)
         return Payload(self.name, v.size, {"values": v})
 
-    def _decode_arrays(self, arrays: dict[str, np.ndarray], dim: int) -> np.ndarray:
+    def _decode_arrays(self, arrays: dict[str, np.ndarray], dim: int, out: np.ndarray) -> np.ndarray:
         check_keys(arrays, self.keys, self.name)
         values = check_array(arrays, "values", np.float32, dim, self.name)
         check_finite(values, "values", self.name)
-        return values.copy()
+        np.copyto(out, values)
+        return out
 
     def payload_bytes(self, dim: int) -> int:
         return 4 * _dim(dim)
@@ -165,11 +185,12 @@ class FP16Codec(Codec):
             )
         return Payload(self.name, v.size, {"values": values})
 
-    def _decode_arrays(self, arrays: dict[str, np.ndarray], dim: int) -> np.ndarray:
+    def _decode_arrays(self, arrays: dict[str, np.ndarray], dim: int, out: np.ndarray) -> np.ndarray:
         check_keys(arrays, self.keys, self.name)
         values = check_array(arrays, "values", np.float16, dim, self.name)
         check_finite(values, "values", self.name)
-        return values.astype(np.float32)
+        np.copyto(out, values)  # exact: every float16 is a float32
+        return out
 
     def payload_bytes(self, dim: int) -> int:
         return 2 * _dim(dim)
@@ -206,7 +227,7 @@ class SignCodec(Codec):
         bits = np.packbits(v >= 0)
         return Payload(self.name, v.size, {"bits": bits, "scale": scale})
 
-    def _decode_arrays(self, arrays: dict[str, np.ndarray], dim: int) -> np.ndarray:
+    def _decode_arrays(self, arrays: dict[str, np.ndarray], dim: int, out: np.ndarray) -> np.ndarray:
         check_keys(arrays, self.keys, self.name)
         bits = check_array(arrays, "bits", np.uint8, -(-dim // 8), self.name)
         scale = check_array(arrays, "scale", np.float32, 1, self.name)
@@ -216,11 +237,14 @@ class SignCodec(Codec):
         pad = 8 * bits.size - dim
         if pad and int(bits[-1]) & ((1 << pad) - 1):
             raise PayloadError(f"sign payload 'bits': the {pad} padding bit(s) after entry {dim} must be zero")
-        pm = np.unpackbits(bits, count=dim).view(np.int8)  # 0 / 1
-        pm *= 2
-        pm -= 1  # -1 / +1
-        out = pm.astype(np.float32)
-        out *= s  # exactly +-s
+        table = _SIGN_PATTERNS * s  # the 8 values of each byte: exactly +-s (+-0 for s = 0)
+        full = dim // 8
+        rows = out[: 8 * full].reshape(full, 8)
+        for lo in range(0, full, _SIGN_BLOCK):  # take casts its indices to intp: a block at a time
+            hi = min(full, lo + _SIGN_BLOCK)
+            np.take(table, bits[lo:hi], axis=0, out=rows[lo:hi], mode="clip")  # "clip": out unbuffered
+        if dim % 8:
+            out[8 * full :] = table[bits[full], : dim % 8]
         return out
 
     def payload_bytes(self, dim: int) -> int:
@@ -307,7 +331,7 @@ class TopKCodec(Codec):
         idx = _topk_indices(a, k)
         return Payload(self.name, d, {"indices": idx.astype(index_dtype(d)), "values": v[idx]})
 
-    def _decode_arrays(self, arrays: dict[str, np.ndarray], dim: int) -> np.ndarray:
+    def _decode_arrays(self, arrays: dict[str, np.ndarray], dim: int, out: np.ndarray) -> np.ndarray:
         check_keys(arrays, self.keys, self.name)
         idx = check_array(arrays, "indices", index_dtype(dim), None, self.name)
         values = check_array(arrays, "values", np.float32, None, self.name)
@@ -332,7 +356,7 @@ class TopKCodec(Codec):
                 "expected strictly ascending"
             )
         check_finite(values, "values", self.name)
-        out = np.zeros(dim, dtype=np.float32)
+        out.fill(0.0)
         out[idx] = values
         return out
 
@@ -416,15 +440,14 @@ class PerTensorCodec(Codec):
                 arrays[f"{i}.{key}"] = a
         return Payload(self.name, v.size, arrays)
 
-    def _decode_arrays(self, arrays: dict[str, np.ndarray], dim: int) -> np.ndarray:
+    def _decode_arrays(self, arrays: dict[str, np.ndarray], dim: int, out: np.ndarray) -> np.ndarray:
         self._check_dim(dim, PayloadError)
         expected = [f"{i}.{key}" for i in range(len(self.segments)) for key in self.inner.keys]
         check_keys(arrays, expected, self.name)
-        out = np.empty(dim, dtype=np.float32)
         for i, (start, stop) in enumerate(self.segments):
             sub = {key: arrays[f"{i}.{key}"] for key in self.inner.keys}
             try:
-                out[start:stop] = self.inner._decode_arrays(sub, stop - start)
+                self.inner._decode_arrays(sub, stop - start, out[start:stop])
             except PayloadError as e:
                 raise PayloadError(f"{self.name} segment {i} [{start}:{stop}]: {e}") from e
         return out
@@ -446,11 +469,17 @@ _DECODERS: dict[str, Codec] = {
 }
 
 
-def decode_payload(payload: Payload, dim: int, segments: Sequence[tuple[int, int] | slice] | None = None) -> np.ndarray:
+def decode_payload(
+    payload: Payload,
+    dim: int,
+    segments: Sequence[tuple[int, int] | slice] | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
     """Decode a payload of any known codec, dispatching on ``payload.codec``; raise ``PayloadError``.
 
     For top-k the number of entries is read from the payload (any ``1 <= k <= dim``), not assumed from a
-    ratio. A per-tensor payload (``"<codec>/tensor"``) needs the ``segments`` it was encoded with.
+    ratio. A per-tensor payload (``"<codec>/tensor"``) needs the ``segments`` it was encoded with. ``out``: see
+    :meth:`Codec.decode`.
     """
     if not isinstance(payload, Payload):
         raise PayloadError(f"expected a Payload, got {type(payload).__name__}")
@@ -469,4 +498,4 @@ def decode_payload(payload: Payload, dim: int, segments: Sequence[tuple[int, int
             decoder = PerTensorCodec(decoder, segments)
         except ValueError as e:
             raise PayloadError(f"cannot decode {codec!r}: {e}") from e
-    return decoder.decode(payload, dim)
+    return decoder.decode(payload, dim, out)

@@ -242,8 +242,8 @@ def read_reply(
     ``params`` is the global model the reply's full model (if any) is compared with. The update's
     norm is computed in the same pass that checks it is finite and that no coordinate exceeds
     ``max_abs``; the buffers and every extra are held to the same hard limit. ``scratch`` (a float32
-    vector of the model's size) is filled with a full-model reply's update instead of allocating one;
-    the returned ``delta`` is then that buffer.
+    vector of the model's size) is filled with the update (a full-model reply's difference, or a compressed
+    payload decoded) instead of allocating one; the returned ``delta`` is then that buffer.
     """
     if reply.has_error():
         raise ClientErrorReply(f"client error: {client_error_text(reply.error.reason)}")
@@ -327,7 +327,7 @@ def _read_update(
         if not isinstance(meta, ConfigRecord):
             raise ReplyRejected("compressed update without its meta record")
         payload = records_to_payload(compressed, meta)
-        delta = decode_payload(payload, layout.dim, segments=layout.segments)
+        delta = decode_payload(payload, layout.dim, segments=layout.segments, out=scratch)
         buffers = _read_buffers(content, layout)
     elif full is not None:
         arrays = record_to_arrays(full)
