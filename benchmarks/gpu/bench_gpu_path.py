@@ -112,8 +112,14 @@ def effective_config(preset: str, overrides: dict[str, Any]) -> Any:
 
 
 # ------------------------------------------------------------------------------------------ plain loop
-def plain_loop(preset: str, data_dir: Path, rounds: int, extra: dict[str, Any], device_name: str) -> dict[str, Any]:
-    """The same clients trained one after another on the GPU by a plain PyTorch loop, FedAvg, test-set eval."""
+def plain_loop(
+    preset: str, data_dir: Path, rounds: int, extra: dict[str, Any], device_name: str, optimizer: str = "sgd"
+) -> dict[str, Any]:
+    """The same clients trained one after another on the GPU by a plain PyTorch loop, FedAvg, test-set eval.
+
+    ``optimizer``: ``"sgd"`` (``torch.optim.SGD``) or ``"lamb"`` (pollen's ``LocalLAMB`` with the run's betas and
+    eps, a fresh one per client as Fed-LAMB's local step has: the local training's own cost, without the moments'
+    exchange)."""
     import numpy as np
     import torch
     from torch import nn
@@ -157,9 +163,23 @@ def plain_loop(preset: str, data_dir: Path, rounds: int, extra: dict[str, Any], 
                 idx = parts[int(client)]
                 model.load_state_dict(global_state)
                 model.train()
-                optimiser = torch.optim.SGD(
-                    model.parameters(), lr=cfg["local-lr"], momentum=cfg["momentum"], weight_decay=cfg["weight-decay"]
-                )
+                if optimizer == "lamb":
+                    from pollen.clientside.lamb import LocalLAMB
+
+                    optimiser = LocalLAMB(
+                        model.parameters(),
+                        lr=cfg["local-lr"],
+                        betas=(cfg["beta-1"], cfg["beta-2"]),
+                        weight_decay=cfg["weight-decay"],
+                        eps=cfg["eps"],
+                    )
+                else:
+                    optimiser = torch.optim.SGD(
+                        model.parameters(),
+                        lr=cfg["local-lr"],
+                        momentum=cfg["momentum"],
+                        weight_decay=cfg["weight-decay"],
+                    )
                 steps_left = cfg["local-steps"] or None
                 epochs = 0 if steps_left else cfg["local-epochs"]
                 while (steps_left is not None and steps_left > 0) or epochs > 0:
@@ -273,6 +293,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("gpu-path.json"))
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on a machine without a GPU")
     parser.add_argument(
+        "--plain-optimizer",
+        choices=("sgd", "lamb"),
+        default="sgd",
+        help="the plain loop's local optimiser; lamb: pollen's LocalLAMB (the same local training as Fed-LAMB's)",
+    )
+    parser.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides for both sides (smoke runs)"
     )
     args = parser.parse_args()
@@ -328,7 +354,7 @@ def main() -> None:
                 print(f"{preset} pollen gpu-share {args.gpu_share:g}: {ours}", flush=True)
                 save()
                 if in_budget(f"{preset} (plain loop)"):
-                    plain = plain_loop(preset, data_dir, args.rounds, extra, args.device)
+                    plain = plain_loop(preset, data_dir, args.rounds, extra, args.device, args.plain_optimizer)
                     report["presets"][preset]["plain"] = plain
                     print(f"{preset} plain PyTorch loop: {plain}", flush=True)
                     save()
