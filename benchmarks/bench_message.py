@@ -8,7 +8,7 @@ the ClientApp's reading of the records into a torch model, and its reply.
 
 - **pollen**: pollen's own ClientApp path (its mods, ``run_train``: the run-config, the client state, the
   model loaded from the message, the reply built as the strategy asked) with the local step replaced by one
-  that trains nothing (``UNTRAINED_STEPS``: plain SGD's outcome without the SGD; Fed-LAMB's reads the
+  that trains nothing (``untrained_sgd``: plain SGD's outcome without the SGD; ``untrained_lamb`` reads the
   server's ``v_hat`` and keeps its momentum as the real step does). The messages are those pollen's strategies
   send: ``FedAMS`` (the model; a full-model reply, as FedAvg's), ``FedCAMS`` with scaled sign (the model; a
   1-bit reply with error feedback), ``FedLAMB`` (the model and ``v_hat``; the model and ``v`` back).
@@ -144,8 +144,8 @@ _BARE_MODEL: dict[str, Any] = {}
 
 def bare_app(config: dict[str, Any], keep_state: bool = False) -> ClientApp:
     """The quickstart's ClientApp minus training; ``keep_state``: it also keeps, in ``context.state``, the vectors
-    the method needs across rounds (sign: an error-feedback residual; Fed-LAMB: its momentum and ``v_hat``),
-    a new array each message, as a Flower app that implements the method must."""
+    the method needs across rounds (sign: an error-feedback residual; Fed-LAMB: its momentum, as ``v_hat`` comes
+    with every message), a new array each message, as a Flower app that implements the method must."""
     app = ClientApp()
 
     @app.train(mods=[clock_mod(config)])
@@ -181,7 +181,7 @@ def bare_app(config: dict[str, Any], keep_state: bool = False) -> ClientApp:
             content["v"] = ArrayRecord({"v": Array(np.zeros_like(moment))})
         if keep_state and kind != "full":
             dim = sum(p.numel() for p in model.parameters())
-            names = ("residual",) if kind == "sign" else ("m", "v_hat")
+            names = ("residual",) if kind == "sign" else ("m",)
             context.state["bench.state"] = ArrayRecord({name: Array(np.zeros(dim, np.float32)) for name in names})
         return Message(content=content, reply_to=msg)
 

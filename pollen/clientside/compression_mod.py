@@ -50,7 +50,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
-from pollen.clientside.feedback import refused, settle
+from pollen.clientside.feedback import owed, refused, settle
 from pollen.clientside.identity import message_client_id, played_partition
 from pollen.clientside.state import ClientState
 from pollen.compression import decode_payload, make_codec
@@ -84,6 +84,12 @@ def _keep_pending(state: ClientState, payload: Payload, server_round: int) -> No
         state.set(PENDING_PREFIX + name, np.asarray(value))
     state.set(PENDING_CODEC, np.frombuffer(payload.codec.encode(), dtype=np.uint8))
     state.set(PENDING_ROUND, np.array(server_round, dtype=np.int64))
+
+
+def _pending_round(state: ClientState) -> int | None:
+    """The round of the last upload kept in ``state`` (None when there is none), without decoding the upload."""
+    server_round = state.get(PENDING_ROUND, shape=(), dtype=np.int64)
+    return None if server_round is None or state.get(PENDING_CODEC, dtype=np.uint8) is None else int(server_round)
 
 
 def _pending_upload(
@@ -385,7 +391,9 @@ def compress_update(
         residual = None  # the model changed size: start again from e = 0
     server_round = int(config.get(protocol.CFG_SERVER_ROUND, 0))
     if use_feedback:  # what the server did not apply of the last upload is owed, not lost
-        pending, pending_round = _pending_upload(state, delta.shape[0], segments)
+        pending, pending_round = None, _pending_round(state)
+        if refused(config, pending_round) or owed(config, pending_round, server_round):  # else nothing to decode
+            pending, pending_round = _pending_upload(state, delta.shape[0], segments)
         if refused(config, pending_round):  # refused for its content: dropped with the residual, start from e = 0
             residual = None
         else:

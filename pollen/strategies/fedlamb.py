@@ -57,6 +57,7 @@ from pollen.wire.protocol import (
     CFG_STAT,
     CFG_SYNC,
     CFG_TRUST_RATIO,
+    CFG_VHAT_KEEP,
     CFG_VHAT_VERSION,
 )
 from pollen.wire.records import arrays_to_record
@@ -317,6 +318,7 @@ class FedLAMB(AdaptiveStrategy):
         return {
             protocol.CFG_LOCAL_STEP: LOCAL_STEP,
             CFG_VHAT_VERSION: self.v_hat_version,
+            CFG_VHAT_KEEP: not self.sends_v_hat_always,
             CFG_SYNC: self.is_sync_round(server_round),
             CFG_STAT: self.variant.stat,
             CFG_TRUST_RATIO: self.variant.trust_ratio,
@@ -326,9 +328,18 @@ class FedLAMB(AdaptiveStrategy):
             CFG_LOCAL_VHAT: self.round1_denominator == "local-v" and self.v_hat_version == 1,
         }
 
+    @property
+    def sends_v_hat_always(self) -> bool:
+        """Whether every train message carries ``v_hat`` (one synchronisation a round: it changes with nearly
+        every round, so a client would hold its version only by chance); then clients do not keep it."""
+        return self.sync_every == 1
+
     def node_content(self, server_round: int, node: int, shared: RecordDict) -> RecordDict:
-        """The model and config; ``v_hat`` too when this client does not hold its current version."""
-        if self.variant.stat is None or self.client_versions.get(self.sampler.key(node)) == self.v_hat_version:
+        """The model and config; ``v_hat`` too when this client does not hold its current version (always, when
+        :attr:`sends_v_hat_always`)."""
+        if self.variant.stat is None:
+            return shared
+        if not self.sends_v_hat_always and self.client_versions.get(self.sampler.key(node)) == self.v_hat_version:
             return shared
         content = RecordDict(dict(shared.items()))
         content[protocol.extra_record("v_hat")] = self._v_hat_record()

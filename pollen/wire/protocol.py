@@ -83,6 +83,9 @@ CFG_PARTITION = "pollen.partition"  # population mode: the partition (client) th
 CFG_GIVEN_KEYS = "pollen.given-keys"  # run-config keys the user set over a preset (the ClientApp resolves it alike)
 # The Fed-LAMB family's train config (pollen.strategies.fedlamb <-> pollen.clientside.steps.fedlamb).
 CFG_VHAT_VERSION = "pollen.v-hat-version"
+# Whether the client keeps v_hat in its state: false when the server sends it with every message (one sync a
+# round), so the client's state does not carry a d-vector it never reads (Flower ships the state with each message).
+CFG_VHAT_KEEP = "pollen.v-hat-keep"
 CFG_SYNC = "pollen.sync"
 CFG_STAT = "pollen.stat"
 CFG_TRUST_RATIO = "pollen.trust-ratio"

@@ -141,6 +141,16 @@ def test_v_hat_is_sent_only_to_clients_that_lack_its_current_version():
     assert v_hat_bytes[0] == 2 * one_copy  # both clients of round 1 got it
 
 
+def test_with_one_sync_a_round_every_message_carries_v_hat_and_clients_are_told_not_to_keep_it():
+    """Z = 1: ``v_hat`` changes with nearly every round, so the server sends it with every message (and says so:
+    ``pollen.v-hat-keep`` false), and a client's state need not carry it; with Z > 1 clients keep it."""
+    _, grid, seen = run("fed-lamb", 4)
+    assert seen and all(got for _, _, got, _ in seen)
+    assert all(config_of(m)[protocol.CFG_VHAT_KEEP] is False for m in grid.sent if m.metadata.message_type == "train")
+    _, grid, _ = run("fed-lamb", 4, sync_every=2)
+    assert all(config_of(m)[protocol.CFG_VHAT_KEEP] is True for m in grid.sent if m.metadata.message_type == "train")
+
+
 @pytest.mark.parametrize("bad_v", [-np.ones(D, np.float32), np.full(D, np.nan, np.float32), np.ones(D + 2, np.float32)])
 def test_a_bad_v_is_rejected_and_the_round_goes_on(bad_v):
     probe, grid, _ = run("fed-lamb", 1)

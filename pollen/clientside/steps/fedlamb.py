@@ -51,6 +51,7 @@ from pollen.wire.protocol import (
     CFG_STAT,
     CFG_SYNC,
     CFG_TRUST_RATIO,
+    CFG_VHAT_KEEP,
     CFG_VHAT_VERSION,
 )
 from pollen.wire.records import record_to_arrays
@@ -66,15 +67,24 @@ MOMENTUM = "adaptive.m"
 
 
 def _round_v_hat(work: LocalWork, dim: int) -> np.ndarray:
-    """This round's ``v_hat``: from the message when sent, else the copy kept in client state."""
+    """This round's ``v_hat``: from the message when sent, else the copy kept in client state.
+
+    A sent ``v_hat`` is kept in client state unless the server says it sends one with every message
+    (``pollen.v-hat-keep`` false): then any copy held from before is dropped instead, so the state does not
+    carry a d-vector that is never read (in simulation Flower ships it to the client and back with each message).
+    """
     version = int(work.config[CFG_VHAT_VERSION])
     record = work.msg.content.array_records.get(protocol.extra_record("v_hat"))
     if record is not None:
         v_hat = np.array(record_to_arrays(record)[protocol.EXTRA_ARRAY], dtype=np.float32)
         if v_hat.shape != (dim,) or not np.isfinite(v_hat).all() or (v_hat < 0).any():
             raise ValueError(f"the server's v_hat has shape {v_hat.shape} or bad values; expected {dim} values >= 0")
-        work.state.set(V_HAT, v_hat)
-        work.state.set(V_HAT_VERSION, np.array(version, dtype=np.int64))
+        if bool(work.config.get(CFG_VHAT_KEEP, True)):
+            work.state.set(V_HAT, v_hat)
+            work.state.set(V_HAT_VERSION, np.array(version, dtype=np.int64))
+        else:
+            work.state.pop(V_HAT)
+            work.state.pop(V_HAT_VERSION)
         return v_hat
     held = work.state.get(V_HAT, shape=(dim,), dtype=np.float32)
     held_version = work.state.get(V_HAT_VERSION, shape=(), dtype=np.int64)
