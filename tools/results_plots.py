@@ -390,22 +390,31 @@ def presets() -> Path:
 
 @_styled
 def performance() -> Path:
-    server = table("performance", "aggregate_train", "x Flower's FedAdam")
-    deployed = table("performance", "s / round (median)", "best run")
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(WIDTH, 5.6), gridspec_kw={"height_ratios": [2, 1.1]})
+    server = table("performance", "aggregate_train", "now (ms)")
+    message = table("performance", "message", "pollen / bare+state")
+    deployed = table("performance", "s / round (median)", "2026-11-29 run")
+    fig, (ax, ax_msg, ax2) = plt.subplots(3, 1, figsize=(WIDTH, 8.2), gridspec_kw={"height_ratios": [2, 1.7, 1.1]})
     names = [label(r[0]).replace("pollen ", "") for r in server.rows]
-    ms = [value(r[1]) for r in server.rows]
+    ms = [value(r[2]) for r in server.rows]
     _hbars(ax, names, ms, " ms")
     flower = next(m for n, m in zip(names, ms) if _is_flower(n))
     ax.axvline(flower, color=FLOWER, linestyle="--", linewidth=1)
     ax.set_xlabel("ms per aggregate_train, 10 replies, d = 11.2 M")
     ax.set_title("The server round at ResNet-18 size")
+    rows = [r for r in message.rows if label(r[0]).startswith("ResNet-18")]
+    bars, seconds = [], []
+    for r in rows:  # columns: model, message, MB, round trip pollen, bare, bare+state, ...
+        bars += [f"{label(r[1])}: pollen", f"{label(r[1])}: Flower's bare app, same state"]
+        seconds += [value(r[3]), value(r[5])]
+    _hbars(ax_msg, bars, seconds, " s")
+    ax_msg.set_xlabel("seconds per train message through Flower's simulation, no local training")
+    ax_msg.set_title("A message at ResNet-18 size: pollen's ClientApp against Flower's bare one")
     apps = [label(r[0]).replace("anchor (plain Flower)", "plain Flower app (Flower's)") for r in deployed.rows]
     _hbars(ax2, [a.replace(", ", "\n") for a in apps], [value(r[1]) for r in deployed.rows], " s")
-    ax2.set_xlabel("seconds per deployed round (median, 2 SuperNodes)")
+    ax2.set_xlabel("seconds per deployed round (median, 2 SuperNodes, one run each, 2026-11-29)")
     ax2.set_title("A deployed round against a plain Flower app")
     _flower_legend(ax2)
-    fig.suptitle("Performance: pollen's rounds against Flower's own")
+    fig.suptitle("Performance: pollen's rounds and messages against Flower's own")
     return _save(fig, "performance")
 
 
