@@ -96,14 +96,14 @@ def _pending_upload(
     state: ClientState, dim: int, segments: Sequence[tuple[int, int]] | None
 ) -> tuple[np.ndarray | None, int | None]:
     """The last upload as the server would decode it, and its round; ``(None, None)`` when there is none."""
-    codec = state.get(PENDING_CODEC, dtype=np.uint8)
-    server_round = state.get(PENDING_ROUND, shape=(), dtype=np.int64)
-    if codec is None or server_round is None:
+    server_round = _pending_round(state)
+    if server_round is None:
         return None, None
+    codec = state.get(PENDING_CODEC, dtype=np.uint8)
     arrays = {n[len(PENDING_PREFIX) :]: state.get(n) for n in state.names() if n.startswith(PENDING_PREFIX)}
     try:
         payload = Payload(codec=bytes(np.asarray(codec, dtype=np.uint8)).decode(), dim=dim, arrays=arrays)
-        return decode_payload(payload, dim, segments=segments), int(server_round)
+        return decode_payload(payload, dim, segments=segments), server_round
     except ValueError:  # another model, or an edited file (a bad codec name or payload): nothing is owed on it
         return None, None
 
