@@ -39,8 +39,8 @@ def read(message, spec: ReplySpec | None = None):  # noqa: ANN001, ANN201
 
 @pytest.mark.parametrize(
     ("name", "value", "nonnegative"),
-    [("grad", 1e20, False), ("v", 1e30, True), ("v", 3.4e38, True)],
-    ids=["mime-gradient-1e20", "second-moment-1e30", "second-moment-3.4e38"],
+    [("grad", 1e20, False), ("grad", -1e20, False), ("v", 1e30, True), ("v", 3.4e38, True)],
+    ids=["mime-gradient-1e20", "mime-gradient-minus-1e20", "second-moment-1e30", "second-moment-3.4e38"],
 )
 def test_a_huge_finite_extra_is_refused(name: str, value: float, nonnegative: bool) -> None:
     vector = np.full(19, 0.5, dtype=np.float32)

@@ -508,10 +508,15 @@ def _check_magnitude(values: np.ndarray, what: str, max_abs: float) -> None:
 
     A second moment of 1e30 or a gradient entry of 1e20 is finite, but squared or kept in a running max
     it would pin the server's state at a huge value (or overflow float32) for the rest of the run.
+    A float array is read as it is (its max and min, exact in any float type: no float64 copy of a
+    model-size extra); an integer one through float64, where ``abs`` cannot overflow.
     """
     if values.size == 0 or not math.isfinite(max_abs):
         return
-    peak = float(np.max(np.abs(values.astype(np.float64, copy=False))))
+    if values.dtype.kind == "f":
+        peak = max(float(values.max()), -float(values.min()))
+    else:
+        peak = float(np.max(np.abs(values.astype(np.float64, copy=False))))
     if peak > max_abs:
         raise ReplyRejected(f"{what} has a value of magnitude {peak:.3g} > {max_abs:.3g} (hard limit)")
 
