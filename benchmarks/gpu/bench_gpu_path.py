@@ -227,8 +227,12 @@ def pollen_run(
     share: float,
     extra: dict[str, Any],
     device: str,
+    ray_cpus: int | None = None,
+    client_cpus: int | None = None,
 ) -> dict[str, Any]:
-    """``flwr run`` of the preset's first ``rounds`` rounds; ``share``: client-resources-num-gpus (0 on a CPU)."""
+    """``flwr run`` of the preset's first ``rounds`` rounds; ``share``: client-resources-num-gpus (0 on a CPU);
+    ``ray_cpus``: the CPUs Ray is told it has (default: the machine's cores); ``client_cpus``: a client's
+    share of them (default: 1, or the GPU share's part of the cores)."""
     from pollen.app.preset import load_preset
     from pollen.app.results import load_rows
 
@@ -244,7 +248,7 @@ def pollen_run(
         **extra,
     }
     run_dir = results / run_name
-    cpus = max(1, int(min(4, (os.cpu_count() or 2) * share))) if share else 1
+    cpus = client_cpus or (max(1, int(min(4, (os.cpu_count() or 2) * share))) if share else 1)
     round1_done: list[float] = []
     with GpuSampler() as sampler:
 
@@ -260,7 +264,9 @@ def pollen_run(
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         started = time.perf_counter()
-        proc = flower.run(config, num_supernodes=nodes, client_cpus=cpus, client_gpus=share or None, timeout=900)
+        proc = flower.run(
+            config, num_supernodes=nodes, client_cpus=cpus, client_gpus=share or None, ray_cpus=ray_cpus, timeout=900
+        )
         wall = time.perf_counter() - started
     written = load_rows(run_dir) if (run_dir / "metrics.json").exists() else []
     rows = [row for row in written if row.get("round", 0) >= 1]
@@ -271,6 +277,7 @@ def pollen_run(
     return {
         "supernodes": nodes,
         "client_cpus": cpus,
+        "ray_cpus": ray_cpus,
         "round1_s": round(rows[0]["round_seconds"], 2),
         "s_per_round": round(statistics.median(steady), 2) if steady else None,
         "accuracy_last": rows[-1].get("accuracy"),
@@ -297,6 +304,18 @@ def main() -> None:
         choices=("sgd", "lamb"),
         default="sgd",
         help="the plain loop's local optimiser; lamb: pollen's LocalLAMB (the same local training as Fed-LAMB's)",
+    )
+    parser.add_argument(
+        "--ray-cpus",
+        type=int,
+        default=None,
+        help="CPUs Ray is told it has in pollen's runs (5 on 2 cores: five clients at once)",
+    )
+    parser.add_argument(
+        "--client-cpus",
+        type=int,
+        default=None,
+        help="client-resources-num-cpus of pollen's runs (2 on 2 cores: one client at a time, two torch threads)",
     )
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides for both sides (smoke runs)"
@@ -348,7 +367,16 @@ def main() -> None:
                 if not in_budget(f"{preset} (pollen)"):
                     return
                 ours = pollen_run(
-                    flower, preset, data_dir, folder / "results", args.rounds, args.gpu_share, extra, args.device
+                    flower,
+                    preset,
+                    data_dir,
+                    folder / "results",
+                    args.rounds,
+                    args.gpu_share,
+                    extra,
+                    args.device,
+                    args.ray_cpus,
+                    args.client_cpus,
                 )
                 report.setdefault("presets", {})[preset] = {"pollen": ours}
                 print(f"{preset} pollen gpu-share {args.gpu_share:g}: {ours}", flush=True)

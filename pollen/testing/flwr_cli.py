@@ -60,10 +60,12 @@ class LocalFlower(LocalSuperLink):
         variant: str = "product",
         client_cpus: float | None = None,
         client_gpus: float | None = None,
+        ray_cpus: int | None = None,
     ) -> subprocess.CompletedProcess:
         """``flwr run`` of the app with ``run_config``; ``client_cpus`` sets the simulation's
         ``client-resources-num-cpus`` (1 on a two-core machine: two clients train at once), ``client_gpus``
-        its ``client-resources-num-gpus`` (0.25: four clients share one GPU)."""
+        its ``client-resources-num-gpus`` (0.25: four clients share one GPU), ``ray_cpus`` the CPUs Ray is
+        told it has (``init-args-num-cpus``; more than the cores: more clients at once, sharing them)."""
         overrides = " ".join(
             f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
             for k, v in run_config.items()
@@ -77,7 +79,8 @@ class LocalFlower(LocalSuperLink):
             "--federation-config",
             f"num-supernodes={num_supernodes}"
             + ("" if client_cpus is None else f" client-resources-num-cpus={client_cpus:g}")
-            + ("" if client_gpus is None else f" client-resources-num-gpus={client_gpus:g}"),
+            + ("" if client_gpus is None else f" client-resources-num-gpus={client_gpus:g}")
+            + ("" if ray_cpus is None else f" init-args-num-cpus={ray_cpus:d}"),
             "--run-config",
             overrides,
         ]
