@@ -82,3 +82,16 @@ def test_flowers_baselines_refuse_the_buffer_too() -> None:
     assert stats.replies == 2
     assert any("buffer 'bn.running_mean' has a value of magnitude" in r for r in stats.failure_reasons)
     assert np.abs(named_arrays(arrays)["bn.running_mean"]).max() < 1.0
+
+
+def test_a_float32_extra_is_read_without_a_copy_and_a_float64_one_is_cast() -> None:
+    """A model-size extra (Fed-LAMB's v) is not copied on the server: the update keeps a read-only view of the
+    reply's bytes; another float dtype is cast to float32 (a new array)."""
+    spec = ReplySpec(extras=(Extra("v", size="model", nonnegative=True),))
+    message = a_reply(tiny_model(1), {"v": np.full(19, 0.5, dtype=np.float32)})
+    record = message.content[protocol.extra_record("v")]
+    got = read(message, spec).extras["v"]
+    assert got.dtype == np.float32 and not got.flags.writeable
+    assert np.shares_memory(got, np.frombuffer(record[protocol.EXTRA_ARRAY].data, dtype=np.uint8))
+    cast = read(a_reply(tiny_model(1), {"v": np.full(19, 0.5, dtype=np.float64)}), spec).extras["v"]
+    assert cast.dtype == np.float32 and np.all(cast == 0.5)

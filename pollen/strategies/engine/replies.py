@@ -439,8 +439,8 @@ def _read_extra(content, extra: Extra, layout: ModelLayout, max_abs: float) -> n
         raise ReplyRejected(f"extra '{extra.name}' has shape {value.shape}, expected ({length},)")
     if value.dtype.kind != "f":
         raise ReplyRejected(f"extra '{extra.name}' has dtype {value.dtype}; allowed: floating point")
-    with np.errstate(over="ignore", invalid="ignore"):
-        vector = value.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # a float32 extra stays a read-only view of the reply's
+        vector = value.astype(np.float32, copy=False)  # bytes (alive through the round; no extra is written to)
     _check_finite(vector, f"extra '{extra.name}'")
     _check_magnitude(vector, f"extra '{extra.name}'", max_abs)
     if extra.nonnegative and vector.size and vector.min() < 0:
