@@ -321,6 +321,9 @@ def main() -> None:
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides for both sides (smoke runs)"
     )
     args = parser.parse_args()
+    for flag, value in (("--client-cpus", args.client_cpus), ("--ray-cpus", args.ray_cpus)):
+        if value is not None and value < 1:
+            parser.error(f"{flag}={value} is out of range; allowed: an integer >= 1 (or leave it out)")
     began = time.perf_counter()
     extra = {key: json.loads(value) for key, value in (item.split("=", 1) for item in args.set)}
     if args.device == "cpu":
@@ -398,7 +401,16 @@ def main() -> None:
                     if not in_budget(f"fedcams-full at num-gpus {share:g}"):
                         break
                     result = pollen_run(
-                        flower, "fedcams-full", data_dir, folder / "results", args.rounds, share, extra, args.device
+                        flower,
+                        "fedcams-full",
+                        data_dir,
+                        folder / "results",
+                        args.rounds,
+                        share,
+                        extra,
+                        args.device,
+                        args.ray_cpus,
+                        args.client_cpus,
                     )
                     report.setdefault("fractions", {})[f"{share:g}"] = result
                     print(f"fedcams-full gpu-share {share:g}: {result}", flush=True)

@@ -84,18 +84,17 @@ _MEAN_BLOCK = 1 << 15  # elements of the float64 sum kept in cache while every u
 def mean_float64(stats: list[np.ndarray]) -> np.ndarray:
     """``np.mean(np.stack(stats), axis=0, dtype=np.float64)``, bit for bit, without the stack.
 
-    NumPy's mean over the first axis adds the rows one after another in float64 and divides the sum by
-    their count; this does the same a block at a time, so only the float64 result is d-sized (the stack
-    was ``len(stats)`` float32 copies of the model's size, and its reduction ran at a fraction of the
-    speed of these adds).
+    NumPy's mean over the first axis adds the rows one after another in float64 to a sum that starts at
+    +0.0 (so a coordinate where every row holds -0.0 comes out +0.0) and divides the sum by their count;
+    this does the same a block at a time, so only the float64 result is d-sized (the stack was
+    ``len(stats)`` float32 copies of the model's size, and its reduction ran at a fraction of the speed of
+    these adds).
     """
     count = len(stats)
-    dim = stats[0].shape[0]
-    mean = np.empty(dim, dtype=np.float64)
-    for lo in range(0, dim, _MEAN_BLOCK):
+    mean = np.zeros(stats[0].shape[0], dtype=np.float64)
+    for lo in range(0, mean.shape[0], _MEAN_BLOCK):
         block = mean[lo : lo + _MEAN_BLOCK]
-        np.copyto(block, stats[0][lo : lo + _MEAN_BLOCK])
-        for values in stats[1:]:
+        for values in stats:
             block += values[lo : lo + _MEAN_BLOCK]
         block /= count
     return mean

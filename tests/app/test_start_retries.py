@@ -94,3 +94,24 @@ def test_a_flwr_run_whose_simulation_started_too_slowly_runs_again_afresh(tmp_pa
         lambda command, **kwargs: attempts.append(command) or subprocess.CompletedProcess(command, 1, "", "bad key"),
     )
     assert flower.run({}).returncode == 1 and len(attempts) == 1  # not about time: not run again
+
+
+def test_a_flwr_run_passes_the_simulations_resources_to_its_federation_config(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    from pollen.testing import flwr_cli
+
+    commands: list[list[str]] = []
+    monkeypatch.setattr(
+        flwr_cli.subprocess,
+        "run",
+        lambda command, **kwargs: commands.append(command) or subprocess.CompletedProcess(command, 0, "", ""),
+    )
+    flower = flwr_cli.LocalFlower.__new__(flwr_cli.LocalFlower)
+    flower.home, flower._apps = tmp_path, {"product": tmp_path}
+    flower.env = {"PATH": os.environ.get("PATH", "")}
+    flower.run({}, num_supernodes=5, client_cpus=2, client_gpus=0.25, ray_cpus=5)
+    federation = commands[-1][commands[-1].index("--federation-config") + 1]
+    assert federation == (
+        "num-supernodes=5 client-resources-num-cpus=2 client-resources-num-gpus=0.25 init-args-num-cpus=5"
+    )
+    flower.run({}, num_supernodes=3)
+    assert commands[-1][commands[-1].index("--federation-config") + 1] == "num-supernodes=3"

@@ -26,6 +26,17 @@ def test_equals_numpys_mean_of_the_stack_bit_for_bit(count: int, dim: int) -> No
     assert got.tobytes() == expected.tobytes()
 
 
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_signed_zeros_and_subnormals_come_out_as_numpys(count: int) -> None:
+    values = np.array([-0.0, 0.0, -0.0, 1e-45, -1e-45, 1.0], dtype=np.float32)
+    stats = [values.copy() for _ in range(count)]
+    stats[0][1] = -0.0  # a column of -0.0 with one +0.0 elsewhere
+    expected = np.mean(np.stack(stats), axis=0, dtype=np.float64)
+    got = mean_float64(stats)
+    assert got.tobytes() == expected.tobytes()
+    assert np.signbit(got[0]) == np.signbit(expected[0])  # every upload -0.0: NumPy's sum starts at +0.0
+
+
 def test_float32_extremes_do_not_overflow_the_float64_sum() -> None:
     big = np.full(5, 3.4e38, dtype=np.float32)
     assert np.all(mean_float64([big, big, big]) == np.float64(np.float32(3.4e38)))
