@@ -39,6 +39,7 @@ from pollen.strategies.engine.declared import COUNT, COUNTS, MOMENT
 from pollen.strategies.engine.parts import EngineParts
 from pollen.strategies.engine.replies import ClientUpdate, Extra, ReplySpec
 from pollen.strategies.engine.sampling import ClientSampler
+from pollen.strategies.engine.screening import peak_magnitude
 from pollen.strategies.engine.strategy import (
     TRAIN_PHASE,
     AdaptiveStrategy,
@@ -72,7 +73,7 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 def _as_float32(values: np.ndarray, what: str) -> np.ndarray:
     """``values`` (float64) as float32; ``FloatingPointError`` when any is not finite there."""
-    peak = max(float(values.max()), -float(values.min())) if values.size else 0.0  # NaN if any is NaN
+    peak = peak_magnitude(values) if values.size else 0.0  # NaN if any is NaN
     if not peak <= _FLOAT32_MAX:  # NaN fails too
         raise FloatingPointError(f"{what} would be {peak:.3g}, outside float32's range; the round is rolled back")
     return values.astype(np.float32)

@@ -26,7 +26,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from pollen.compression import decode_payload
 from pollen.core.layout import ModelLayout
 from pollen.strategies.engine.client_errors import client_error_text
-from pollen.strategies.engine.screening import vector_stats
+from pollen.strategies.engine.screening import peak_magnitude, vector_stats
 from pollen.wire import protocol
 from pollen.wire.records import record_to_arrays, records_to_payload
 
@@ -514,7 +514,7 @@ def _check_magnitude(values: np.ndarray, what: str, max_abs: float) -> None:
     if values.size == 0 or not math.isfinite(max_abs):
         return
     if values.dtype.kind == "f":
-        peak = max(float(values.max()), -float(values.min()))
+        peak = peak_magnitude(values)
     else:
         peak = float(np.max(np.abs(values.astype(np.float64, copy=False))))
     if peak > max_abs:

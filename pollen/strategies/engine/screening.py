@@ -624,6 +624,12 @@ MAX_REPLIES_PER_ROUND = 1_000_000
 _BLOCK = 1 << 16
 
 
+def peak_magnitude(values: np.ndarray) -> float:
+    """``max |x|`` of a non-empty float array from its max and min (exact in any float type, no copy of
+    ``abs``); NaN when any value is NaN."""
+    return max(float(values.max()), -float(values.min()))
+
+
 def vector_stats(vector: np.ndarray, max_abs: float = DEFAULT_MAX_ABS) -> tuple[float, float]:
     """``(L2 norm, a bound on max |x|)`` of a float vector; the norm is NaN when any value is NaN or Inf.
 
@@ -641,8 +647,7 @@ def vector_stats(vector: np.ndarray, max_abs: float = DEFAULT_MAX_ABS) -> tuple[
         if np.isfinite(squares) and np.sqrt(squares) <= max_abs:
             norm = float(np.sqrt(squares))
             return norm, norm
-    high, low = float(vector.max()), float(vector.min())
-    peak = max(abs(high), abs(low))
+    peak = peak_magnitude(vector)
     if not np.isfinite(peak):
         return float("nan"), float("inf")
     total = 0.0
