@@ -136,8 +136,8 @@ class FedLazy(FedAMS):
         The compressed downlink as one part (:class:`~pollen.strategies.engine.downlink.Downlink`); the
         ``down_*`` arguments build it when it is not given (``down_compressor`` set).
     eta, beta_1, beta_2, eps, option, bias_correction
-        The server's AMSGrad, as :class:`FedAMS` takes them (its defaults). The paper's server settings
-        are Option A with ``eps=1e-3``; the app's run-config passes them.
+        The server's AMSGrad, as :class:`FedAMS` takes them (its defaults: ``eta=None`` is 0.02 with option 1). The
+        paper's server settings are Option A with ``eps=1e-3``; the app's run-config passes them.
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes : float, int
         Sampling: Flower's ``FedAvg`` arguments, with its defaults and meaning (:class:`AdaptiveStrategy`).
     weighted_by_key, arrayrecord_key, configrecord_key : str
@@ -203,7 +203,7 @@ class FedLazy(FedAMS):
         tau_scaling: str = "effective",
         tau_alpha: float = 1.0,
         downlink: Downlink | None = None,
-        eta: float = 0.01,
+        eta: float | None = None,
         beta_1: float = 0.9,
         beta_2: float = 0.99,
         eps: float = 1e-8,

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pollen.app.config import AppConfig, defaults_from_pyproject
 from pollen.app.experiment import build_strategy
-from pollen.strategies import FedAdaVR, FedCAMS, FedOpt
+from pollen.strategies import FedAdaVR, FedAMS, FedCAMS, FedLazy, FedOpt
 
 pytestmark = pytest.mark.flower_compat
 
@@ -40,6 +41,26 @@ def test_fedadavr_drops_in_without_bias_correction_and_its_optimiser_gets_it() -
         "bias_correction": False,
     }
     assert FedAdaVR(bias_correction=True)._optimizer_kwargs(None)["bias_correction"] is True
+
+
+def first_step(strategy: object, delta: np.ndarray) -> np.ndarray:
+    """The server step the strategy's optimiser takes on its first round's mean update ``delta``."""
+    optimizer = strategy.server_step.optimizer
+    step, _ = optimizer.update(optimizer.init(delta.size), delta, params=np.zeros_like(delta))
+    return step
+
+
+def test_fedams_drops_in_with_eta_0_02_and_fedcams_keeps_0_01() -> None:
+    """AMSGrad's first step without bias correction is ``eta * sign(delta)``: 0.02 for FedAMS and FedLazy (0.01 was
+    10 points behind FedAvg after 5 rounds of advanced-pytorch over ten seeds; option 1), 0.01 for FedCAMS (0.02 on sign
+    uploads fell 23 points behind in quickstart-pytorch); an argument wins."""
+    delta = np.array([0.5, -2.0, 3e-3], dtype=np.float32)
+    np.testing.assert_allclose(first_step(FedAMS(), delta), [0.02, -0.02, 0.02], rtol=1e-5)
+    np.testing.assert_allclose(first_step(FedLazy(), delta), [0.02, -0.02, 0.02], rtol=1e-5)
+    np.testing.assert_allclose(first_step(FedCAMS(), delta), [0.01, -0.01, 0.01], rtol=1e-5)
+    np.testing.assert_allclose(first_step(FedAMS(eta=0.005), delta), [0.005, -0.005, 0.005], rtol=1e-5)
+    # eps outside the sqrt gives every coordinate eta: 0.02 fell 13 points behind in quickstart-pytorch
+    np.testing.assert_allclose(first_step(FedAMS(option=2), delta), [0.01, -0.01, 0.01], rtol=1e-4)
 
 
 def test_fedcams_scales_signs_per_tensor_and_keeps_top_k_global_unless_told() -> None:

@@ -237,9 +237,10 @@ def test_error_feedback_carries_what_the_integers_missed() -> None:
 
 
 def test_fedams_and_fedcams_run_securely() -> None:
-    fedcams = FedCAMS(fraction_evaluate=0.0, parts=EngineParts(secagg=SecureAggregation(seed=1)))
+    # the same eta: the drop-in defaults differ (FedAMS 0.02, FedCAMS 0.01 for its sign uploads)
+    fedcams = FedCAMS(eta=0.01, fraction_evaluate=0.0, parts=EngineParts(secagg=SecureAggregation(seed=1)))
     assert fedcams.uplink is None and FedCAMS().uplink is not None  # its sign uplink gives way to the summable codec
-    fedams = FedAMS(fraction_evaluate=0.0, parts=EngineParts(secagg=SecureAggregation(seed=1)))
+    fedams = FedAMS(eta=0.01, fraction_evaluate=0.0, parts=EngineParts(secagg=SecureAggregation(seed=1)))
     models = []
     for strategy in (fedams, fedcams):
         models.append(Federation().run(strategy, rounds=2).arrays["w"].numpy())
