@@ -588,6 +588,8 @@ def dropin() -> Path:
         names = [label(r[t.col("strategy")]) for r in rows[project]]
         for i, row in enumerate(rows[project]):
             for column, marker, shade in (("gap at 5", "o", 0.45), ("gap at 20", "s", 1.0)):
+                if "nan" in label(row[t.col(column)]):  # a seed diverged: the mean has no value to draw
+                    continue
                 flower = names[i] in ("FedAvg()", "FedAdam()")
                 ax.plot(
                     value(row[t.col(column)]), i, marker=marker, linestyle="none", markersize=5.5, alpha=shade,
