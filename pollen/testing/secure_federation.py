@@ -24,6 +24,7 @@ from typing import Any
 from pollen.testing import local_federation as lf
 
 CONNECTION = "pollen-many"
+_PORT_TAKEN = re.compile(r"address .* is already in use|address already in use|failed to bind", re.IGNORECASE)
 
 
 def resident_bytes(pid: int) -> int:
@@ -141,12 +142,30 @@ class SecureFederation:
         proc.popen.wait(timeout=30)
 
     def wait_online(self, count: int, timeout: float = 300) -> None:
-        lf.wait_until(
-            lambda: lf.online_nodes(self.procs, CONNECTION, self.user_env) >= count,
-            timeout,
-            f"{count} SuperNodes online",
-            interval=2.0,
-        )
+        """Until ``count`` SuperNodes are online; a node that exits first is named with its log's tail.
+
+        A node whose port was taken between :func:`~pollen.testing.local_federation.free_ports` and its start
+        (another test's process on a busy machine) is started again on a new port, as a supervisor would.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            online = lf.online_nodes(self.procs, CONNECTION, self.user_env)
+            if online >= count:
+                return
+            for index, proc in list(self.nodes.items()):
+                if proc.poll() is None:
+                    continue
+                if _PORT_TAKEN.search(proc.output()):
+                    self.start_node(index)
+                    continue
+                raise RuntimeError(
+                    f"SuperNode {index} exited (code {proc.poll()}) before {count} nodes were online:\n"
+                    f"{lf.tail(proc.output(), 30)}"
+                )
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- supernode {i} ---\n{lf.tail(p.output(), 8)}" for i, p in self.nodes.items())
+                raise TimeoutError(f"{online} of {count} SuperNodes online after {timeout:.0f}s:\n{tails}")
+            time.sleep(2.0)
 
     def superlink_rss(self) -> int:
         """Resident bytes of the ``flower-superlink`` process itself (its ServerApp is counted apart)."""

@@ -69,7 +69,6 @@ def test_fast_nodes_keep_the_model_moving_past_a_slow_node_and_a_restarted_one(t
             fed.wait_online(NUM_NODES)
 
             results = tmp_path / "results"
-            started = time.monotonic()
             run = fed.start_run("flwr-run", dict(RUN_CONFIG, **{"results-dir": str(results)}))
             lf.wait_until(
                 lambda: fed.replies_sent(KILLED) >= 1 or run.poll() is not None, 600, "the first reply of a fast node"
@@ -83,7 +82,6 @@ def test_fast_nodes_keep_the_model_moving_past_a_slow_node_and_a_restarted_one(t
                 time.sleep(1)
             assert run.poll() == 0, run.output()
             assert "[pollen] done" in run.output(), run.output()
-            seconds = time.monotonic() - started
 
             rows = {row["round"]: row for row in lf.load_metrics(results, "async-deploy")["rows"]}
             assert sorted(rows) == list(range(STEPS + 1))
@@ -95,8 +93,11 @@ def test_fast_nodes_keep_the_model_moving_past_a_slow_node_and_a_restarted_one(t
             clock = [row["method.async_virtual_time"] for row in steps]
             assert all(b >= a for a, b in zip(clock, clock[1:])), clock
             slow_trained = fed.trained_messages(SLOW)
+            # A driver that waited for the slow node would have its reply in every one-reply step. No wall-clock
+            # bound: on a loaded 2-core machine a fast node's job (a fresh ClientApp process) takes about as long
+            # as the slow node's sleep, and the server's own step times (33 s to the first, 142 s to the tenth,
+            # measured) say more about the machine than about the driver.
             assert slow_trained < STEPS / 2, f"the slow node trained {slow_trained} of {STEPS} jobs: it held no step"
-            assert seconds < STEPS * SLOW_S, f"{seconds:.0f} s: the run waited for the slow node every step"
     finally:
         procs.stop_all()
         left = procs.leftovers()
