@@ -314,7 +314,10 @@ class HAFed(AdaptiveStrategy):
         not make every active one "10x the median". A reply that says it took no steps but moved is
         rejected. Each screened buffer is judged against its history, else (none, or a stale one: more
         than half of the step's replies exceed it) against the same buffer of the step's other replies.
-        A rejected reply is absent from this step's mix. (``index``: the gossip step, as logged.)
+        A move beyond its bound is clipped with the screen's ``rule="clip"`` (the constructor's default): the
+        reply's model is pulled back along its move to the bound, so a client whose step diverged still
+        gossips, its move bounded; with ``rule="reject"`` it is refused. A rejected reply is absent from this
+        step's mix. (``index``: the gossip step, as logged.)
         """
         params_norm = float(np.linalg.norm(self.params))
         self.screen.set_model_norm(params_norm)
@@ -335,6 +338,24 @@ class HAFed(AdaptiveStrategy):
             candidates.append(update)
         earlier = [m for m in earlier_moves if m > 0]
         reference = self.screen.factor * self.screen.reference(float(np.median(earlier))) if earlier else None
+
+        def pull_back(update: ClientUpdate, scale: float) -> None:
+            """Clip a move: the reply's model moved ``scale`` of the way from the one it was sent to its own."""
+            start = current[update.node_id].delta
+            update.delta = start + np.float32(scale) * (update.delta - start)
+            update.norm = float(np.linalg.norm(update.delta))
+            self.screen.clipped += 1
+            log(
+                INFO,
+                "round %d, gossip step %d: outlier screen clipped %s's move %.3g to %.3g",
+                server_round,
+                index,
+                update.client_key,
+                moves[id(update)],
+                moves[id(update)] * scale,
+            )
+            moves[id(update)] *= scale
+
         kept = self.screen.filter(
             candidates,
             lambda update, why: self.replies.reject(server_round, update.node_id, why),
@@ -342,6 +363,7 @@ class HAFed(AdaptiveStrategy):
             reorder=False,
             norm_of=lambda update: moves.get(id(update)),
             reference=reference,
+            rescale=pull_back,
         )
         earlier_moves.extend(moves[id(u)] for u in kept if id(u) in moves)
         return kept

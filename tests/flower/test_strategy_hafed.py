@@ -17,6 +17,7 @@ from pollen.optim import amsgrad
 from pollen.strategies import HAFed
 from pollen.strategies.engine.parts import ClientSampler, EngineParts
 from pollen.strategies.engine.rounds import SetupError
+from pollen.strategies.engine.screening import MODEL_NORM_FLOOR, UpdateScreen
 from pollen.strategies.hafed_clusters import ClusterPlan
 from pollen.testing.fakes import (
     FakeGrid,
@@ -281,11 +282,12 @@ def bad_gossip_client(seen: list, victim: int, kind: str):  # noqa: ANN201
 
 @pytest.mark.parametrize("kind", ["nan", "shape", "poison", "silent", "metrics"])
 def test_a_bad_gossip_reply_is_left_out_of_that_step_and_the_round_completes(kind):
+    """With ``rule="reject"`` (the app's ``outlier-rule`` default) a poisoned move is refused like a broken reply."""
     victim = NODES[2]
     seen: list = []
     strategy = HAFed(
         fraction_evaluate=0.0,
-        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True), screen=UpdateScreen(rule="reject")),
         min_available_nodes=len(NODES),
         local_steps=3,
         topology="ring",
@@ -307,6 +309,49 @@ def test_a_bad_gossip_reply_is_left_out_of_that_step_and_the_round_completes(kin
         assert (1, victim, 2, protocol.PHASE_MESSAGE_TYPE) not in seen
     if kind == "poison":
         assert any("outlier screen" in reason for reason in stats.failure_reasons)
+
+
+def test_a_move_beyond_the_bound_is_clipped_along_itself_with_the_clip_rule():
+    """The constructor's ``rule="clip"``: a gossip reply whose move is far beyond the step's bound (an honest
+    client whose step diverged, issue 44; here +50 on one tensor) is not refused but pulled back along its move
+    to the bound, ``factor x max(median of the other movers' moves, median of the round's earlier moves,
+    MODEL_NORM_FLOOR x ||x||)``, and mixed; the round has no failure."""
+    victim = NODES[2]
+    strategy = HAFed(
+        fraction_evaluate=0.0,
+        parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
+        min_available_nodes=len(NODES),
+        local_steps=3,
+        topology="ring",
+    )
+    assert strategy.screen.rule == "clip"
+    steps: dict[int, tuple] = {}
+    screen_step = strategy._screen_step
+
+    def spy(server_round, updates, current, earlier_moves, index):  # noqa: ANN001, ANN202
+        starts = {u.node_id: current[u.node_id].delta.copy() for u in updates}
+        raw = {u.node_id: u.delta - starts[u.node_id] for u in updates}
+        earlier = [m for m in earlier_moves if m > 0]
+        kept = screen_step(server_round, updates, current, earlier_moves, index)
+        steps[index] = (starts, raw, earlier, {u.node_id: u.delta.copy() for u in kept})  # before the mix
+        return kept
+
+    strategy._screen_step = spy
+    grid = FakeGrid(NODES, bad_gossip_client([], victim, "poison"), client_ids=IDS, cluster_ids=CLUSTERS)
+    strategy.start(grid=grid, initial_arrays=model_record(tiny_model()), num_rounds=1)
+
+    assert strategy.accounting.rounds[1].failures == 0 and strategy.screen.clipped == 1
+    starts, raw, earlier, kept = steps[1]
+    moved = kept[victim] - starts[victim]
+    others = [float(np.linalg.norm(raw[node])) for node in kept if node != victim]
+    floor = MODEL_NORM_FLOOR * float(np.linalg.norm(x0()))
+    bound = strategy.screen.factor * max(float(np.median(others)), float(np.median(earlier)), floor)
+    raw_move = raw[victim]
+    assert float(np.linalg.norm(raw_move)) > 10 * bound  # far beyond: a reject rule would refuse it
+    np.testing.assert_allclose(np.linalg.norm(moved), bound, rtol=1e-4)
+    np.testing.assert_allclose(moved, raw_move * (bound / np.linalg.norm(raw_move)), rtol=1e-4, atol=1e-6)
+    assert all(np.array_equal(delta - starts[node], raw[node]) for node, delta in kept.items() if node != victim)
+    assert np.isfinite(strategy.params).all()
 
 
 def test_relaying_with_w_equal_identity_is_fedamsgrad():

@@ -268,6 +268,7 @@ class UpdateScreen:
         reorder: bool = True,
         norm_of: Callable[[Any], float | None] | None = None,
         reference: float | None | str = "history",
+        rescale: Callable[[Any, float], None] | None = None,
     ) -> list[Any]:
         """The updates that pass the screen, for a round that kept every update (``where``: the round, as logged):
         the one round-level screening call of every strategy that keeps its replies (pollen's, Flower's baselines,
@@ -287,8 +288,9 @@ class UpdateScreen:
         client's move since the model it was sent, and an idle client's move is ``None``), and ``reference`` the
         bound that stands in for the history's (``None``: none; HA-Fed's: ``factor`` x the median of the moves
         accepted earlier in the round). With a caller's reference the screen's own history is neither consulted
-        nor dropped, and a judged number that is not the update's norm cannot be scaled: beyond its bound the
-        update is rejected whatever the rule.
+        nor dropped. A judged number that is not the update's norm is scaled by the caller's ``rescale(update,
+        scale)``, which must bring that number down by ``scale`` (HA-Fed's pulls the reply's model back towards
+        the one it was sent); without one, beyond its bound the update is rejected whatever the rule.
         """
         beyond = self._beyond_history(updates) if reorder else set()
         record_bounds = self.round_record_bounds([getattr(u, "record_norms", {}) for u in updates], where)
@@ -307,7 +309,9 @@ class UpdateScreen:
             if id(update) in rejected:
                 continue
             verdict, scale = self.judge(norm, limit)
-            if verdict == "reject" or (verdict == "clip" and not (clip and judge_norm)):
+            if verdict == "clip" and clip and not judge_norm and rescale is not None:
+                rescale(update, scale)
+            elif verdict == "reject" or (verdict == "clip" and not (clip and judge_norm)):
                 rejected.add(id(update))
                 on_reject(update, self.reason(norm, limit))
             elif verdict == "clip":
