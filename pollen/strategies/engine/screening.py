@@ -300,7 +300,7 @@ class UpdateScreen:
             if why is not None:
                 rejected.add(id(update))
                 on_reject(update, why)
-        judge_norm = norm_of is None
+        rescale = _scale_in_place if norm_of is None else rescale
         norm_of = norm_of or (lambda update: update.norm if update.delta is not None else None)
         judged = [(u, norm) for u in updates if (norm := norm_of(u)) is not None]
         norms = [norm for _, norm in judged]
@@ -309,16 +309,11 @@ class UpdateScreen:
             if id(update) in rejected:
                 continue
             verdict, scale = self.judge(norm, limit)
-            if verdict == "clip" and clip and not judge_norm and rescale is not None:
-                rescale(update, scale)
-            elif verdict == "reject" or (verdict == "clip" and not (clip and judge_norm)):
+            if verdict == "reject" or (verdict == "clip" and not (clip and rescale)):
                 rejected.add(id(update))
                 on_reject(update, self.reason(norm, limit))
             elif verdict == "clip":
-                update.delta = update.delta * np.float32(scale)
-                update.norm *= scale
-                update.applied_scale *= scale
-                update.screen_clipped = True
+                rescale(update, scale)
         kept = [u for u in updates if id(u) not in rejected]
         return [u for u in kept if id(u) not in beyond] + [u for u in kept if id(u) in beyond]
 
@@ -667,3 +662,11 @@ def all_finite(vector: np.ndarray) -> bool:
         if not np.isfinite(vector[start : start + _BLOCK]).all():
             return False
     return True
+
+
+def _scale_in_place(update: Any, scale: float) -> None:
+    """The clip of an update judged by its own norm: scaled down to the bound, the scale on its record."""
+    update.delta = update.delta * np.float32(scale)
+    update.norm *= scale
+    update.applied_scale *= scale
+    update.screen_clipped = True
