@@ -86,7 +86,7 @@ class LocalFlower(LocalSuperLink):
         ]
         for attempt in range(1, START_ATTEMPTS + 1):
             proc = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-            if proc.returncode == 0 or attempt == START_ATTEMPTS or not is_slow_start(proc.stdout + proc.stderr):
+            if attempt == START_ATTEMPTS or not _started_too_slowly(proc):
                 return proc
             # the simulation's Ray did not come up in time (a loaded machine): the run did nothing; again, afresh
             print(f"LocalFlower: run attempt {attempt} failed for want of time; running it again", file=sys.stderr)
@@ -97,6 +97,18 @@ class LocalFlower(LocalSuperLink):
 
 #: Attempts at a ``flwr run`` whose simulation failed to start for want of time (:func:`is_slow_start`).
 START_ATTEMPTS = 3
+
+
+def _started_too_slowly(proc: subprocess.CompletedProcess) -> bool:
+    """Whether a ``flwr run`` failed because the simulation's Ray did not come up in time.
+
+    ``flwr run --stream`` exits 0 even when the simulation it streams crashed at start (Ray's "The current node
+    timed out during startup" on a loaded machine), so the exit status alone cannot say: a failed exit or
+    Flower's "Simulation Runtime crashed", together with one of the slow-start markers, does.
+    """
+    out = proc.stdout + proc.stderr
+    failed = proc.returncode != 0 or "Simulation Runtime crashed" in out
+    return failed and is_slow_start(out)
 
 
 def _set_aside(run_config: dict, attempt: int) -> None:

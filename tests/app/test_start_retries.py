@@ -65,7 +65,20 @@ def test_a_ray_cluster_whose_first_start_is_too_slow_comes_up_on_the_next(tmp_pa
     assert "start attempt 1 of 3 failed for want of time" in capfd.readouterr().err
 
 
-def test_a_flwr_run_whose_simulation_started_too_slowly_runs_again_afresh(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+#: How a failed start reads: ``flwr run`` failing, or (``--stream``, seen on CI) exiting 0 after streaming the
+#: simulation's crash.
+FAILED_STARTS = {
+    "nonzero exit": (1, f"RuntimeError: {RAY_MESSAGE}"),
+    "exit 0, streamed crash": (0, f"Exception: {RAY_MESSAGE}\nRuntimeError: Simulation Runtime crashed."),
+}
+
+
+@pytest.mark.parametrize("failed_start", FAILED_STARTS.values(), ids=FAILED_STARTS.keys())
+def test_a_flwr_run_whose_simulation_started_too_slowly_runs_again_afresh(
+    tmp_path: Path,
+    monkeypatch,  # noqa: ANN001
+    failed_start: tuple[int, str],
+) -> None:
     from pollen.testing import flwr_cli
 
     results = tmp_path / "results"
@@ -75,7 +88,7 @@ def test_a_flwr_run_whose_simulation_started_too_slowly_runs_again_afresh(tmp_pa
         attempts.append(command)
         (results / "r").mkdir(parents=True, exist_ok=True)
         if len(attempts) == 1:
-            return subprocess.CompletedProcess(command, 1, stdout="", stderr=f"RuntimeError: {RAY_MESSAGE}")
+            return subprocess.CompletedProcess(command, failed_start[0], stdout="", stderr=failed_start[1])
         return subprocess.CompletedProcess(command, 0, stdout="[pollen] done", stderr="")
 
     monkeypatch.setattr(flwr_cli.subprocess, "run", fake_run)
@@ -94,6 +107,15 @@ def test_a_flwr_run_whose_simulation_started_too_slowly_runs_again_afresh(tmp_pa
         lambda command, **kwargs: attempts.append(command) or subprocess.CompletedProcess(command, 1, "", "bad key"),
     )
     assert flower.run({}).returncode == 1 and len(attempts) == 1  # not about time: not run again
+
+    attempts.clear()
+    finished = f"a warning that quotes '{RAY_MESSAGE}'\n[pollen] done"
+    monkeypatch.setattr(
+        flwr_cli.subprocess,
+        "run",
+        lambda command, **kwargs: attempts.append(command) or subprocess.CompletedProcess(command, 0, finished, ""),
+    )
+    assert flower.run({}).returncode == 0 and len(attempts) == 1  # it ran: a marker alone is no failed start
 
 
 def test_a_flwr_run_passes_the_simulations_resources_to_its_federation_config(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001

@@ -254,9 +254,14 @@ def test_supernode_without_tls_cannot_connect(federation):
         out = node.output()
         assert node.poll() != 0, out
         assert "could not establish a connection to the SuperLink" in out, out
-        # the TLS server drops the plain-text attempt: gRPC's UNAVAILABLE (Fleet over gRPC), or the HTTP
-        # client's "Server disconnected" (Flower 1.40 and later, Fleet over HTTP)
-        assert ("UNAVAILABLE" in out) if lf.default_fleet() == "grpc" else ("Server disconnected" in out), out
+        # the TLS server drops the plain-text attempt: gRPC's UNAVAILABLE (Fleet over gRPC); over HTTP (Flower
+        # 1.40 and later) the client reads either "Server disconnected" or, when the TLS server's reset comes
+        # first, "[Errno 104] Connection reset by peer" (seen on CI's loaded machine). Never "refused": the
+        # server is there and answering TLS.
+        http_drops = ("Server disconnected", "Connection reset by peer")
+        dropped = ("UNAVAILABLE",) if lf.default_fleet() == "grpc" else http_drops
+        assert any(phrase in out for phrase in dropped), out
+        assert "Connection refused" not in out, out
 
 
 # --------------------------------------------------------------------------- resume and traffic
