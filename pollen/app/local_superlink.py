@@ -11,8 +11,11 @@ finds them all (the simulation, Ray's workers and agents) and stops them by id.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pollen.core.processes import free_port, stop_marked
@@ -42,6 +45,25 @@ class LocalSuperLink:
     def stop(self) -> None:
         """Stop the SuperLink and everything it started (simulation, Ray workers and agents)."""
         stop_marked(f"FLWR_LOCAL_CONTROL_API_PORT={self.control_port}".encode())
+
+    @classmethod
+    @contextlib.contextmanager
+    def warm(cls, home: Path, say: Callable[[str], None] | None = None, **kwargs: object) -> Iterator[LocalSuperLink]:
+        """One Ray head started once, and a SuperLink of this class joined to it, for many ``flwr run`` calls.
+
+        Each simulation then attaches to the warm head instead of starting and stopping a local Ray (the
+        part of a short run that costs most and fails most under load). Both are stopped by process id
+        when the block ends; ``say`` gets one line when the head is up; ``kwargs`` go to the class.
+        """
+        from pollen.app.ray_cluster import LocalRayCluster
+
+        started = time.perf_counter()
+        with LocalRayCluster(nodes=1, cpus_per_node=os.cpu_count() or 1, gpus_per_node=None) as cluster:
+            if say is not None:
+                took = time.perf_counter() - started
+                say(f"warm Ray head at {cluster.address} ({took:.0f} s); one SuperLink for all runs")
+            with cls(home, extra_env=cluster.env, **kwargs) as link:
+                yield link
 
     def __enter__(self) -> LocalSuperLink:
         return self

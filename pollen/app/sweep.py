@@ -266,13 +266,9 @@ def warm_flower(home: Path, say: Callable[[str], None] = print):
     """One Ray head and one private local SuperLink joined to it, for every run of a sweep; yields the
     environment ``flwr run`` needs to use them. Both are stopped by process id when the block ends."""
     from pollen.app.local_superlink import LocalSuperLink
-    from pollen.app.ray_cluster import LocalRayCluster
 
-    started = time.perf_counter()
-    with LocalRayCluster(nodes=1, cpus_per_node=os.cpu_count() or 1, gpus_per_node=None) as cluster:
-        say(f"warm Ray head at {cluster.address} ({time.perf_counter() - started:.0f} s); one SuperLink for all runs")
-        with LocalSuperLink(home, extra_env=cluster.env) as link:
-            yield link.env
+    with LocalSuperLink.warm(home, say=say) as link:
+        yield link.env
 
 
 def execute(

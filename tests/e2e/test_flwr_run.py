@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pollen.app.ray_cluster import LocalRayCluster
 from pollen.testing.flwr_cli import LocalFlower
 
 pytestmark = pytest.mark.slow
@@ -40,12 +38,8 @@ TINY = {
 # time the worker comes back to this module after another module's test.
 @pytest.fixture(scope="session")
 def flower(tmp_path_factory: pytest.TempPathFactory):
-    with LocalRayCluster(nodes=1, cpus_per_node=os.cpu_count() or 1, gpus_per_node=None) as cluster:
-        local = LocalFlower(tmp_path_factory.mktemp("flwr-home"), extra_env=cluster.env)
-        try:
-            yield local
-        finally:
-            local.stop()
+    with LocalFlower.warm(tmp_path_factory.mktemp("flwr-home")) as local:
+        yield local
 
 
 @pytest.fixture(scope="session")
