@@ -32,11 +32,14 @@ from pollen.wire import protocol
 OPTIONS = (1, 2, 3)
 #: Where each option puts eps (:func:`pollen.optim.amsgrad`'s ``eps_mode``).
 OPTION_EPS_MODES = {1: "max", 2: "add", 3: "inside"}
-#: ``eta`` when none is given, by option, measured for drop-in use (docs/results/dropin.md): with ``eps=1e-8`` in
-#: the max (option 1) a coordinate whose update is below ``sqrt(eps) = 1e-4`` takes less than ``eta``, so 0.02 holds
-#: in Flower's examples; outside the sqrt (option 2) every coordinate takes ``eta``, and 0.02 fell 13 points behind
-#: FedAvg after 5 rounds of quickstart-pytorch where 0.01 was 1.5 behind. Option 3 keeps 0.01 (not re-measured).
-DROP_IN_ETA = {1: 0.02, 2: 0.01, 3: 0.01}
+#: ``eta`` and ``eps`` when none is given, by option, measured for drop-in use (docs/results/dropin.md). Each keeps
+#: a coordinate whose update is below about 1e-4 to 3e-4 from taking a whole ``eta`` step: option 1 through its
+#: ``eps=1e-8`` in the max (``sqrt(eps) = 1e-4``), option 2 through ``eps=3e-4`` outside the sqrt (with 1e-8 there
+#: every coordinate took ``eta``: 0.02 fell 13 points behind FedAvg after 5 rounds of quickstart-pytorch, 0.01 was
+#: 8 behind after 5 of advanced-pytorch over ten seeds; ``eta=0.02, eps=3e-4`` is within 3 in both). Option 3 keeps
+#: 0.01 and 1e-8 (not measured).
+DROP_IN_ETA = {1: 0.02, 2: 0.02, 3: 0.01}
+DROP_IN_EPS = {1: 1e-8, 2: 3e-4, 3: 1e-8}
 
 
 class FedAMS(AdaptiveStrategy):
@@ -54,16 +57,16 @@ class FedAMS(AdaptiveStrategy):
         Server learning rate (the paper's eta), > 0. ``None`` takes the drop-in value of the option
         (:data:`DROP_IN_ETA`): 0.02 for option 1 (within 5 points of FedAvg in three of Flower's examples,
         ``benchmarks/bench_dropin.py``; 0.01 was 10 points behind after 5 rounds of advanced-pytorch over
-        ten seeds, 0.003 25-45 points behind after 5 rounds of quickstart-pytorch, 0.03 19 there), 0.01 for
-        options 2 and 3. The paper's value is 1.0.
+        ten seeds, 0.003 25-45 points behind after 5 rounds of quickstart-pytorch, 0.03 19 there) and option 2
+        (with its ``eps``), 0.01 for option 3. The paper's value is 1.0.
     beta_1 : float (default: 0.9)
         First-moment coefficient, in [0, 1).
     beta_2 : float (default: 0.99)
         Second-moment coefficient, in [0, 1).
-    eps : float (default: 1e-8)
+    eps : float | None (default: None)
         Option 1: the floor inside the max (> 0). Option 2: added outside the sqrt (>= 0).
-        Default 1e-8 (chosen for drop-in use, measured with benchmarks/bench_dropin.py); the
-        paper's value is 1e-3.
+        ``None`` takes the drop-in value of the option (:data:`DROP_IN_EPS`, measured with
+        benchmarks/bench_dropin.py): 1e-8 for options 1 and 3, 3e-4 for option 2; the paper's value is 1e-3.
     option : int (default: 1)
         1 = FedAMS (eps inside the max), 2 = FedAMSGrad (eps outside the sqrt), 3 = eps under the sqrt,
         ``m / sqrt(v_hat + eps)`` (the lazy family's paper's Option B, ``papers/fedbaca.md`` §5.0).
@@ -96,7 +99,7 @@ class FedAMS(AdaptiveStrategy):
         eta: float | None = None,
         beta_1: float = 0.9,
         beta_2: float = 0.99,
-        eps: float = 1e-8,
+        eps: float | None = None,
         option: int = 1,
         bias_correction: bool = False,
         aggregation: str = "mean",
@@ -113,7 +116,7 @@ class FedAMS(AdaptiveStrategy):
             eta=DROP_IN_ETA[option] if eta is None else eta,
             beta_1=beta_1,
             beta_2=beta_2,
-            eps=eps,
+            eps=DROP_IN_EPS[option] if eps is None else eps,
             eps_mode=OPTION_EPS_MODES[option],
             bias_correction=bias_correction,
         )

@@ -206,7 +206,7 @@ class FedLazy(FedAMS):
         eta: float | None = None,
         beta_1: float = 0.9,
         beta_2: float = 0.99,
-        eps: float = 1e-8,
+        eps: float | None = None,
         option: int = 1,
         bias_correction: bool = False,
         aggregation: str = "mean",

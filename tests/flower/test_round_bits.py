@@ -109,7 +109,7 @@ def run(make, codec: str | None, rounds: int = 3) -> list[str]:  # noqa: ANN001
 
 
 #: FedAdaVR's Adam as the paper (and these recorded bits) have it; the constructor's defaults are the drop-in's.
-PAPER_ADAM = {"beta_2": 0.999, "bias_correction": True}
+PAPER_ADAM = {"beta_2": 0.999, "eps": 1e-8, "bias_correction": True}
 
 CASES = {
     "fedadavr-int4": (lambda **kw: FedAdaVR(table_precision="int4", eta=0.01, **PAPER_ADAM, **kw), None),

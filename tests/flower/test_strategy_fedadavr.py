@@ -59,6 +59,7 @@ def strategy(*, min_replies: int = 1, **kwargs) -> FedAdaVR:  # noqa: ANN003
         variant="fedadavr",
         server_optimizer="adam",
         eta=0.01,
+        eps=1e-8,
         beta_2=0.999,  # the paper's Adam (Appendix B); the constructor's defaults are the drop-in's
         bias_correction=True,
         client_lr=CLIENT_LR,

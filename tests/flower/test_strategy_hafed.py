@@ -67,6 +67,8 @@ def gossip_client(seen: list, drop: set | None = None):  # noqa: ANN201
 def run(rounds: int = 1, drop: set | None = None, **kwargs):  # noqa: ANN201
     seen: list = []
     kwargs.setdefault("local_steps", 3)
+    kwargs.setdefault("eta", 0.01)  # the spec's server settings, which the hand computation uses
+    kwargs.setdefault("eps", 1e-8)
     strategy = HAFed(
         fraction_evaluate=0.0,
         parts=EngineParts(sampler=ClientSampler(seed=5, identify_clients=True)),
@@ -291,6 +293,8 @@ def test_a_bad_gossip_reply_is_left_out_of_that_step_and_the_round_completes(kin
         min_available_nodes=len(NODES),
         local_steps=3,
         topology="ring",
+        eta=0.01,
+        eps=1e-8,
     )
     grid = FakeGrid(NODES, bad_gossip_client(seen, victim, kind), client_ids=IDS, cluster_ids=CLUSTERS)
     strategy.start(grid=grid, initial_arrays=model_record(tiny_model()), num_rounds=1)
@@ -370,6 +374,8 @@ def test_relaying_with_w_equal_identity_is_fedamsgrad():
         min_available_nodes=len(NODES),
         local_steps=3,
         uploaders_per_cluster=N,
+        eta=0.01,
+        eps=1e-8,
     )
     relayed.start(
         grid=FakeGrid(NODES, gossip_client(seen), client_ids=IDS, cluster_ids=CLUSTERS),
