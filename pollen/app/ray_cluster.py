@@ -35,6 +35,60 @@ from pollen.core.processes import free_port, is_slow_start, stop_marked
 MARKER = "POLLEN_RAY_CLUSTER"
 
 
+def own_agent_ports() -> list[str]:
+    """Free ports for a node's agents and metrics. Ray's defaults are fixed numbers (the dashboard agent's 52365,
+    the client server's 10001), so a second head or node on the same machine cannot bind them."""
+    names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port")
+    return [f"--{name}={free_port()}" for name in (*names, "runtime-env-agent-port")]
+
+
+#: Each node's workers (and the drivers that join it) take ports from a block of its own, below the kernel's
+#: ephemeral range (32768 up): with Ray's one default range (10002-19999) for every node, the drivers of two
+#: clusters on one machine were handed the same port, and the second one's Ray core failed ("Failed to start the
+#: grpc server. The specified port is 10002", a crash of the process joining the cluster).
+PORT_BLOCK = 500
+PORT_BLOCKS = range(10_002, 32_768 - PORT_BLOCK, PORT_BLOCK)
+#: Where the claims on the blocks live: one file per held block, holding its owner's process id.
+PORT_CLAIMS = Path(tempfile.gettempdir()) / "pollen-ray-worker-ports"
+
+
+def claim_port_block(folder: Path = PORT_CLAIMS) -> tuple[int, Path]:
+    """The first port of a block no live process on this machine holds, and the claim file that holds it now
+    (created exclusively with this process's id; a claim whose owner is gone is taken over)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for first in PORT_BLOCKS:
+        claim = folder / str(first)
+        for _ in range(2):
+            try:
+                fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                if _claim_is_held(claim):
+                    break
+                claim.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as out:
+                out.write(str(os.getpid()))
+            return first, claim
+    raise RuntimeError(
+        f"every block of Ray worker ports ({len(PORT_BLOCKS)} of {PORT_BLOCK}) is held by a live process "
+        f"(claims in {folder}); allowed: at most {len(PORT_BLOCKS)} local Ray nodes at once"
+    )
+
+
+def _claim_is_held(claim: Path) -> bool:
+    """Whether the claim's owner is alive (a claim still being written, younger than a minute, counts as held)."""
+    try:
+        text = claim.read_text().strip()
+        if not text:
+            return time.time() - claim.stat().st_mtime < 60
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError):
+        return not claim.exists()  # gone meanwhile: free; unreadable: leave it alone
+    return True
+
+
 class LocalRayCluster:
     """``nodes`` raylets on 127.0.0.1 (the first is the head), ``cpus_per_node`` CPUs and ``gpus_per_node``
     GPUs each (``None``: what Ray detects on the machine)."""
@@ -62,6 +116,7 @@ class LocalRayCluster:
         self.tmp = Path(tempfile.mkdtemp(prefix="pray-", dir="/tmp"))
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self._claims: list[Path] = []
         bin_dir = str(Path(sys.executable).parent)
         self._ray = shutil.which("ray", path=bin_dir) or shutil.which("ray")
         if self._ray is None:
@@ -106,17 +161,23 @@ class LocalRayCluster:
         if self.gpus_per_node is not None:
             loopback.append(f"--num-gpus={self.gpus_per_node}")
         head = [self._ray, "start", "--head", f"--port={self.port}", "--include-dashboard=false"]
-        head += ["--disable-usage-stats", f"--temp-dir={self.tmp}", *loopback]
-        worker = [self._ray, "start", f"--address={self.address}", *loopback]
+        head += ["--disable-usage-stats", f"--temp-dir={self.tmp}", f"--ray-client-server-port={free_port()}"]
+        worker = [self._ray, "start", f"--address={self.address}"]
         try:
-            self._run(head)
+            self._run([*head, *loopback, *self._own_ports()])
             for _ in range(self.nodes - 1):
-                self._run(worker)
+                self._run([*worker, *loopback, *self._own_ports()])
             self._wait_for_nodes()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _own_ports(self) -> list[str]:
+        """A node's own block of worker ports (claimed until :meth:`stop`) and free ports for its agents."""
+        first, claim = claim_port_block()
+        self._claims.append(claim)
+        return [f"--min-worker-port={first}", f"--max-worker-port={first + PORT_BLOCK - 1}", *own_agent_ports()]
 
     def _run(self, command: list[str]) -> None:
         try:
@@ -156,6 +217,9 @@ class LocalRayCluster:
         """Stop every process of this cluster by id (TERM, then KILL), then remove its temporary folder."""
         stop_marked(f"{MARKER}={self.token}".encode(), term_wait=10.0)
         shutil.rmtree(self.tmp, ignore_errors=True)
+        for claim in self._claims:
+            claim.unlink(missing_ok=True)
+        self._claims.clear()
 
     def __enter__(self) -> LocalRayCluster:
         return self.start()
