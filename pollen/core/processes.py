@@ -59,6 +59,7 @@ SLOW_START_MARKERS = (
     "Failed to get the system config from raylet",
     "came up within",
     "did not finish within",
+    "Failed to start local SuperLink within",  # flwr run's own SuperLink, 15 s (Flower 1.39 and 1.42)
 )
 
 

@@ -70,6 +70,8 @@ def test_a_ray_cluster_whose_first_start_is_too_slow_comes_up_on_the_next(tmp_pa
 FAILED_STARTS = {
     "nonzero exit": (1, f"RuntimeError: {RAY_MESSAGE}"),
     "exit 0, streamed crash": (0, f"Exception: {RAY_MESSAGE}\nRuntimeError: Simulation Runtime crashed."),
+    # seen on CI's loaded machine: flwr run's local SuperLink not answering within Flower's 15 s
+    "local SuperLink late": (1, "│ Failed to start local SuperLink within 15s. See logs at │"),
 }
 
 
