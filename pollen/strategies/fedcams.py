@@ -17,19 +17,27 @@ from pollen.strategies.engine.uplink import Uplink
 from pollen.strategies.fedams import FedAMS
 from pollen.wire import protocol
 
-#: ``eta`` when none is given, measured for drop-in use (docs/results/dropin.md): FedAMS's 0.02 on these sign uploads
-#: fell 23 points behind FedAvg after 5 rounds of quickstart-pytorch.
-DROP_IN_ETA = 0.01
+#: ``eta`` when none is given, measured for drop-in use with :data:`DROP_IN_BETA_1` and bias correction
+#: (docs/results/dropin.md, "FedCAMS's momentum"): 0.02 fell 10 points behind FedAvg after 5 rounds of
+#: quickstart-pytorch, 0.01 and 0.015 held there, and 0.015 held after 20 rounds of advanced-pytorch.
+DROP_IN_ETA = 0.015
+#: ``beta_1`` when none is given: with the paper's 0.9 the error-fed sign uploads stalled 10 points behind FedAvg
+#: after 20 rounds of advanced-pytorch (likely: heavy momentum on top of error feedback, which already carries
+#: each round's unsent part into later uploads); 0.5 stays within 3 points of FedAvg there.
+DROP_IN_BETA_1 = 0.5
 
 
 class FedCAMS(FedAMS):
     """FedAMS with error-feedback-compressed uploads: ``FedAMS(uplink=Uplink(compressor, ...))``.
 
     Kept as a class for the drop-in name; everything it adds is the :class:`Uplink` it hands to
-    :class:`FedAMS`. The server settings default to drop-in values, ``eta=0.01, eps=1e-8`` (chosen for
-    drop-in use, measured with this class and ``compression_mod`` in three of Flower's examples,
-    ``benchmarks/bench_dropin.py``: FedAMS's 0.02 on these sign uploads fell 23 points behind FedAvg after
-    5 rounds of quickstart-pytorch); the paper's values are ``eta=1.0, eps=1e-3``.
+    :class:`FedAMS`. The server settings default to drop-in values, ``eta=0.015, beta_1=0.5, eps=1e-8`` with
+    bias correction (chosen for drop-in use, measured with this class and ``compression_mod`` in three of
+    Flower's examples, ``benchmarks/bench_dropin.py``: with the paper's ``beta_1=0.9`` and no bias correction
+    the sign uploads stalled 10 points behind FedAvg after 20 rounds of advanced-pytorch, and a lower
+    ``beta_1`` without bias correction took first steps ``(1 - beta_1) / sqrt(1 - beta_2)`` times ``eta`` that
+    broke quickstart-pytorch; bias correction makes every step about ``eta``). The paper's values are
+    ``eta=1.0, beta_1=0.9, eps=1e-3, bias_correction=False``.
 
     Parameters
     ----------
@@ -48,8 +56,8 @@ class FedCAMS(FedAMS):
         advanced-pytorch and from 4.1 to 2.0 in quickstart-pytorch after 20 rounds; a top-k per tensor fell
         far behind (0.37 in advanced-pytorch, FedAvg 0.73).
     eta, beta_1, beta_2, eps, option, bias_correction
-        The server's AMSGrad, as :class:`FedAMS` takes them (its defaults, but ``eta=None`` is 0.01 here:
-        :data:`DROP_IN_ETA`).
+        The server's AMSGrad, as :class:`FedAMS` takes them (its defaults, but ``eta=None`` is 0.015 here,
+        :data:`DROP_IN_ETA`, ``beta_1`` 0.5, :data:`DROP_IN_BETA_1`, and bias correction is on).
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes : float, int
         Sampling: Flower's ``FedAvg`` arguments, with its defaults and meaning (:class:`AdaptiveStrategy`).
     weighted_by_key, arrayrecord_key, configrecord_key : str
@@ -79,11 +87,11 @@ class FedCAMS(FedAMS):
         error_feedback: bool = True,
         granularity: str | None = None,
         eta: float | None = None,
-        beta_1: float = 0.9,
+        beta_1: float = DROP_IN_BETA_1,
         beta_2: float = 0.99,
         eps: float | None = None,
         option: int = 1,
-        bias_correction: bool = False,
+        bias_correction: bool = True,
         aggregation: str = "mean",
         aggregator: str | Aggregator = "mean",
         parts: EngineParts | None = None,

@@ -36,7 +36,7 @@ def run(strategy, rounds: int = 4):  # noqa: ANN001, ANN201
 
 
 def test_fedcams_is_fedams_given_an_uplink_bit_for_bit() -> None:
-    settings = dict(eta=0.3, beta_2=0.9, eps=1e-3, **SAMPLING)
+    settings = dict(eta=0.3, beta_1=0.9, beta_2=0.9, eps=1e-3, bias_correction=False, **SAMPLING)
     named, _, _, final_named = run(FedCAMS(compressor="topk", topk_ratio=0.25, parts=parts(), **settings))
     composed, _, _, final_composed = run(FedAMS(uplink=Uplink("topk", topk_ratio=0.25), parts=parts(), **settings))
     np.testing.assert_array_equal(named.params, composed.params)

@@ -22,8 +22,9 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 
 import pollen.strategies as strategies
 from pollen.optim import sgd
-from pollen.strategies import AdaptiveStrategy, FedAMS
+from pollen.strategies import AdaptiveStrategy, FedAMS, FedCAMS
 from pollen.strategies.engine.strategy import FLOWER_ARGUMENTS
+from pollen.strategies.fedcams import DROP_IN_BETA_1
 from pollen.testing.fakes import FakeGrid, model_record, named_arrays, tiny_model
 
 pytestmark = pytest.mark.flower_compat
@@ -153,11 +154,14 @@ def test_every_argument_is_documented_in_the_class_docstring(cls: type) -> None:
 @pytest.mark.parametrize("cls", [cls for cls in POLLEN if cls is not AdaptiveStrategy], ids=lambda cls: cls.__name__)
 def test_an_argument_a_strategy_shares_with_its_base_has_the_bases_default(cls: type) -> None:
     """The explicit signatures repeat the base's arguments: their defaults must not drift apart. (Methods that
-    key per-client state by a stable id ask nodes for it by default; FedOpt's optimizer is a name.)"""
+    key per-client state by a stable id ask nodes for it by default; FedOpt's optimizer is a name; FedCAMS's
+    drop-in momentum is its own, measured on its sign uploads.)"""
     base = FedAMS if issubclass(cls, FedAMS) and cls is not FedAMS else AdaptiveStrategy
     own, shared = inspect.signature(cls).parameters, inspect.signature(base).parameters
+    on_purpose = {FedCAMS: {"beta_1": (DROP_IN_BETA_1, 0.9), "bias_correction": (True, False)}}.get(cls, {})
     for name in set(own) & set(shared) - {"identify_clients", "optimizer"}:
-        assert own[name].default == shared[name].default, f"{cls.__name__}.{name}"
+        expected = on_purpose.get(name, (shared[name].default, shared[name].default))
+        assert (own[name].default, shared[name].default) == expected, f"{cls.__name__}.{name}"
 
 
 @pytest.mark.parametrize("cls", STRATEGIES, ids=lambda cls: cls.__name__)

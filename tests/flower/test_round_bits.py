@@ -110,6 +110,8 @@ def run(make, codec: str | None, rounds: int = 3) -> list[str]:  # noqa: ANN001
 
 #: FedAdaVR's Adam as the paper (and these recorded bits) have it; the constructor's defaults are the drop-in's.
 PAPER_ADAM = {"beta_2": 0.999, "eps": 1e-8, "bias_correction": True}
+#: FedCAMS's server moments as FedAMS has them (and these recorded bits); its constructor's are the drop-in's.
+FEDAMS_MOMENTS = {"beta_1": 0.9, "bias_correction": False}
 
 CASES = {
     "fedadavr-int4": (lambda **kw: FedAdaVR(table_precision="int4", eta=0.01, **PAPER_ADAM, **kw), None),
@@ -118,8 +120,11 @@ CASES = {
     "fedadavr-fp32": (lambda **kw: FedAdaVR(table_precision="fp32", eta=0.01, **PAPER_ADAM, **kw), None),
     "fedams-dense": (lambda **kw: FedAMS(eta=0.1, **kw), None),
     "fedams-dense-weighted": (lambda **kw: FedAMS(eta=0.1, aggregation="weighted", **kw), None),
-    "fedcams-sign": (lambda **kw: FedCAMS(compressor="sign", eta=0.1, granularity="model", **kw), "sign"),
-    "fedcams-topk": (lambda **kw: FedCAMS(compressor="topk", eta=0.1, **kw), "topk"),
+    "fedcams-sign": (
+        lambda **kw: FedCAMS(compressor="sign", eta=0.1, granularity="model", **FEDAMS_MOMENTS, **kw),
+        "sign",
+    ),
+    "fedcams-topk": (lambda **kw: FedCAMS(compressor="topk", eta=0.1, **FEDAMS_MOMENTS, **kw), "topk"),
 }
 
 EXPECTED: dict[str, list[str]] = {  # recorded from the code before issue 23's changes

@@ -237,8 +237,14 @@ def test_error_feedback_carries_what_the_integers_missed() -> None:
 
 
 def test_fedams_and_fedcams_run_securely() -> None:
-    # the same eta: the drop-in defaults differ (FedAMS 0.02, FedCAMS 0.01 for its sign uploads)
-    fedcams = FedCAMS(eta=0.01, fraction_evaluate=0.0, parts=EngineParts(secagg=SecureAggregation(seed=1)))
+    # the same server settings: the drop-in defaults differ (FedCAMS's for its sign uploads)
+    fedcams = FedCAMS(
+        eta=0.01,
+        beta_1=0.9,
+        bias_correction=False,
+        fraction_evaluate=0.0,
+        parts=EngineParts(secagg=SecureAggregation(seed=1)),
+    )
     assert fedcams.uplink is None and FedCAMS().uplink is not None  # its sign uplink gives way to the summable codec
     fedams = FedAMS(eta=0.01, fraction_evaluate=0.0, parts=EngineParts(secagg=SecureAggregation(seed=1)))
     models = []

@@ -405,7 +405,8 @@ def mod_client(contexts, codec_seen=None):  # noqa: ANN001, ANN201
 def test_fedcams_none_equals_fedams_bit_for_bit():
     """C = identity: e stays 0 and FedCAMS == FedAMS exactly (fedcams §3.6, §7.1.3)."""
     nodes = [5, 6, 7, 8, 9, 10]
-    settings = dict(eta=0.3, beta_2=0.9, eps=1e-3, option=1, fraction_train=0.5, fraction_evaluate=0.0)
+    server = dict(eta=0.3, beta_1=0.9, beta_2=0.9, eps=1e-3, option=1, bias_correction=False)
+    settings = dict(server, fraction_train=0.5, fraction_evaluate=0.0)
     rounds = 4
 
     def run(strategy, codecs):  # noqa: ANN001, ANN202

@@ -42,7 +42,16 @@ pytestmark = pytest.mark.flower_compat
 
 NODES = [3, 4, 5, 6, 7, 8]
 D = 19
-SERVER = dict(eta=0.1, beta_1=0.9, beta_2=0.99, eps=1e-3, option=1, fraction_train=0.5, fraction_evaluate=0.0)
+SERVER = dict(
+    eta=0.1,
+    beta_1=0.9,
+    beta_2=0.99,
+    eps=1e-3,
+    option=1,
+    bias_correction=False,
+    fraction_train=0.5,
+    fraction_evaluate=0.0,
+)
 
 
 def parts(identify_clients: bool = True) -> EngineParts:
