@@ -1,4 +1,4 @@
-"""quickstart-pytorch through Flower's own simulation runtime: FedAvg() against pollen's FedAMS() swapped in.
+"""quickstart-pytorch through Flower's own simulation runtime: FedAvg() against pollen's strategies swapped in.
 
 The in-process harness of ``bench_dropin.py`` seeds everything and runs clients one after another; this runs
 the same foreign project (``pollen/testing/foreign/quickstart_pytorch.py``) the way ``flwr run`` does, through
@@ -6,7 +6,9 @@ the same foreign project (``pollen/testing/foreign/quickstart_pytorch.py``) the 
 a user's are. Each run prints the server's test accuracy after every round; ``--seed-init`` fixes the initial
 model (as the harness's seed 1 does), otherwise it is drawn afresh.
 
-Run: ``python benchmarks/bench_dropin_flower_sim.py [--runs 3] [--rounds 5] [--seed-init]``.
+Run: ``python benchmarks/bench_dropin_flower_sim.py [--runs 3] [--rounds 5] [--seed-init] [--only NAME ...]``
+(names as ``bench_dropin.py`` prints them, e.g. ``"FedCAMS() + compression_mod"``; FedAvg() always runs,
+FedAMS() when none is named). A strategy's mods go on the ClientApp as a project adds them.
 """
 
 from __future__ import annotations
@@ -17,14 +19,13 @@ import statistics
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg
 from flwr.simulation import run_simulation
 
-from pollen.strategies import FedAMS
+from pollen.testing.foreign.harness import DropIn, drop_ins
 from pollen.testing.foreign.quickstart_pytorch import PROJECT
 
 
-def one_run(strategy_class: type, rounds: int, seed_init: bool) -> list[float]:
+def one_run(drop_in: DropIn, rounds: int, seed_init: bool) -> list[float]:
     """The server's test accuracy after each round of one simulated run (index 0: the initial model)."""
     accuracy: dict[int, float] = {}
     server = ServerApp()
@@ -42,7 +43,7 @@ def one_run(strategy_class: type, rounds: int, seed_init: bool) -> list[float]:
             accuracy[server_round] = PROJECT.evaluate(model, test)[1]
             return MetricRecord({"accuracy": accuracy[server_round]})
 
-        strategy = strategy_class(fraction_train=1.0, fraction_evaluate=0.0)
+        strategy = drop_in.make(1.0)
         strategy.start(
             grid=grid,
             initial_arrays=ArrayRecord(net.state_dict()),
@@ -53,7 +54,7 @@ def one_run(strategy_class: type, rounds: int, seed_init: bool) -> list[float]:
 
     run_simulation(
         server_app=server,
-        client_app=PROJECT.make_app([]),
+        client_app=PROJECT.make_app(list(drop_in.mods)),
         num_supernodes=PROJECT.num_clients,
         backend_config={"client_resources": {"num_cpus": 1}},
     )
@@ -65,16 +66,20 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed-init", action="store_true", help="the initial model of seed 1 in every run")
+    known = {d.name: d for d in drop_ins()}
+    parser.add_argument("--only", nargs="+", default=["FedAMS()"], choices=sorted(known), metavar="NAME")
     args = parser.parse_args()
-    finals: dict[str, list[float]] = {"FedAvg()": [], "FedAMS()": []}
+    chosen = [known["FedAvg()"]] + [known[name] for name in args.only if name != "FedAvg()"]
+    finals: dict[str, list[float]] = {d.name: [] for d in chosen}
+    width = max(len(d.name) for d in chosen)
     for _ in range(args.runs):
-        for name, strategy_class in (("FedAvg()", FedAvg), ("FedAMS()", FedAMS)):
-            curve = one_run(strategy_class, args.rounds, args.seed_init)
-            finals[name].append(curve[-1])
-            print(f"{name:<10} " + " ".join(f"{a:.3f}" for a in curve), flush=True)
+        for drop_in in chosen:
+            curve = one_run(drop_in, args.rounds, args.seed_init)
+            finals[drop_in.name].append(curve[-1])
+            print(f"{drop_in.name:<{width}} " + " ".join(f"{a:.3f}" for a in curve), flush=True)
     for name, values in finals.items():
         print(
-            f"{name:<10} after round {args.rounds}: mean {statistics.fmean(values):.3f} over {len(values)} runs "
+            f"{name:<{width}} after round {args.rounds}: mean {statistics.fmean(values):.3f} over {len(values)} runs "
             f"({min(values):.3f}-{max(values):.3f})"
         )
 
