@@ -28,23 +28,36 @@ class LocalSuperLink:
         """``extra_env``: more environment for the SuperLink and what it starts (``RAY_ADDRESS`` joins a
         running Ray cluster instead of starting a local Ray for each run)."""
         self.home = Path(home)
-        self.http_port = str(free_port())
-        self.control_port = str(free_port())
         bin_dir = str(Path(sys.executable).parent)
         self.env = {
             **os.environ,
             "FLWR_HOME": str(self.home),
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": self.http_port,
-            "FLWR_LOCAL_CONTROL_API_PORT": self.control_port,
             "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
             "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
             **(extra_env or {}),
         }
+        self._take_free_ports()
+
+    def _take_free_ports(self) -> None:
+        self.http_port = str(free_port())
+        self.control_port = str(free_port())
+        self.env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = self.http_port
+        self.env["FLWR_LOCAL_CONTROL_API_PORT"] = self.control_port
 
     def stop(self) -> None:
         """Stop the SuperLink and everything it started (simulation, Ray workers and agents)."""
         stop_marked(f"FLWR_LOCAL_CONTROL_API_PORT={self.control_port}".encode())
+
+    def start_over_on_fresh_ports(self) -> None:
+        """Stop whatever a failed start left behind and take new ports, for the next ``flwr run`` to start afresh.
+
+        Free ports are chosen when this object is made and bound only when the first ``flwr run`` starts the
+        SuperLink; by then another process may hold one, or a SuperLink too slow for Flower's 15 s may still
+        sit on them: every later start then fails ("`flower-superlink` exited with code 1", seen on CI).
+        """
+        self.stop()
+        self._take_free_ports()
 
     @classmethod
     @contextlib.contextmanager

@@ -86,10 +86,14 @@ class LocalFlower(LocalSuperLink):
         ]
         for attempt in range(1, START_ATTEMPTS + 1):
             proc = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-            if attempt == START_ATTEMPTS or not _started_too_slowly(proc):
+            superlink_failed = _superlink_failed_to_start(proc)
+            if attempt == START_ATTEMPTS or not (superlink_failed or _started_too_slowly(proc)):
                 return proc
-            # the simulation's Ray did not come up in time (a loaded machine): the run did nothing; again, afresh
-            print(f"LocalFlower: run attempt {attempt} failed for want of time; running it again", file=sys.stderr)
+            # the simulation's Ray or the SuperLink did not come up (a loaded machine): the run did nothing; again,
+            # afresh, and a SuperLink that failed on fresh ports with nothing of the failed one left behind
+            if superlink_failed:
+                self.start_over_on_fresh_ports()
+            print(f"LocalFlower: run attempt {attempt} failed to start; running it again", file=sys.stderr)
             _set_aside(run_config, attempt)
             time.sleep(5.0 * attempt)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -109,6 +113,11 @@ def _started_too_slowly(proc: subprocess.CompletedProcess) -> bool:
     out = proc.stdout + proc.stderr
     failed = proc.returncode != 0 or "Simulation Runtime crashed" in out
     return failed and is_slow_start(out)
+
+
+def _superlink_failed_to_start(proc: subprocess.CompletedProcess) -> bool:
+    """Whether ``flwr run`` could not start its local SuperLink (late for Flower's 15 s, or exited: a port taken)."""
+    return proc.returncode != 0 and "Failed to start local SuperLink" in proc.stdout + proc.stderr
 
 
 def _set_aside(run_config: dict, attempt: int) -> None:

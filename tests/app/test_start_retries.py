@@ -81,6 +81,7 @@ def test_a_flwr_run_whose_simulation_started_too_slowly_runs_again_afresh(
     monkeypatch,  # noqa: ANN001
     failed_start: tuple[int, str],
 ) -> None:
+    from pollen.app import local_superlink
     from pollen.testing import flwr_cli
 
     results = tmp_path / "results"
@@ -95,9 +96,9 @@ def test_a_flwr_run_whose_simulation_started_too_slowly_runs_again_afresh(
 
     monkeypatch.setattr(flwr_cli.subprocess, "run", fake_run)
     monkeypatch.setattr(flwr_cli.time, "sleep", lambda seconds: None)
-    flower = flwr_cli.LocalFlower.__new__(flwr_cli.LocalFlower)
-    flower.home, flower._apps = tmp_path, {"product": tmp_path}
-    flower.env = {"PATH": os.environ.get("PATH", "")}
+    monkeypatch.setattr(local_superlink, "stop_marked", lambda marker: None)
+    flower = flwr_cli.LocalFlower(tmp_path / "home")
+    flower._apps = {"product": tmp_path}
     proc = flower.run({"results-dir": str(results), "run-name": "r"})
     assert proc.returncode == 0 and len(attempts) == 2
     assert (results / "r.failed-1").is_dir() and (results / "r").is_dir()  # the first attempt's files set aside
@@ -118,6 +119,37 @@ def test_a_flwr_run_whose_simulation_started_too_slowly_runs_again_afresh(
         lambda command, **kwargs: attempts.append(command) or subprocess.CompletedProcess(command, 0, finished, ""),
     )
     assert flower.run({}).returncode == 0 and len(attempts) == 1  # it ran: a marker alone is no failed start
+
+
+def test_a_superlink_that_could_not_start_is_stopped_and_the_next_attempt_takes_fresh_ports(
+    tmp_path: Path,
+    monkeypatch,  # noqa: ANN001
+) -> None:
+    """Seen on CI: the first local SuperLink did not answer within Flower's 15 s, and every later start on the same
+    ports exited with code 1 (14 runs failed). The next attempt stops what the failed one left and takes new ports."""
+    from pollen.app import local_superlink
+    from pollen.testing import flwr_cli
+
+    ports: list[tuple[str, str]] = []
+    stopped: list[bytes] = []
+    exited = "│ Failed to start local SuperLink: `flower-superlink` exited with code 1. See │"
+
+    def fake_run(command, env, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        ports.append((env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"], env["FLWR_LOCAL_CONTROL_API_PORT"]))
+        if len(ports) == 1:
+            return subprocess.CompletedProcess(command, 1, stdout="Starting local SuperLink...", stderr=exited)
+        return subprocess.CompletedProcess(command, 0, stdout="[pollen] done", stderr="")
+
+    monkeypatch.setattr(flwr_cli.subprocess, "run", fake_run)
+    monkeypatch.setattr(flwr_cli.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(local_superlink, "stop_marked", stopped.append)
+    flower = flwr_cli.LocalFlower(tmp_path / "home")
+    flower._apps = {"product": tmp_path}
+    first_control = flower.control_port
+    assert flower.run({}).returncode == 0 and len(ports) == 2
+    assert stopped == [f"FLWR_LOCAL_CONTROL_API_PORT={first_control}".encode()]  # the failed start's leftovers
+    assert ports[1][0] != ports[0][0] and ports[1][1] != ports[0][1], ports
+    assert ports[1] == (flower.http_port, flower.control_port)  # stop() now finds the new SuperLink
 
 
 def test_a_flwr_run_passes_the_simulations_resources_to_its_federation_config(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
