@@ -50,7 +50,8 @@ def stop_marked(marker: bytes, term_wait: float = 15.0, kill_wait: float = 5.0) 
 
 
 #: What Ray or Flower print when a process did not come up in time on a loaded machine (the raylet's registration
-#: with the GCS, the GCS itself, a SuperLink's port): a start a later attempt can make, unlike a wrong setting.
+#: with the GCS, the GCS itself): a start a later attempt can make, unlike a wrong setting. A local SuperLink that
+#: failed to start is `flwr_cli`'s own case (it takes fresh ports before the next attempt).
 SLOW_START_MARKERS = (
     "raylet failed to start",
     "GCS has become overloaded",
@@ -59,7 +60,6 @@ SLOW_START_MARKERS = (
     "Failed to get the system config from raylet",
     "came up within",
     "did not finish within",
-    "Failed to start local SuperLink within",  # flwr run's own SuperLink, 15 s (Flower 1.39 and 1.42)
 )
 
 
