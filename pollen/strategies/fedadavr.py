@@ -41,7 +41,7 @@ from pollen.strategies.engine.strategy import (
 from pollen.strategies.engine.uplink import Uplink
 from pollen.strategies.fedadavr_store import StoredUpdates
 from pollen.vr import VARIANTS, UpdateTable, get_variant
-from pollen.vr.aggregate import VRRound, check_weighting
+from pollen.vr.aggregate import VRRound, check_weighting, population_size
 from pollen.wire import protocol
 
 OPTIMIZERS = ("adagrad", "adam", "adabelief", "yogi", "lamb", "sgd")
@@ -51,6 +51,10 @@ OPTIMIZERS = ("adagrad", "adam", "adabelief", "yogi", "lamb", "sgd")
 #: both. The other optimisers keep their variant's ``eta`` and 1e-8.
 DROP_IN_ADAM_ETA = 0.02
 DROP_IN_ADAM_EPS = 3e-4
+#: How the table counts a client it has never heard from (``unseen_clients``): ``"left-out"`` averages over the
+#: clients with a row (``N`` grows as clients first reply; round 1 is the replies' plain mean), ``"zero"`` gives
+#: such a client a zero row and counts it in ``N`` (the papers' reading, spec ``papers/fedadavr.md`` item 29).
+UNSEEN_CLIENTS = ("left-out", "zero")
 
 
 class FedAdaVR(AdaptiveStrategy):
@@ -98,7 +102,15 @@ class FedAdaVR(AdaptiveStrategy):
     table_path : str | None
         File for a memory-mapped table (N x d larger than RAM); ``None`` keeps it in RAM.
     num_clients : int | None
-        N, the total number of clients; ``None`` uses the clients seen so far.
+        N, the total number of clients, for ``unseen_clients="zero"``; ``None`` takes the nodes the grid has
+        connected (or the clients heard from, if more).
+    unseen_clients : str | None
+        ``"left-out"`` or ``"zero"`` (:data:`UNSEEN_CLIENTS`): whether a client never heard from is left out of
+        the table's average or counts in ``N`` with a zero row. ``None`` is ``"zero"`` when ``num_clients`` is
+        given, otherwise ``"left-out"`` (the drop-in's: measured in advanced-pytorch, where half the clients
+        reply each round, MIFA with zero rows was 6 points behind FedAvg after 5 rounds and 0.3 behind left out,
+        docs/results/dropin.md). The app passes ``"zero"``, the papers' reading. Once every client has replied
+        the two are the same.
     lamb_layerwise : bool (default: True)
         LAMB trust ratio per tensor (paper) or over the whole model.
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes : float, int
@@ -145,6 +157,7 @@ class FedAdaVR(AdaptiveStrategy):
         table_precision: str | None = None,
         table_path: str | None = None,
         num_clients: int | None = None,
+        unseen_clients: str | None = None,
         lamb_layerwise: bool = True,
         client_lr_factor: Callable[[int], float] | None = None,
         aggregation: str = "mean",
@@ -196,6 +209,16 @@ class FedAdaVR(AdaptiveStrategy):
         if num_clients is not None and num_clients < 1:
             raise ValueError(f"num_clients={num_clients!r} is out of range; allowed: an integer >= 1 or None")
         self.num_clients = num_clients
+        self.unseen_clients = unseen_clients or ("zero" if num_clients is not None else "left-out")
+        if self.unseen_clients not in UNSEEN_CLIENTS:
+            raise ValueError(
+                f"unseen_clients={unseen_clients!r} is not supported; allowed: {', '.join(UNSEEN_CLIENTS)}"
+            )
+        if self.unseen_clients == "left-out" and num_clients is not None:
+            raise ValueError(
+                f"num_clients={num_clients} is the N of unseen_clients='zero'; with 'left-out' N is the number of "
+                "clients heard from (allowed: num_clients=None, or unseen_clients='zero')"
+            )
         self.lamb_layerwise = lamb_layerwise
         self.store = StoredUpdates(self.table_precision, table_path) if spec.uses_table else None
         # Build once now so bad optimiser settings fail at construction, not in round 1 (a transform
@@ -235,6 +258,7 @@ class FedAdaVR(AdaptiveStrategy):
             "variant": f"{self.variant.name} (weighting {self.vr_weighting}, "
             f"{'equal' if self.variant.equal_weights else 'example'} weights)",
             "server optimiser": f"{self.optimizer_name} eta_s={self.eta:g} eta_c={self.client_lr:g}",
+            "unseen clients": self.unseen_clients if self.variant.uses_table else "none",
             "table": f"{self.table_precision} in {'RAM' if self.table_path is None else self.table_path}"
             if self.variant.uses_table
             else "none",
@@ -304,9 +328,13 @@ class TableAggregate:
 
     @staticmethod
     def round_delta(strategy: FedAdaVR, server_round: int, vr_round: VRRound) -> np.ndarray:
-        """``eta_c * r`` over ``N`` clients: the run's, the sampler's, the table's or the round's, the largest."""
-        known = strategy.store.known_clients if strategy.store is not None else 0
-        num_clients = max(strategy.num_clients or 0, len(strategy.sampler.known_clients), known, len(vr_round))
+        """``eta_c * r`` over ``N`` clients: with ``unseen_clients="zero"`` the run's, the sampler's, the table's or
+        the round's, the largest; with ``"left-out"`` the clients heard from (table rows and this round's new)."""
+        if strategy.unseen_clients == "left-out":
+            num_clients = population_size(vr_round.table, vr_round.weights, 1)
+        else:
+            known = strategy.store.known_clients if strategy.store is not None else 0
+            num_clients = max(strategy.num_clients or 0, len(strategy.sampler.known_clients), known, len(vr_round))
         return vr_round.delta(num_clients=num_clients, client_lr=strategy.client_lr_at(server_round))
 
 
@@ -332,4 +360,4 @@ class _VRSink(ScreenedSink):
         return self.aggregate.round_delta(self.strategy, self.server_round, self.vr_round)
 
 
-__all__ = ["OPTIMIZERS", "VARIANTS", "FedAdaVR", "TableAggregate"]
+__all__ = ["OPTIMIZERS", "UNSEEN_CLIENTS", "VARIANTS", "FedAdaVR", "TableAggregate"]

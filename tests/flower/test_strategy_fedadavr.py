@@ -62,6 +62,7 @@ def strategy(*, min_replies: int = 1, **kwargs) -> FedAdaVR:  # noqa: ANN003
         eps=1e-8,
         beta_2=0.999,  # the paper's Adam (Appendix B); the constructor's defaults are the drop-in's
         bias_correction=True,
+        unseen_clients="zero",  # the paper's N (the constructor's default is the drop-in's)
         client_lr=CLIENT_LR,
         fraction_train=0.5,
         fraction_evaluate=0.0,
@@ -205,11 +206,55 @@ def test_server_optimizer_gets_the_settings_of_appendix_b(name, layerwise):
         (dict(client_lr=0.0), "client_lr"),
         (dict(num_clients=0), "num_clients"),
         (dict(vr_weighting="odd"), "weighting"),
+        (dict(unseen_clients="skip"), "unseen_clients.*left-out, zero"),
+        (dict(unseen_clients="left-out", num_clients=6), "num_clients=6 is the N of unseen_clients='zero'"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, word):
     with pytest.raises(ValueError, match=word):
         strategy(**kwargs)
+
+
+def mifa(**kwargs) -> FedAdaVR:  # noqa: ANN003
+    """MIFA as these tests run it: half of the six nodes sampled, a plain step at server lr 1."""
+    options = dict(variant="mifa", client_lr=CLIENT_LR, fraction_train=0.5, fraction_evaluate=0.0, min_train_nodes=3)
+    options.update(kwargs)
+    options["parts"] = EngineParts(sampler=ClientSampler(seed=3, identify_clients=True))
+    return FedAdaVR(**options)
+
+
+@pytest.mark.parametrize(
+    "kwargs, unseen, denominator",
+    [
+        ({}, "left-out", "heard"),
+        (dict(unseen_clients="zero"), "zero", "nodes"),
+        (dict(num_clients=10), "zero", 10),
+    ],
+)
+def test_unseen_clients_are_left_out_of_mifas_average_unless_they_count_as_zero(kwargs, unseen, denominator):
+    """MIFA's step is the average of the table after replacement: over the clients heard from by default (round 1
+    is FedAvg's plain mean), over N with zero rows for the others with ``unseen_clients="zero"`` (the papers')."""
+    ids = {n: f"partition-{i}" for i, n in enumerate(NODES)}
+    current = {"round": 1}
+    grid = FakeGrid(NODES, make_client(ids, rnd_of=lambda: current["round"]), client_ids=ids)
+    s = mifa(**kwargs)
+    assert s.unseen_clients == unseen
+    arrays = model_record(tiny_model(0))
+    table: dict[str, np.ndarray] = {}
+    for rnd in (1, 2, 3):
+        current["round"] = rnd
+        sent = flat_trainable(named_arrays(arrays)).astype(np.float64)
+        arrays, _, replies = run_train_round(s, grid, rnd, arrays)
+        for r in replies:
+            key = ids[r.metadata.src_node_id]
+            table[key] = (flat_trainable(global_arrays_of(r)).astype(np.float64) - sent) / CLIENT_LR
+        n = len(table) if denominator == "heard" else len(NODES) if denominator == "nodes" else denominator
+        want = sent + CLIENT_LR * sum(table.values()) / n
+        np.testing.assert_allclose(flat_trainable(named_arrays(arrays)), want, rtol=1e-5, atol=1e-6)
+        if rnd == 1 and denominator == "heard":  # round 1: the plain mean of the three replies, as FedAvg's
+            fresh = [flat_trainable(global_arrays_of(r)) - sent for r in replies]
+            np.testing.assert_allclose(want, sent + np.mean(fresh, axis=0), rtol=1e-6, atol=1e-7)
+    assert 3 < len(table) <= len(NODES)  # later rounds mixed fresh and stale rows
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])

@@ -106,6 +106,7 @@ def builder(name: str) -> Callable[[Mapping[str, Any]], Any]:
             table_precision=cfg["table-precision"] if own_table else None,
             table_path=cfg["table-path"] or None,
             num_clients=cfg["num-clients"] or None,
+            unseen_clients="zero",  # the papers' (the constructor's default is the drop-in's)
             uplink=uplink_of(cfg),
             parts=engine_parts(cfg),
             **aggregator_kwargs(cfg),
